@@ -1,0 +1,107 @@
+"""Engine configuration: one dataclass, validated once at construction."""
+import os
+from dataclasses import dataclass, field, fields
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Config:
+    """Everything LLM(model, **kwargs) accepts; values discovered at run time live elsewhere."""
+
+    model: str
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 512
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int = -1
+    device: str = "auto"
+    dtype: str = "auto"
+    hf_config: PretrainedConfig = field(init=False, repr=False)
+    torch_dtype: torch.dtype = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.model = os.path.expanduser(str(self.model))
+        self._check_ranges()
+        self.hf_config = load_hf_config(self.model)
+        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        if self.max_num_batched_tokens < self.max_model_len:
+            # A prompt may be up to max_model_len - 1 tokens and is prefilled in one step.
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                f"max_model_len={self.max_model_len} so that any prompt fits in one prefill step")
+        self.device = resolve_device(self.device)
+        self.torch_dtype = resolve_dtype(self.dtype, self.device, self.hf_config)
+
+    def _check_ranges(self) -> None:
+        def check(name: str, ok: bool, allowed: str) -> None:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: expected {allowed}")
+
+        check("max_num_batched_tokens", self.max_num_batched_tokens >= 1, "an int >= 1")
+        check("max_num_seqs", 1 <= self.max_num_seqs, "an int >= 1")
+        check("max_model_len", self.max_model_len >= 2, "an int >= 2")
+        check("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "a float in (0, 1]")
+        check("tensor_parallel_size", 1 <= self.tensor_parallel_size <= 8, "an int in 1..8")
+        check("kvcache_block_size",
+              self.kvcache_block_size > 0 and self.kvcache_block_size % 256 == 0,
+              "a positive multiple of 256")
+        check("num_kvcache_blocks", self.num_kvcache_blocks == -1 or self.num_kvcache_blocks > 0,
+              "-1 (auto) or a positive int")
+        check("device", self.device in ("auto", "cpu", "cuda"), "'auto', 'cpu' or 'cuda'")
+        check("dtype", self.dtype == "auto" or self.dtype in _DTYPES,
+              f"'auto' or one of {sorted(_DTYPES)}")
+        check("enforce_eager", isinstance(self.enforce_eager, bool), "a bool")
+
+
+def config_from_kwargs(model: str, kwargs: dict) -> Config:
+    """Build a Config, naming any keyword it does not know."""
+    names = {f.name for f in fields(Config) if f.init}
+    unknown = sorted(set(kwargs) - names)
+    if unknown:
+        raise ValueError(f"unknown argument(s) {unknown}; LLM accepts {sorted(names - {'model'})}")
+    return Config(model, **kwargs)
+
+
+def load_hf_config(model: str) -> PretrainedConfig:
+    """Read config.json through AutoConfig, with errors that name the problem."""
+    if not os.path.isdir(model):
+        raise ValueError(f"model directory {model!r} does not exist")
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise ValueError(f"model directory {model!r} has no config.json")
+    if not any(f.endswith(".safetensors") for f in os.listdir(model)):
+        raise ValueError(f"model directory {model!r} has no *.safetensors weights")
+    hf_config = AutoConfig.from_pretrained(model)
+    archs = getattr(hf_config, "architectures", None) or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ValueError(f"unsupported architecture {archs} in {model!r}; "
+                         f"supported: {list(SUPPORTED_ARCHITECTURES)}")
+    return hf_config
+
+
+def resolve_device(device: str) -> str:
+    """'auto' means cuda when available, else cpu."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA GPU is visible")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str, hf_config: PretrainedConfig) -> torch.dtype:
+    """'auto' means the checkpoint's dtype on GPU and float32 on CPU."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device == "cpu":
+        return torch.float32
+    ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(ckpt, str):
+        ckpt = _DTYPES.get(ckpt, torch.bfloat16)
+    return ckpt if ckpt in _DTYPES.values() else torch.bfloat16

@@ -1,0 +1,95 @@
+"""Waiting and running queues: prefill first, then decode, preemption by recompute."""
+from collections import deque
+
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    """Picks each step's batch; a step is all prefill or all decode."""
+
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 eos_token_id: int | None, num_blocks: int, block_size: int):
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """Return (sequences, is_prefill) for the next step."""
+        scheduled = self._schedule_prefill()
+        if scheduled:
+            return scheduled, True
+        return self._schedule_decode(), False
+
+    def _schedule_prefill(self) -> list[Sequence]:
+        scheduled: list[Sequence] = []
+        num_batched_tokens = 0
+        while self.waiting and len(scheduled) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if (num_batched_tokens + len(seq) > self.max_num_batched_tokens
+                    or not self.block_manager.can_allocate(seq)):
+                break
+            self.block_manager.allocate(seq)
+            num_batched_tokens += len(seq) - seq.num_cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.waiting.popleft()
+            self.running.append(seq)
+            scheduled.append(seq)
+        return scheduled
+
+    def _schedule_decode(self) -> list[Sequence]:
+        scheduled: list[Sequence] = []
+        while self.running and len(scheduled) < self.max_num_seqs:
+            seq = self.running.popleft()
+            while not self.block_manager.can_append(seq):
+                if self.running:
+                    self.preempt(self.running.pop())  # the most recently admitted goes first
+                else:
+                    self.preempt(seq)
+                    break
+            else:
+                self.block_manager.may_append(seq)
+                scheduled.append(seq)
+        assert scheduled, "no sequence could be scheduled: KV pool smaller than one sequence"
+        self.running.extendleft(reversed(scheduled))
+        return scheduled
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks; it is prefilled again (recompute) later."""
+        seq.status = SequenceStatus.WAITING
+        self.block_manager.deallocate(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+        """Append sampled tokens; return the sequences that finished this step."""
+        finished = []
+        for seq, token_id in zip(seqs, token_ids):
+            seq.append_token(token_id)
+            reason = self._finish_reason(seq, token_id)
+            if reason is not None:
+                seq.finish_reason = reason
+                seq.status = SequenceStatus.FINISHED
+                self.block_manager.deallocate(seq)
+                self.running.remove(seq)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        params = seq.sampling_params
+        if not params.ignore_eos and token_id == self.eos_token_id:
+            return "stop"
+        if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,114 @@
+"""Linear layers, sharded for tensor parallelism; each Parameter carries its weight_loader."""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def tp_rank_and_size() -> tuple[int, int]:
+    """This process's tensor-parallel rank and world size (0, 1 without a process group)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def divide(numerator: int, denominator: int) -> int:
+    assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
+    return numerator // denominator
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b); tp_dim is the weight dimension split across ranks (None: replicated)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
+        super().__init__()
+        self.tp_dim = tp_dim
+        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size))
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size))
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        if self.tp_dim is not None and self.tp_size > 1:
+            shard = param.data.size(self.tp_dim)
+            loaded_weight = loaded_weight.narrow(self.tp_dim, self.tp_rank * shard, shard)
+        param.data.copy_(loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """Every rank holds the whole weight."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias, None)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; no communication."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        _, tp_size = tp_rank_and_size()
+        super().__init__(input_size, divide(output_size, tp_size), bias, 0)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs fused into one GEMM (gate_proj + up_proj)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: int) -> None:
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        target = param.data.narrow(0, offset, size)
+        target.copy_(loaded_weight.chunk(self.tp_size, 0)[self.tp_rank])
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one GEMM; each rank holds its heads of all three."""
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int,
+                 total_num_kv_heads: int, bias: bool = False):
+        _, tp_size = tp_rank_and_size()
+        self.head_dim = head_dim
+        self.num_heads = divide(total_num_heads, tp_size)
+        self.num_kv_heads = divide(total_num_kv_heads, tp_size)
+        output_size = (total_num_heads + 2 * total_num_kv_heads) * head_dim
+        super().__init__(hidden_size, output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: str) -> None:
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size),
+                        "v": (q_size + kv_size, kv_size)}[shard_id]
+        target = param.data.narrow(0, offset, size)
+        target.copy_(loaded_weight.chunk(self.tp_size, 0)[self.tp_rank])
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial outputs summed by all-reduce."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        _, tp_size = tp_rank_and_size()
+        super().__init__(divide(input_size, tp_size), output_size, bias, 1)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        if param.dim() == 1:  # the bias is added once, on rank 0 only
+            param.data.copy_(loaded_weight if self.tp_rank == 0 else 0 * loaded_weight)
+            return
+        super().weight_loader(param, loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if self.tp_size > 1:
+            dist.all_reduce(y)
+        return y

@@ -1,0 +1,74 @@
+"""Random Qwen3 checkpoints and a small BPE tokenizer, for demos, benchmarks and tests.
+
+No machine here can download weights, so tests, example.py and bench.py build their own.
+"""
+import json
+import os
+import random
+
+QWEN3_0_6B_SHAPE = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                        vocab_size=151936, tie_word_embeddings=True,
+                        max_position_embeddings=40960)
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                  tie_word_embeddings=False, max_position_embeddings=4096)
+EOS_TOKEN = "<|endoftext|>"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_WORDS = ("the a engine block cache token model paged attention kernel graph decode prefill "
+          "sequence batch scheduler tensor parallel sample greedy hello world river stone "
+          "light quick brown fox jumps over lazy dog number one two three four").split()
+
+
+def corpus(num_lines: int = 2000, seed: int = 0) -> list[str]:
+    """Deterministic pseudo-English lines to train the tokenizer on."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 16)))
+            for _ in range(num_lines)]
+
+
+def build_tokenizer(path: str, vocab_size: int = 400):
+    """Train a byte-level BPE on `corpus()` and save it (with a chat template) to `path`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = [EOS_TOKEN, "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN,
+                                   pad_token=EOS_TOKEN)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+def build_checkpoint(path: str, seed: int = 0, initializer_range: float = 0.5,
+                     dtype: str = "float32", **shape) -> str:
+    """Save a random Qwen3ForCausalLM plus tokenizer to `path`; returns `path`.
+
+    A large initializer_range keeps greedy decoding from repeating one token, so parity
+    tests compare varied sequences. `shape` overrides TINY_SHAPE's fields.
+    """
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    os.makedirs(path, exist_ok=True)
+    tokenizer = build_tokenizer(path, vocab_size=min(400, shape.get("vocab_size", 512)))
+    fields = {**TINY_SHAPE, **shape}
+    config = Qwen3Config(**fields, initializer_range=initializer_range, rms_norm_eps=1e-6,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+                         pad_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    torch_dtype = getattr(torch, dtype)
+    with torch.device("cpu"):
+        model = Qwen3ForCausalLM(config).to(torch_dtype)
+    model.save_pretrained(path)  # safetensors; config.json records the dtype
+    with open(os.path.join(path, "nanovllm_random_checkpoint.json"), "w") as f:
+        json.dump({"note": "random weights, for tests and demos only", "seed": seed}, f)
+    return path
