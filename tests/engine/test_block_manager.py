@@ -1,0 +1,115 @@
+"""BlockManager on tiny pools: exact block ids, ref counts and hash chains."""
+import pytest
+
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
+
+BS = 4
+
+
+def seq(tokens: list[int]) -> Sequence:
+    return Sequence(tokens, SamplingParams(), BS)
+
+
+def test_allocate_fresh_blocks_in_order():
+    bm = BlockManager(8, BS)
+    s = seq(list(range(10)))  # 2 full blocks + 2 tokens
+    bm.allocate(s)
+    assert s.block_table == [0, 1, 2]
+    assert [bm.blocks[i].ref_count for i in range(3)] == [1, 1, 1]
+    h0 = BlockManager.compute_hash([0, 1, 2, 3])
+    h1 = BlockManager.compute_hash([4, 5, 6, 7], h0)
+    assert (bm.blocks[0].hash, bm.blocks[1].hash, bm.blocks[2].hash) == (h0, h1, -1)
+    assert bm.hash_to_block_id == {h0: 0, h1: 1}
+    assert list(bm.free_block_ids) == [3, 4, 5, 6, 7]
+    assert s.num_cached_tokens == 0
+
+
+def test_hash_chain_depends_on_prefix():
+    a = BlockManager.compute_hash([4, 5, 6, 7], BlockManager.compute_hash([0, 1, 2, 3]))
+    b = BlockManager.compute_hash([4, 5, 6, 7], BlockManager.compute_hash([9, 1, 2, 3]))
+    assert a != b != BlockManager.compute_hash([4, 5, 6, 7])
+
+
+def test_shared_prefix_shares_physical_blocks():
+    bm = BlockManager(8, BS)
+    a, b = seq(list(range(10))), seq(list(range(8)) + [50, 51, 52])
+    bm.allocate(a)
+    bm.allocate(b)
+    assert b.block_table == [0, 1, 3]
+    assert b.num_cached_tokens == 8
+    assert [bm.blocks[i].ref_count for i in range(4)] == [2, 2, 1, 1]
+    assert bm.num_cache_hit_blocks == 2
+    bm.deallocate(a)
+    assert [bm.blocks[i].ref_count for i in range(4)] == [1, 1, 0, 1]
+    assert list(bm.free_block_ids) == [4, 5, 6, 7, 2]
+
+
+def test_whole_block_prompt_keeps_last_block_uncached():
+    bm = BlockManager(8, BS)
+    a = seq(list(range(8)))
+    bm.allocate(a)
+    b = seq(list(range(8)))  # fully cached would leave nothing to prefill
+    bm.allocate(b)
+    assert b.num_cached_tokens == 4
+    assert b.block_table == [0, 2]
+    assert bm.hash_to_block_id[bm.blocks[2].hash] == 2
+
+
+def test_freed_block_revived_by_hit():
+    bm = BlockManager(4, BS)
+    a = seq(list(range(6)))
+    bm.allocate(a)
+    bm.deallocate(a)
+    assert list(bm.free_block_ids) == [2, 3, 1, 0]
+    b = seq(list(range(4)) + [99])
+    bm.allocate(b)
+    assert b.block_table == [0, 2]  # block 0 revived from the free list, by its hash
+    assert b.num_cached_tokens == 4
+    assert bm.blocks[0].ref_count == 1
+
+
+def test_reused_block_loses_old_hash():
+    bm = BlockManager(2, BS)
+    a = seq(list(range(5)))
+    bm.allocate(a)
+    h0 = bm.blocks[0].hash
+    bm.deallocate(a)  # free list: [1, 0]
+    c = seq([7] * 9)  # needs both blocks + 1: cannot fit
+    assert not bm.can_allocate(c)
+    d = seq([7] * 6)
+    bm.allocate(d)  # takes block 1 then 0; block 0 is overwritten
+    assert d.block_table == [1, 0]
+    assert h0 not in bm.hash_to_block_id
+    e = seq(list(range(5)))
+    bm.deallocate(d)
+    bm.allocate(e)
+    assert e.num_cached_tokens == 0
+
+
+def test_append_allocates_and_hashes():
+    bm = BlockManager(4, BS)
+    s = seq([1, 2, 3])
+    bm.allocate(s)
+    s.append_token(4)  # 4 tokens: last block becomes full -> hashed
+    assert bm.can_append(s)
+    bm.may_append(s)
+    assert bm.blocks[0].hash == BlockManager.compute_hash([1, 2, 3, 4])
+    s.append_token(5)  # 5th token starts a new block
+    bm.may_append(s)
+    assert s.block_table == [0, 1]
+    assert bm.num_free_blocks == 2
+
+
+def test_can_append_needs_a_free_block_only_at_block_start():
+    bm = BlockManager(1, BS)
+    s = seq([1, 2, 3, 4])
+    bm.allocate(s)
+    s.append_token(5)
+    assert not bm.can_append(s)
+
+
+@pytest.mark.parametrize("n", [1, 4, 5, 12])
+def test_num_blocks(n):
+    assert seq(list(range(n))).num_blocks == -(-n // BS)

@@ -1,0 +1,79 @@
+"""The whole engine on CPU: prefix cache reuse, preemption by recompute, outputs in order."""
+import random
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def rand_prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1, 512) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    engine = LLM(tiny_model, num_kvcache_blocks=16)
+    yield engine
+    engine.shutdown()
+
+
+def test_same_prompts_twice_hit_the_prefix_cache(llm):
+    rng = random.Random(0)
+    batch = [rand_prompt(rng, 300), rand_prompt(rng, 600)]
+    bm = llm.scheduler.block_manager
+    first = llm.generate(batch, GREEDY, use_tqdm=False)
+    hits = bm.num_cache_hit_blocks
+    second = llm.generate(batch, GREEDY, use_tqdm=False)
+    assert bm.num_cache_hit_blocks - hits == 1 + 2  # full blocks: 300 -> 1, 600 -> 2
+    assert [o["token_ids"] for o in first] == [o["token_ids"] for o in second]
+
+
+def test_shared_two_block_prefix_shares_physical_blocks(llm):
+    rng = random.Random(1)
+    prefix = rand_prompt(rng, 512)
+    a, b = prefix + rand_prompt(rng, 40), prefix + rand_prompt(rng, 70)
+    llm.add_request(a, GREEDY)
+    llm.add_request(b, GREEDY)
+    seqs, is_prefill = llm.scheduler.schedule()
+    assert is_prefill and seqs[0].block_table[:2] == seqs[1].block_table[:2]
+    assert seqs[1].num_cached_tokens == 512
+    bm = llm.scheduler.block_manager
+    assert [bm.blocks[i].ref_count for i in seqs[0].block_table[:2]] == [2, 2]
+    token_ids = llm.model_runner.run(seqs, is_prefill)
+    llm.scheduler.postprocess(seqs, token_ids)
+    while not llm.is_finished():
+        llm.step()
+    cached_b = seqs[1].completion_token_ids
+    alone = llm.generate([b], GREEDY, use_tqdm=False)[0]["token_ids"]
+    assert cached_b == alone
+
+
+def test_prompt_of_exactly_whole_blocks(llm):
+    rng = random.Random(2)
+    prompt = rand_prompt(rng, 512)
+    first = llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"]
+    again = llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"]
+    assert first == again and len(again) == 24
+
+
+def test_preemption_gives_the_unconstrained_outputs(tiny_model, llm):
+    rng = random.Random(3)
+    batch = [rand_prompt(rng, 200 + 20 * i) for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    expected = llm.generate(batch, params, use_tqdm=False)
+    small = LLM(tiny_model, num_kvcache_blocks=7)  # 6 x 2 blocks needed at the end; 7 exist
+    outs = small.generate(batch, params, use_tqdm=False)
+    assert small.scheduler.num_preemptions > 0
+    assert [o["token_ids"] for o in outs] == [o["token_ids"] for o in expected]
+    assert small.scheduler.block_manager.num_free_blocks == 7
+    small.shutdown()
+
+
+def test_string_prompts_and_input_order(llm):
+    outs = llm.generate(["hello world", "the quick brown fox jumps"],
+                        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                        use_tqdm=False)
+    assert [len(o["token_ids"]) for o in outs] == [5, 5]
+    assert all(isinstance(o["text"], str) for o in outs)

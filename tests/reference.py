@@ -1,0 +1,27 @@
+"""Hugging Face transformers as the reference implementation."""
+import torch
+from transformers import AutoModelForCausalLM
+
+
+def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
+    """Greedy continuation with the KV cache, never stopping at EOS."""
+    device = next(model.parameters()).device
+    out = model(torch.tensor([prompt], device=device), use_cache=True)
+    tokens = []
+    for _ in range(num_tokens):
+        token = int(out.logits[0, -1].argmax())
+        tokens.append(token)
+        out = model(torch.tensor([[token]], device=device), past_key_values=out.past_key_values,
+                    use_cache=True)
+    return tokens
+
+
+@torch.inference_mode()
+def hf_last_logits(model, prompt: list[int]) -> torch.Tensor:
+    device = next(model.parameters()).device
+    return model(torch.tensor([prompt], device=device)).logits[0, -1].float().cpu()
