@@ -106,6 +106,13 @@ class BlockManager:
         seq.num_cached_tokens = 0
         seq.block_table.clear()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (all blocks must be free)."""
+        assert not self.used_block_ids, "reset_prefix_cache while sequences hold blocks"
+        self.hash_to_block_id.clear()
+        for block in self.blocks:
+            block.update(-1, [])
+
     def can_append(self, seq: Sequence) -> bool:
         """A decode step needs a new block when the newest token starts one."""
         return len(self.free_block_ids) >= (len(seq) % self.block_size == 1)

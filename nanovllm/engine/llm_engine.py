@@ -57,6 +57,12 @@ class LLMEngine:
             num_tokens = -len(seqs)
         return finished, num_tokens
 
+    def reset_prefix_cache(self) -> None:
+        """Drop all cached prefixes, e.g. between benchmark repeats."""
+        if not self.is_finished():
+            raise RuntimeError("reset_prefix_cache() needs an idle engine")
+        self.scheduler.block_manager.reset_prefix_cache()
+
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
 
@@ -88,5 +94,8 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> dict:
         token_ids = seq.completion_token_ids
+        ttft = seq.first_token_time - seq.arrival_time
+        latency = seq.finish_time - seq.arrival_time
         return {"text": self.tokenizer.decode(token_ids), "token_ids": token_ids,
-                "finish_reason": seq.finish_reason}
+                "finish_reason": seq.finish_reason,
+                "metrics": {"ttft_s": ttft, "latency_s": latency}}

@@ -1,5 +1,6 @@
 """Waiting and running queues: prefill first, then decode, preemption by recompute."""
 from collections import deque
+from time import perf_counter
 
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
@@ -75,10 +76,14 @@ class Scheduler:
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
         """Append sampled tokens; return the sequences that finished this step."""
         finished = []
+        now = perf_counter()
         for seq, token_id in zip(seqs, token_ids):
             seq.append_token(token_id)
+            if seq.num_completion_tokens == 1:
+                seq.first_token_time = now
             reason = self._finish_reason(seq, token_id)
             if reason is not None:
+                seq.finish_time = now
                 seq.finish_reason = reason
                 seq.status = SequenceStatus.FINISHED
                 self.block_manager.deallocate(seq)

@@ -2,6 +2,7 @@
 from copy import copy
 from enum import Enum, auto
 from itertools import count
+from time import perf_counter
 
 from nanovllm.sampling_params import SamplingParams
 
@@ -31,6 +32,8 @@ class Sequence:
         self.block_size = block_size
         self.sampling_params = sampling_params
         self.finish_reason: str | None = None
+        self.arrival_time = perf_counter()
+        self.first_token_time = self.finish_time = 0.0  # set by the scheduler
 
     def __len__(self) -> int:
         return self.num_tokens
