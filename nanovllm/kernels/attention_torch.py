@@ -1,0 +1,94 @@
+"""Plain-torch paged attention (reference for the Triton kernels and the CPU engine path)."""
+
+import torch
+
+# Queries per chunk in prefill: bounds the [H, chunk, Lk] fp32 score matrix.
+_QUERY_CHUNK = 1024
+
+
+def _gather_paged(cache: torch.Tensor, block_row: torch.Tensor, length: int) -> torch.Tensor:
+    """Gather the first `length` tokens of one sequence from a paged cache -> [length, Hkv, D]."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    blocks = block_row[:num_blocks].long()
+    return cache[blocks].flatten(0, 1)[:length]
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal GQA attention of q [Lq, H, D] at positions q_pos [Lq] over k, v [Lk, Hkv, D]."""
+    num_q, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    # Query head h uses kv head h // group: group query heads under their kv head and broadcast
+    # (same result as repeat_interleave on k/v, without the copy).
+    qf = q.float().reshape(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    kf = k.float().permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, Lk, D]
+    vf = v.float().permute(1, 0, 2).unsqueeze(1)
+    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [Hkv, G, Lq, Lk]
+    k_pos = torch.arange(k.shape[0], device=q.device)
+    future = k_pos[None, :] > q_pos[:, None]
+    scores.masked_fill_(future, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), vf)  # [Hkv, G, Lq, D]
+    return out.permute(2, 0, 1, 3).reshape(num_q, num_heads, head_dim).to(q.dtype)
+
+
+def prefill_attention_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    block_tables: torch.Tensor | None,
+    scale: float,
+    max_seqlen_q: int | None = None,
+) -> torch.Tensor:
+    """Causal varlen attention; keys from dense k/v, or the paged cache when block_tables given."""
+    del max_seqlen_q  # accepted for signature parity with the Triton version
+    out = torch.empty_like(q)
+    cu_q = cu_seqlens_q.tolist()
+    cu_k = cu_seqlens_k.tolist()
+    for b in range(len(cu_q) - 1):
+        q_start, q_end = cu_q[b], cu_q[b + 1]
+        len_q, len_k = q_end - q_start, cu_k[b + 1] - cu_k[b]
+        if len_q == 0:
+            continue
+        if block_tables is None:
+            keys, values = k[cu_k[b] : cu_k[b + 1]], v[cu_k[b] : cu_k[b + 1]]
+        else:
+            keys = _gather_paged(k_cache, block_tables[b], len_k)
+            values = _gather_paged(v_cache, block_tables[b], len_k)
+        for c in range(0, len_q, _QUERY_CHUNK):
+            c_end = min(c + _QUERY_CHUNK, len_q)
+            # Query i sits at position len_k - len_q + i (a cached prefix precedes the new tokens).
+            q_pos = torch.arange(c, c_end, device=q.device) + (len_k - len_q)
+            kv_end = len_k - len_q + c_end  # later keys are all in the future for this chunk
+            out[q_start + c : q_start + c_end] = _attend(
+                q[q_start + c : q_start + c_end], keys[:kv_end], values[:kv_end], q_pos, scale
+            )
+    return out
+
+
+def decode_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """One query per sequence (q [B, H, D]) over its context_lens[b] cached keys; 0 -> zeros."""
+    del num_splits  # accepted for signature parity with the Triton version
+    out = torch.zeros_like(q)
+    for b, length in enumerate(context_lens.tolist()):
+        if length == 0:  # CUDA-graph padding row
+            continue
+        keys = _gather_paged(k_cache, block_tables[b], length)
+        values = _gather_paged(v_cache, block_tables[b], length)
+        q_pos = torch.full((1,), length - 1, device=q.device)
+        out[b] = _attend(q[b : b + 1], keys, values, q_pos, scale)[0]
+    return out

@@ -1,0 +1,89 @@
+"""Write new key/value rows into the paged KV cache (Triton kernel + torch reference)."""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kvcache_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    key_stride_n,
+    key_stride_h,
+    value_stride_n,
+    value_stride_h,
+    NUM_KV_HEADS: tl.constexpr,
+    HEADS_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """One program per token: copy its [num_kv_heads, head_dim] K and V rows to its slot."""
+    row = tl.program_id(0)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    if slot < 0:  # padding row (e.g. CUDA-graph filler): nothing to write
+        return
+    heads = tl.arange(0, HEADS_P2)
+    dims = tl.arange(0, HEAD_DIM)
+    mask = (heads < NUM_KV_HEADS)[:, None]
+    row64 = row.to(tl.int64)
+    key = tl.load(
+        key_ptr + row64 * key_stride_n + heads[:, None] * key_stride_h + dims[None, :], mask=mask
+    )
+    value = tl.load(
+        value_ptr + row64 * value_stride_n + heads[:, None] * value_stride_h + dims[None, :],
+        mask=mask,
+    )
+    # Cache is contiguous [num_slots, num_kv_heads, head_dim]; int64 since it can exceed 2^31.
+    cache_offs = slot * (NUM_KV_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dims[None, :]
+    tl.store(k_cache_ptr + cache_offs, key, mask=mask)
+    tl.store(v_cache_ptr + cache_offs, value, mask=mask)
+
+
+def store_kvcache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store key/value [N, Hkv, D] into caches [num_blocks, block_size, Hkv, D]; slot<0 skips."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    assert value.shape == key.shape and slot_mapping.numel() == num_tokens
+    assert key.stride(-1) == 1 and value.stride(-1) == 1, "head_dim must be contiguous"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.shape[-2:] == (num_kv_heads, head_dim)
+    assert head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
+    if num_tokens == 0:
+        return
+    _store_kvcache_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        NUM_KV_HEADS=num_kv_heads,
+        HEADS_P2=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+    )
+
+
+def store_kvcache_torch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Plain-torch reference of `store_kvcache` (same signature and semantics)."""
+    num_kv_heads, head_dim = key.shape[1:]
+    valid = slot_mapping >= 0  # boolean indexing syncs, fine for the CPU path
+    slots = slot_mapping[valid].long()
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key[valid].to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value[valid].to(v_cache.dtype))
