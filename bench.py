@@ -49,7 +49,7 @@ def workload(args, vocab_size: int) -> tuple[list[list[int]], list]:
 
 def resolve_model(args) -> str:
     """The checkpoint to load; builds a random one in a temporary directory when asked to."""
-    from nanovllm.utils.checkpoint import QWEN3_0_6B_SHAPE, build_checkpoint
+    from nanovllm.utils.checkpoint import build_checkpoint, qwen3_0_6b_random
     path = os.path.expanduser(args.model)
     if args.tiny:
         return build_checkpoint(tempfile.mkdtemp(prefix="nanovllm-tiny-"))
@@ -58,10 +58,7 @@ def resolve_model(args) -> str:
     if not args.random_weights:
         raise SystemExit(f"no checkpoint at {path}; pass --random-weights for a random "
                          "Qwen3-0.6B-shaped one (speed with ignore_eos does not depend on weights)")
-    out = os.path.join(tempfile.gettempdir(), "nanovllm-qwen3-0.6b-random")
-    if not os.path.isfile(os.path.join(out, "model.safetensors")):
-        build_checkpoint(out, initializer_range=0.02, dtype="bfloat16", **QWEN3_0_6B_SHAPE)
-    return out
+    return qwen3_0_6b_random()
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -130,7 +127,8 @@ def main() -> None:
     import torch
     peak_gib = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
     result = dict(command="python " + " ".join(__import__("sys").argv), import_s=import_s,
-                  startup_s=startup_s, peak_gpu_gib=peak_gib, runs=runs,
+                  startup_s=startup_s, startup_parts_s=llm.model_runner.startup_s,
+                  peak_gpu_gib=peak_gib, runs=runs,
                   median_output_tok_s=statistics.median(r["output_tok_s"] for r in runs),
                   environment=environment(args, llm))
     llm.shutdown()
@@ -151,7 +149,8 @@ def report(result: dict) -> None:
           f"({env['device']}, {env['attention_backend']}, "
           f"{'graphs' if env['cuda_graphs'] else 'eager'}, {env['kv_blocks']} KV blocks, "
           f"peak {result['peak_gpu_gib']:.1f} GiB, import {result['import_s']:.1f}s, "
-          f"LLM() {result['startup_s']:.1f}s)")
+          f"LLM() {result['startup_s']:.1f}s: "
+          + ", ".join(f"{k} {v:.1f}s" for k, v in result["startup_parts_s"].items()) + ")")
 
 
 if __name__ == "__main__":

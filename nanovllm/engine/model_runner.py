@@ -1,10 +1,12 @@
 """Runs the model for one rank: weights, the KV pool, step inputs, CUDA graphs."""
 import logging
+from time import perf_counter
 
 import torch
 
 from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step_inputs import DecodeInputs, prepare_prefill, to_device
 from nanovllm.layers.attention import Attention, select_attention_backend
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
@@ -30,6 +32,7 @@ class ModelRunner:
         if config.device == "cuda":
             torch.cuda.set_device(self.device)
         hf_config = config.hf_config
+        t0 = perf_counter()
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.torch_dtype)
         try:
@@ -38,17 +41,29 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         load_model(self.model, config.model)
+        self.startup_s = {"load": perf_counter() - t0}
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.backend = select_attention_backend(config.device, attention_backend)
+        self.backend = select_attention_backend(config.device, config.torch_dtype,
+                                                attention_backend)
         for layer in self.attn_layers:
             layer.backend = self.backend
         self.sampler = Sampler()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_inputs: dict[int, torch.Tensor] = {}
+        self.graph_bs: list[int] = []
+        self.max_num_blocks = -(-config.max_model_len // self.block_size)
+        self.decode_inputs = DecodeInputs(config.max_num_seqs, self.max_num_blocks,
+                                          self.block_size, pin=config.device == "cuda")
         if config.device == "cuda":
+            t0 = perf_counter()
             self.warmup_model()
+            self.startup_s["warmup"] = perf_counter() - t0
         self.num_kvcache_blocks = self.allocate_kv_cache()
         if self.use_cuda_graph:
+            t0 = perf_counter()
             self.capture_cudagraph()
+            self.startup_s["capture"] = perf_counter() - t0
+        logger.info("start-up: %s", ", ".join(f"{k} {v:.1f}s" for k, v in self.startup_s.items()))
 
     # ---- memory -------------------------------------------------------------------------
     def block_bytes(self) -> int:
@@ -102,130 +117,81 @@ class ModelRunner:
         return num_blocks
 
     # ---- step inputs --------------------------------------------------------------------
-    def _to_device(self, data: list, dtype: torch.dtype) -> torch.Tensor:
-        pin = self.device.type == "cuda"
-        return torch.tensor(data, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
-
-    def prepare_block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        max_len = max(len(seq.block_table) for seq in seqs)
-        rows = [seq.block_table + [-1] * (max_len - len(seq.block_table)) for seq in seqs]
-        return self._to_device(rows, torch.int32)
-
-    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, Context]:
-        """Inputs for the tokens not yet in the cache; keys span cached + new tokens."""
-        input_ids, positions, slot_mapping = [], [], []
-        cu_seqlens_q, cu_seqlens_k = [0], [0]
-        max_seqlen_q = max_seqlen_k = 0
-        bs = self.block_size
-        for seq in seqs:
-            seqlen, cached = len(seq), seq.num_cached_tokens
-            input_ids.extend(seq.token_ids[cached:])
-            positions.extend(range(cached, seqlen))
-            cu_seqlens_q.append(cu_seqlens_q[-1] + seqlen - cached)
-            cu_seqlens_k.append(cu_seqlens_k[-1] + seqlen)
-            max_seqlen_q = max(max_seqlen_q, seqlen - cached)
-            max_seqlen_k = max(max_seqlen_k, seqlen)
-            for i in range(seq.num_cached_blocks, len(seq.block_table)):  # empty in warm-up
-                start = seq.block_table[i] * bs
-                end = start + (bs if i != seq.num_blocks - 1 else seq.last_block_num_tokens)
-                slot_mapping.extend(range(start, end))
-        prefix_cached = cu_seqlens_k[-1] > cu_seqlens_q[-1]
-        context = Context(
-            is_prefill=True,
-            cu_seqlens_q=self._to_device(cu_seqlens_q, torch.int32),
-            cu_seqlens_k=self._to_device(cu_seqlens_k, torch.int32),
-            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-            slot_mapping=self._to_device(slot_mapping, torch.int32) if slot_mapping else None,
-            block_tables=self.prepare_block_tables(seqs) if prefix_cached else None,
-            prefix_cached=prefix_cached)
-        return (self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64),
-                context)
+    def graph_size(self, batch: int) -> int | None:
+        """The smallest captured graph batch size that holds `batch`, if any."""
+        return next((b for b in self.graph_bs if b >= batch), None) if self.graphs else None
 
     def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, Context]:
-        """One new token per sequence, attending to its whole paged context."""
-        bs = self.block_size
-        input_ids = [seq.last_token for seq in seqs]
-        positions = [len(seq) - 1 for seq in seqs]
-        context_lens = [len(seq) for seq in seqs]
-        slot_mapping = [seq.block_table[-1] * bs + seq.last_block_num_tokens - 1 for seq in seqs]
-        context = Context(
-            is_prefill=False,
-            slot_mapping=self._to_device(slot_mapping, torch.int32),
-            context_lens=self._to_device(context_lens, torch.int32),
-            block_tables=self.prepare_block_tables(seqs))
-        return (self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64),
-                context)
+        """Decode inputs, written straight into the graph's input buffer when one will run."""
+        rows = self.graph_size(len(seqs))
+        if rows is not None:
+            host = self.decode_inputs.pack(seqs, rows, self.max_num_blocks)
+            buf = self.graph_inputs[rows].copy_(host, non_blocking=True)
+            return DecodeInputs.unpack(buf, rows, self.max_num_blocks)
+        rows, width = len(seqs), max(len(seq.block_table) for seq in seqs)
+        host = self.decode_inputs.pack(seqs, rows, width)
+        return DecodeInputs.unpack(host.to(self.device, non_blocking=True), rows, width)
 
     def prepare_sample(self, seqs: list[Sequence]) -> torch.Tensor:
-        return self._to_device([seq.sampling_params.temperature for seq in seqs], torch.float32)
+        temperatures = [seq.sampling_params.temperature for seq in seqs]
+        return to_device(temperatures, torch.float32, self.device)
 
     # ---- execution ----------------------------------------------------------------------
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
                   context: Context) -> torch.Tensor | None:
-        batch = input_ids.size(0)
-        graph_bs = next((b for b in self.graph_bs if b >= batch), None) if self.graphs else None
-        if context.is_prefill or graph_bs is None:
-            with forward_context(context):
-                return self.model.compute_logits(self.model(input_ids, positions))
-        v = self.graph_vars
-        v["input_ids"][:batch] = input_ids
-        v["positions"][:batch] = positions
-        v["slot_mapping"].fill_(-1)
-        v["slot_mapping"][:batch] = context.slot_mapping
-        v["context_lens"].zero_()
-        v["context_lens"][:batch] = context.context_lens
-        v["block_tables"][:batch, :context.block_tables.size(1)] = context.block_tables
-        self.graphs[graph_bs].replay()
+        """Forward + logits; decode batches replay the graph whose buffers hold the inputs."""
+        graph = None if context.is_prefill else self.graphs.get(input_ids.size(0))
         with forward_context(context):
-            return self.model.compute_logits(v["outputs"][:batch])
+            if graph is None:
+                return self.model.compute_logits(self.model(input_ids, positions))
+            graph.replay()
+            return self.model.compute_logits(self.graph_outputs[:input_ids.size(0)])
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
         """Execute one step; rank 0 returns the sampled token ids."""
-        prepare = self.prepare_prefill if is_prefill else self.prepare_decode
-        input_ids, positions, context = prepare(seqs)
+        if is_prefill:
+            input_ids, positions, context = prepare_prefill(seqs, self.block_size, self.device)
+        else:
+            input_ids, positions, context = self.prepare_decode(seqs)
         temperatures = self.prepare_sample(seqs) if self.rank == 0 else None
         logits = self.run_model(input_ids, positions, context)
         if self.rank != 0:
             return None
-        return self.sampler(logits, temperatures).tolist()
+        return self.sampler(logits[:len(seqs)], temperatures).tolist()
 
     @torch.inference_mode()
     def capture_cudagraph(self) -> None:
-        """Capture decode graphs for batch sizes 1, 2, 4, 8, 16, 32, ... max, largest first."""
-        config = self.config
-        max_bs = min(config.max_num_seqs, 512)
-        max_num_blocks = -(-config.max_model_len // self.block_size)
-        hidden = config.hf_config.hidden_size
+        """Capture decode graphs for batch sizes 1, 2, 4, 8, 16, 32, 48, ... max, largest first.
+
+        Each graph reads its own packed input buffer (see DecodeInputs) and all write their
+        hidden states into one shared output buffer; graphs share one memory pool.
+        """
+        max_bs = min(self.config.max_num_seqs, 512)
         self.graph_bs = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 16))
         self.graph_bs.append(max_bs)
-        i32 = dict(dtype=torch.int32, device=self.device)
-        v = self.graph_vars = dict(
-            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=self.device),
-            positions=torch.zeros(max_bs, dtype=torch.int64, device=self.device),
-            slot_mapping=torch.full((max_bs,), -1, **i32),
-            context_lens=torch.zeros(max_bs, **i32),
-            block_tables=torch.zeros(max_bs, max_num_blocks, **i32),
-            outputs=torch.zeros(max_bs, hidden, dtype=config.torch_dtype, device=self.device))
+        self.graph_outputs = torch.zeros(max_bs, self.config.hf_config.hidden_size,
+                                         dtype=self.config.torch_dtype, device=self.device)
         pool = None
         for bs in reversed(self.graph_bs):
+            buf = torch.zeros(bs * (4 + self.max_num_blocks), dtype=torch.int32,
+                              device=self.device)
+            input_ids, positions, context = DecodeInputs.unpack(buf, bs, self.max_num_blocks)
+            context.slot_mapping.fill_(-1)  # capture runs write nothing into the KV cache
             graph = torch.cuda.CUDAGraph()
-            context = Context(is_prefill=False, slot_mapping=v["slot_mapping"][:bs],
-                              context_lens=v["context_lens"][:bs],
-                              block_tables=v["block_tables"][:bs])
             with forward_context(context):
-                v["outputs"][:bs] = self.model(v["input_ids"][:bs], v["positions"][:bs])  # warm
+                self.graph_outputs[:bs] = self.model(input_ids, positions)  # warm up
                 with torch.cuda.graph(graph, pool):
-                    v["outputs"][:bs] = self.model(v["input_ids"][:bs], v["positions"][:bs])
-            if pool is None:
-                pool = graph.pool()
-            self.graphs[bs] = graph
+                    self.graph_outputs[:bs] = self.model(input_ids, positions)
+            pool = pool or graph.pool()
+            self.graphs[bs], self.graph_inputs[bs] = graph, buf
             torch.cuda.synchronize()
 
     def shutdown(self) -> None:
         """Free graphs, the KV pool and the weights."""
         self.graphs.clear()
-        self.graph_vars = None
+        self.graph_inputs.clear()
+        self.graph_outputs = None
         for attn in self.attn_layers:
             attn.k_cache = attn.v_cache = torch.tensor([])
         self.kv_cache = None

@@ -1,5 +1,6 @@
 """Waiting and running queues: prefill first, then decode, preemption by recompute."""
 from collections import deque
+from itertools import islice
 from time import perf_counter
 
 from nanovllm.engine.block_manager import BlockManager
@@ -50,6 +51,19 @@ class Scheduler:
         return scheduled
 
     def _schedule_decode(self) -> list[Sequence]:
+        batch = list(islice(self.running, self.max_num_seqs))
+        block_size, block_manager = self.block_manager.block_size, self.block_manager
+        new_blocks = sum(1 for seq in batch if seq.num_tokens % block_size == 1)
+        if new_blocks <= block_manager.num_free_blocks:
+            # Fast path, taken unless blocks run out: nobody is preempted, order is unchanged,
+            # and only sequences that open or fill a block need the block manager.
+            for seq in batch:
+                if seq.num_tokens % block_size <= 1:
+                    block_manager.may_append(seq)
+            return batch
+        return self._schedule_decode_preempting()
+
+    def _schedule_decode_preempting(self) -> list[Sequence]:
         scheduled: list[Sequence] = []
         while self.running and len(scheduled) < self.max_num_seqs:
             seq = self.running.popleft()

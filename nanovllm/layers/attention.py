@@ -1,6 +1,7 @@
 """Attention over the paged KV cache, with the backend chosen once at start-up."""
 import importlib.util
 import logging
+import os
 
 import torch
 from torch import nn
@@ -75,20 +76,25 @@ class FlashAttnBackend:
         return out.squeeze(1)
 
 
-def select_attention_backend(device: str, name: str = "auto"):
-    """flash-attn if importable on CUDA, else our Triton kernels; torch on CPU."""
+def select_attention_backend(device: str, dtype: torch.dtype, name: str = "auto"):
+    """flash-attn if importable on CUDA (fp16/bf16), else our Triton kernels; torch on CPU."""
     if name not in ("auto", *BACKENDS):
         raise ValueError(f"attention backend {name!r} unknown; choose from {('auto', *BACKENDS)}")
+    has_flash = importlib.util.find_spec("flash_attn") is not None
+    half = dtype in (torch.float16, torch.bfloat16)  # FlashAttention has no float32 kernels
     if name == "auto":
         if device != "cuda":
             name = "torch"
-        elif importlib.util.find_spec("flash_attn") is not None:
-            name = "flash-attn"
         else:
-            name = "triton"
-    if name == "flash-attn" and importlib.util.find_spec("flash_attn") is None:
+            name = "flash-attn" if has_flash and half else "triton"
+    if name == "flash-attn" and not has_flash:
         raise ImportError("attention backend 'flash-attn' needs flash-attn: "
                           "pip install 'nanovllm[flash]'")
+    if name == "flash-attn" and not half:
+        raise ValueError(f"attention backend 'flash-attn' needs float16 or bfloat16, not {dtype}")
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # Triton on CPU, for tests
+    if device != "cuda" and not (name == "torch" or name == "triton" and interpreted):
+        raise ValueError(f"attention backend {name!r} needs device='cuda'")
     backend = {"flash-attn": FlashAttnBackend, "triton": TritonBackend,
                "torch": TorchBackend}[name]()
     logger.info("attention backend: %s", name)

@@ -72,3 +72,12 @@ def build_checkpoint(path: str, seed: int = 0, initializer_range: float = 0.5,
     with open(os.path.join(path, "nanovllm_random_checkpoint.json"), "w") as f:
         json.dump({"note": "random weights, for tests and demos only", "seed": seed}, f)
     return path
+
+
+def qwen3_0_6b_random() -> str:
+    """A random bf16 checkpoint of Qwen3-0.6B's exact shape, built once in the temp directory."""
+    import tempfile
+    path = os.path.join(tempfile.gettempdir(), "nanovllm-qwen3-0.6b-random")
+    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        build_checkpoint(path, initializer_range=0.02, dtype="bfloat16", **QWEN3_0_6B_SHAPE)
+    return path

@@ -14,7 +14,9 @@ def compile_on_cuda(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
         if compiled is None:
             import torch  # torch._dynamo is imported on first use, not at import time
-            compiled = torch.compile(fn)
+            # dynamic=True: one compile serves every batch size (prefill and decode alike),
+            # instead of a static compile followed by a dynamic recompile mid-run.
+            compiled = torch.compile(fn, dynamic=True)
         return compiled(*args, **kwargs)
 
     return wrapper

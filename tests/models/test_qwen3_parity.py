@@ -6,6 +6,7 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step_inputs import prepare_prefill
 from tests.conftest import CHECKPOINTS
 from tests.reference import hf_greedy, hf_last_logits, load_hf
 
@@ -45,7 +46,8 @@ def test_prefill_logits_match_transformers(pair):
     for seq in seqs:
         block_manager.allocate(seq)
     try:
-        logits = runner.run_model(*runner.prepare_prefill(seqs)).float().cpu()
+        inputs = prepare_prefill(seqs, runner.block_size, runner.device)
+        logits = runner.run_model(*inputs).float().cpu()
     finally:
         for seq in seqs:
             block_manager.deallocate(seq)

@@ -1,0 +1,101 @@
+"""Build a step's input tensors (token ids, positions, slots, block tables) from sequences."""
+from itertools import chain
+
+import numpy as np
+import torch
+
+from nanovllm.engine.sequence import Sequence
+from nanovllm.utils.context import Context
+
+
+def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host list -> device tensor, through pinned memory on CUDA so the copy is async."""
+    pin = device.type == "cuda"
+    return torch.tensor(data, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
+
+
+def block_table_rows(seqs: list[Sequence]) -> list[list[int]]:
+    """Block tables padded with -1 to the longest."""
+    width = max(len(seq.block_table) for seq in seqs)
+    return [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
+
+
+def prepare_prefill(seqs: list[Sequence], block_size: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Context]:
+    """Inputs for the tokens not yet in the cache; keys span cached + new tokens.
+
+    Token p of a sequence goes to slot block_table[p // block_size] * block_size + p % block_size.
+    """
+    input_ids, positions, slot_mapping = [], [], []
+    cu_seqlens_q, cu_seqlens_k = [0], [0]
+    max_seqlen_q = max_seqlen_k = 0
+    for seq in seqs:
+        seqlen, cached = len(seq), seq.num_cached_tokens
+        input_ids.extend(seq.token_ids[cached:])
+        positions.extend(range(cached, seqlen))
+        cu_seqlens_q.append(cu_seqlens_q[-1] + seqlen - cached)
+        cu_seqlens_k.append(cu_seqlens_k[-1] + seqlen)
+        max_seqlen_q = max(max_seqlen_q, seqlen - cached)
+        max_seqlen_k = max(max_seqlen_k, seqlen)
+        for i in range(seq.num_cached_blocks, len(seq.block_table)):  # empty in warm-up
+            start = seq.block_table[i] * block_size
+            end = start + (block_size if i != seq.num_blocks - 1 else seq.last_block_num_tokens)
+            slot_mapping.extend(range(start, end))
+    prefix_cached = cu_seqlens_k[-1] > cu_seqlens_q[-1]
+    context = Context(
+        is_prefill=True,
+        cu_seqlens_q=to_device(cu_seqlens_q, torch.int32, device),
+        cu_seqlens_k=to_device(cu_seqlens_k, torch.int32, device),
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        slot_mapping=to_device(slot_mapping, torch.int32, device) if slot_mapping else None,
+        block_tables=(to_device(block_table_rows(seqs), torch.int32, device)
+                      if prefix_cached else None),
+        prefix_cached=prefix_cached)
+    return (to_device(input_ids, torch.int64, device), to_device(positions, torch.int64, device),
+            context)
+
+
+class DecodeInputs:
+    """Packs a decode step's int32 inputs into one buffer, so they travel in one copy.
+
+    Layout for `rows` sequences (the batch padded up to a CUDA-graph size) and `width` blocks:
+        [input_ids | positions | slot_mapping | context_lens | block_tables (rows x width)]
+    Padding rows have slot -1 (write nothing) and context length 0 (attend to nothing).
+    """
+
+    def __init__(self, max_rows: int, max_width: int, block_size: int, pin: bool):
+        size = max_rows * (4 + max_width)
+        # Two staging buffers, alternated: the previous step's copy may still be in flight.
+        self.staging = [torch.empty(size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self.turn = 0
+        self.block_size = block_size
+
+    def pack(self, seqs: list[Sequence], rows: int, width: int) -> torch.Tensor:
+        """Fill a pinned host buffer for `seqs`; returns it (rows * (4 + width) int32)."""
+        n = len(seqs)
+        self.turn ^= 1
+        buf = self.staging[self.turn][:rows * (4 + width)]
+        ids, pos, slots, ctx, tables = np.split(buf.numpy(), [rows, 2 * rows, 3 * rows, 4 * rows])
+        # np.fromiter over generators: this runs every decode step, for every sequence.
+        ids[:n] = np.fromiter((seq.last_token for seq in seqs), np.int32, n)
+        ctx[:n] = np.fromiter((seq.num_tokens for seq in seqs), np.int32, n)
+        pos[:n] = ctx[:n] - 1
+        slots[:n] = np.fromiter((seq.block_table[-1] for seq in seqs), np.int32, n)
+        slots[:n] = slots[:n] * self.block_size + pos[:n] % self.block_size
+        ids[n:], pos[n:], slots[n:], ctx[n:] = 0, 0, -1, 0
+        lens = np.fromiter((len(seq.block_table) for seq in seqs), np.int32, n)
+        flat = np.fromiter(chain.from_iterable(seq.block_table for seq in seqs), np.int32,
+                           int(lens.sum()))
+        tables = tables.reshape(rows, width)
+        tables.fill(-1)
+        tables[:n][np.arange(width) < lens[:, None]] = flat  # row-major, like `flat`
+        return buf
+
+    @staticmethod
+    def unpack(buf: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                 Context]:
+        """Views of a packed (device) buffer: input_ids, positions and the decode Context."""
+        ids, pos, slots, ctx, tables = buf.split([rows] * 4 + [rows * width])
+        context = Context(is_prefill=False, slot_mapping=slots, context_lens=ctx,
+                          block_tables=tables.view(rows, width))
+        return ids, pos, context

@@ -1,0 +1,276 @@
+"""Triton paged attention: flash-attention prefill and split-KV (flash-decoding) decode."""
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) == exp2(x * log2(e))
+_MIN_SPLIT_LEN = 256  # decode: fewest keys worth a split of their own
+_TARGET_PROGRAMS = 512  # decode: enough programs to fill an H100/H200 a few times over
+_MAX_SPLITS = 64
+
+
+@triton.jit
+def _locate_tile(cu_q_ptr, num_seqs, BLOCK_M: tl.constexpr, SEQS_P2: tl.constexpr):
+    """Map program_id(0) to (sequence, first query of its tile); seq >= num_seqs if surplus."""
+    tile = tl.program_id(0)
+    seqs = tl.arange(0, SEQS_P2)
+    valid = seqs < num_seqs
+    starts = tl.load(cu_q_ptr + seqs, mask=valid, other=0)
+    ends = tl.load(cu_q_ptr + seqs + 1, mask=valid, other=0)
+    num_tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    # Tiles are numbered sequence after sequence: the sequences whose tiles all come before
+    # this one give its sequence index (their count) and its first tile (their tile sum).
+    before = tl.cumsum(num_tiles, axis=0) <= tile
+    seq = tl.sum(before.to(tl.int32), axis=0)
+    first = tl.sum(tl.where(before, num_tiles, 0), axis=0)
+    return seq, (tile - first) * BLOCK_M
+
+
+@triton.jit
+def _softmax_step(q, k_t, v, visible, m_i, l_i, acc, qk_scale):
+    """One online-softmax update of (m_i, l_i, acc) with a key tile k_t [D, N], v [N, D]."""
+    qk = tl.dot(q, k_t) * qk_scale
+    qk = tl.where(visible, qk, float("-inf"))
+    # Every processed tile has >= 1 visible key per row, so m_new is finite.
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr, block_tables_ptr,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
+    stride_bt, qk_scale, num_seqs,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEQS_P2: tl.constexpr, PAGED: tl.constexpr,
+):
+    """Grid (query tiles, H): causal attention of one [BLOCK_M, D] query tile of one head."""
+    head = tl.program_id(1)
+    seq, m_start = _locate_tile(cu_q_ptr, num_seqs, BLOCK_M, SEQS_P2)
+    if seq >= num_seqs:  # surplus program of the upper-bound grid
+        return
+    q_start = tl.load(cu_q_ptr + seq)
+    len_q = tl.load(cu_q_ptr + seq + 1) - q_start
+    k_start = tl.load(cu_k_ptr + seq)
+    len_k = tl.load(cu_k_ptr + seq + 1) - k_start
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q_mask = (offs_m < len_q)[:, None]
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qn + head * stride_qh + offs_d[None, :],
+                mask=q_mask, other=0.0)
+    q_pos = len_k - len_q + offs_m  # a cached prefix of len_k - len_q tokens precedes the queries
+    kv_head = head // GROUP
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # Causal: key tiles past the tile's last query position are skipped entirely.
+    kv_end = tl.minimum(len_k, len_k - len_q + m_start + BLOCK_M)
+    for start_n in range(0, kv_end, BLOCK_N):
+        # Key tiles never cross a page (BLOCK_N divides BLOCK_SIZE): one table lookup per tile.
+        if PAGED:
+            block_id = tl.load(block_tables_ptr + seq * stride_bt + start_n // BLOCK_SIZE)
+            rows = block_id.to(tl.int64) * BLOCK_SIZE + start_n % BLOCK_SIZE + offs_n
+        else:
+            rows = (k_start + start_n + offs_n).to(tl.int64)
+        k_pos = start_n + offs_n
+        in_seq = k_pos < len_k
+        k_t = tl.load(k_ptr + rows[None, :] * stride_kn + kv_head * stride_kh + offs_d[:, None],
+                      mask=in_seq[None, :], other=0.0)
+        v = tl.load(v_ptr + rows[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :],
+                    mask=in_seq[:, None], other=0.0)
+        visible = (k_pos[None, :] <= q_pos[:, None]) & in_seq[None, :]
+        m_i, l_i, acc = _softmax_step(q, k_t, v, visible, m_i, l_i, acc, qk_scale)
+    acc = acc / l_i[:, None]
+    o_ptrs = out_ptr + q_rows[:, None] * stride_on + head * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def _prefill_config(head_dim: int, block_size: int, elem_size: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_N divides block_size (no page crossing)."""
+    block_n = min(64 if head_dim <= 128 else 32, block_size)
+    num_warps = 4 if head_dim <= 128 else 8
+    num_stages = 2 if elem_size > 2 or head_dim > 128 else 3  # bound shared memory
+    return 64, block_n, num_warps, num_stages
+
+
+def prefill_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    block_tables: torch.Tensor | None,
+    scale: float,
+    max_seqlen_q: int | None = None,
+) -> torch.Tensor:
+    """Causal varlen flash attention; keys from dense k/v, or the paged cache via block_tables."""
+    num_q, num_heads, head_dim = q.shape
+    num_seqs = cu_seqlens_q.numel() - 1
+    out = torch.empty((num_q, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_q == 0 or num_seqs == 0:
+        return out
+    paged = block_tables is not None
+    keys, values = (k_cache, v_cache) if paged else (k, v)
+    block_size = k_cache.shape[1] if paged else 64
+    _check_shapes(q, keys, values, block_size, paged)
+    config = _prefill_config(head_dim, block_size, q.element_size())
+    block_m, block_n, num_warps, num_stages = config
+    # Grid sized without a host sync: an upper bound on the query tiles of all sequences; the
+    # kernel maps each program to its (sequence, tile) and surplus programs exit at once.
+    num_tiles = triton.cdiv(num_q, block_m) + num_seqs
+    if max_seqlen_q is not None:
+        num_tiles = min(num_tiles, num_seqs * triton.cdiv(max_seqlen_q, block_m))
+    if paged:  # the cache is addressed as [num_slots, Hkv, D]
+        strides = (keys.stride(1), keys.stride(2), values.stride(1), values.stride(2))
+    else:
+        strides = (keys.stride(0), keys.stride(1), values.stride(0), values.stride(1))
+    _prefill_kernel[(num_tiles, num_heads)](
+        q, keys, values, out, cu_seqlens_q, cu_seqlens_k,
+        block_tables if paged else cu_seqlens_q,  # dummy pointer in dense mode
+        q.stride(0), q.stride(1), *strides, out.stride(0), out.stride(1),
+        block_tables.stride(0) if paged else 0, scale * _LOG2E, num_seqs,
+        GROUP=num_heads // keys.shape[-2], HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, SEQS_P2=triton.next_power_of_2(num_seqs), PAGED=paged,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def _check_shapes(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_size: int, paged: bool
+) -> None:
+    """Assert the layout assumptions shared by both kernels."""
+    head_dim = q.shape[-1]
+    assert head_dim & (head_dim - 1) == 0 and 16 <= head_dim <= 256, "head_dim: pow2 in 16..256"
+    assert block_size & (block_size - 1) == 0 and block_size >= 16, "block_size: pow2 >= 16"
+    assert q.shape[-2] % keys.shape[-2] == 0, "num_heads must be a multiple of num_kv_heads"
+    assert keys.shape[-1] == head_dim and values.shape == keys.shape
+    assert q.stride(-1) == 1 and keys.stride(-1) == 1 and values.stride(-1) == 1
+    if paged:
+        assert keys.is_contiguous() and values.is_contiguous(), "KV cache must be contiguous"
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, context_lens_ptr, block_tables_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, stride_qb, stride_qh, stride_bt, qk_scale,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """Grid (B, Hkv, splits): all GROUP query heads of one kv head over one slice of the keys."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + seq)
+    # Spread each sequence evenly over all splits, in whole key tiles (tiles never cross pages).
+    split_len = (ctx + NUM_SPLITS * BLOCK_N - 1) // (NUM_SPLITS * BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, ctx)
+    offs_g = tl.arange(0, GROUP_P2)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    # GQA packing: [GROUP_P2, D] queries (padded to >= 16 rows for tl.dot) share each K/V load.
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None], other=0.0)
+    m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_P2], tl.float32)
+    acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
+    for start_n in range(start, end, BLOCK_N):
+        block_id = tl.load(block_tables_ptr + seq * stride_bt + start_n // BLOCK_SIZE)
+        rows = block_id.to(tl.int64) * BLOCK_SIZE + start_n % BLOCK_SIZE + offs_n
+        in_split = start_n + offs_n < end
+        cache_offs = rows * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+        k_t = tl.load(k_cache_ptr + cache_offs[None, :] + offs_d[:, None],
+                      mask=in_split[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + cache_offs[:, None] + offs_d[None, :],
+                    mask=in_split[:, None], other=0.0)
+        m_i, l_i, acc = _softmax_step(q, k_t, v, in_split[None, :], m_i, l_i, acc, qk_scale)
+    # Partials [B, H, splits(, D)]; an empty split stores m=-inf, l=0, acc=0.
+    part = ((seq * NUM_KV_HEADS + kv_head) * GROUP + offs_g) * NUM_SPLITS + split
+    tl.store(part_m_ptr + part, m_i, mask=g_mask)
+    tl.store(part_l_ptr + part, l_i, mask=g_mask)
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ob, stride_oh,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """Grid (B, H): merge the per-split softmax partials of one query head."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_P2)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = splits < NUM_SPLITS
+    part = (seq * NUM_HEADS + head) * NUM_SPLITS + splits
+    m = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
+    l_sum = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=s_mask[:, None], other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # context_len 0: every split empty
+    w = tl.exp2(m - m_max)  # empty splits (m = -inf) get weight 0
+    denom = tl.sum(w * l_sum, axis=0)
+    o = tl.sum(w[:, None] * acc, axis=0) / tl.where(denom == 0.0, 1.0, denom)  # zeros if empty
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+def _num_splits(batch: int, num_kv_heads: int, max_context: int) -> int:
+    """Splits per (seq, kv head) from shapes only (CUDA-graph safe): long contexts get more."""
+    by_length = triton.cdiv(max_context, _MIN_SPLIT_LEN)
+    by_occupancy = triton.cdiv(_TARGET_PROGRAMS, batch * num_kv_heads)
+    return max(1, min(by_length, by_occupancy, _MAX_SPLITS))
+
+
+def decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Flash-decoding: q [B, H, D] (one query per sequence) over its paged context; 0 -> zeros."""
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    _check_shapes(q, k_cache, v_cache, block_size, paged=True)
+    out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    if num_splits is None:
+        num_splits = _num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size)
+    group = num_heads // num_kv_heads
+    block_n = min(64 if head_dim <= 128 else 32, block_size)  # divides block_size
+    # fp32 scratch sized from shapes only (no data-dependent allocation under graph capture).
+    part_m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32,
+                           device=q.device)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, context_lens, block_tables, part_m, part_l, part_acc,
+        q.stride(0), q.stride(1), block_tables.stride(0), scale * _LOG2E,
+        GROUP=group, GROUP_P2=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        num_warps=4,
+    )
+    _decode_reduce_kernel[(batch, num_heads)](
+        part_m, part_l, part_acc, out, out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
+        SPLITS_P2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+    )
+    return out
