@@ -1,5 +1,5 @@
 """The engine loop: add requests, step the scheduler and model, collect finished outputs."""
-import atexit
+import weakref
 from time import perf_counter
 
 from tqdm.auto import tqdm
@@ -28,14 +28,15 @@ class LLMEngine:
                                    config.max_model_len, eos,
                                    self.model_runner.num_kvcache_blocks,
                                    config.kvcache_block_size)
-        atexit.register(self.shutdown)
+        # Runs shutdown on `del llm`, garbage collection or interpreter exit, whichever is first;
+        # it holds the runner, not the engine, so it does not keep the engine alive.
+        self._finalizer = weakref.finalize(self, self.model_runner.shutdown)
 
     def shutdown(self) -> None:
         """Release the model, KV pool and graphs; safe to call twice."""
-        runner, self.model_runner = getattr(self, "model_runner", None), None
-        if runner is not None:
-            runner.shutdown()
-            atexit.unregister(self.shutdown)
+        if hasattr(self, "_finalizer"):
+            self._finalizer()
+        self.model_runner = None
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
         """Queue one request; returns its sequence id."""
