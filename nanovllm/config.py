@@ -6,6 +6,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -45,19 +46,29 @@ class Config:
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: expected {allowed}")
 
-        check("max_num_batched_tokens", self.max_num_batched_tokens >= 1, "an int >= 1")
-        check("max_num_seqs", 1 <= self.max_num_seqs, "an int >= 1")
-        check("max_model_len", self.max_model_len >= 2, "an int >= 2")
-        check("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "a float in (0, 1]")
-        check("tensor_parallel_size", 1 <= self.tensor_parallel_size <= 8, "an int in 1..8")
-        check("kvcache_block_size",
-              self.kvcache_block_size > 0 and self.kvcache_block_size % 256 == 0,
+        # Type first, so that a wrong type is reported here and not as a failed comparison.
+        def is_int(name: str) -> bool:
+            value = getattr(self, name)
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        check("max_num_batched_tokens", is_int("max_num_batched_tokens")
+              and self.max_num_batched_tokens >= 1, "an int >= 1")
+        check("max_num_seqs", is_int("max_num_seqs") and self.max_num_seqs >= 1, "an int >= 1")
+        check("max_model_len", is_int("max_model_len") and self.max_model_len >= 2, "an int >= 2")
+        utilization = self.gpu_memory_utilization
+        check("gpu_memory_utilization", isinstance(utilization, int | float)
+              and not isinstance(utilization, bool) and 0 < utilization <= 1,
+              "a float in (0, 1]")
+        check("tensor_parallel_size", is_int("tensor_parallel_size")
+              and 1 <= self.tensor_parallel_size <= 8, "an int in 1..8")
+        check("kvcache_block_size", is_int("kvcache_block_size")
+              and self.kvcache_block_size > 0 and self.kvcache_block_size % 256 == 0,
               "a positive multiple of 256")
-        check("num_kvcache_blocks", self.num_kvcache_blocks == -1 or self.num_kvcache_blocks > 0,
+        check("num_kvcache_blocks", is_int("num_kvcache_blocks")
+              and (self.num_kvcache_blocks == -1 or self.num_kvcache_blocks > 0),
               "-1 (auto) or a positive int")
         check("device", self.device in ("auto", "cpu", "cuda"), "'auto', 'cpu' or 'cuda'")
-        check("dtype", self.dtype == "auto" or self.dtype in _DTYPES,
-              f"'auto' or one of {sorted(_DTYPES)}")
+        check("dtype", self.dtype in ("auto", *_DTYPES), f"'auto' or one of {sorted(_DTYPES)}")
         check("enforce_eager", isinstance(self.enforce_eager, bool), "a bool")
 
 
@@ -78,7 +89,14 @@ def load_hf_config(model: str) -> PretrainedConfig:
         raise ValueError(f"model directory {model!r} has no config.json")
     if not any(f.endswith(".safetensors") for f in os.listdir(model)):
         raise ValueError(f"model directory {model!r} has no *.safetensors weights")
-    hf_config = AutoConfig.from_pretrained(model)
+    if not any(os.path.isfile(os.path.join(model, f)) for f in TOKENIZER_FILES):
+        # transformers would silently build an empty tokenizer instead
+        raise ValueError(f"model directory {model!r} has no tokenizer: expected one of "
+                         f"{list(TOKENIZER_FILES)}")
+    try:
+        hf_config = AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read config.json of {model!r}: {e}") from e
     archs = getattr(hf_config, "architectures", None) or []
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise ValueError(f"unsupported architecture {archs} in {model!r}; "

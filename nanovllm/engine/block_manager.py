@@ -113,6 +113,15 @@ class BlockManager:
         for block in self.blocks:
             block.update(-1, [])
 
+    def reset(self) -> None:
+        """Free every block and forget every cached prefix; callers drop all block tables."""
+        for block in self.blocks:
+            block.ref_count = 0
+            block.update(-1, [])
+        self.hash_to_block_id.clear()
+        self.free_block_ids = deque(range(len(self.blocks)))
+        self.used_block_ids.clear()
+
     def can_append(self, seq: Sequence) -> bool:
         """A decode step needs a new block when the newest token starts one."""
         return len(self.free_block_ids) >= (len(seq) % self.block_size == 1)

@@ -3,12 +3,13 @@ import weakref
 from time import perf_counter
 
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nanovllm.config import config_from_kwargs
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.validation import RequestLimits, validate_request, validate_requests
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -18,8 +19,9 @@ class LLMEngine:
     def __init__(self, model: str, **kwargs):
         attention_backend = kwargs.pop("attention_backend", "auto")
         self.config = config = config_from_kwargs(model, kwargs)
+        # The tokenizer first: a bad directory then fails before any model or worker exists.
+        self.tokenizer = load_tokenizer(config.model)
         self.model_runner = ModelRunner(config, 0, attention_backend)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         eos = self.tokenizer.eos_token_id
         if eos is None:
             eos = getattr(config.hf_config, "eos_token_id", None)
@@ -39,12 +41,19 @@ class LLMEngine:
         self.model_runner = None
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
-        """Queue one request; returns its sequence id."""
-        if isinstance(prompt, str):
-            prompt = self.tokenizer.encode(prompt)
-        seq = Sequence(prompt, sampling_params, self.config.kvcache_block_size)
+        """Validate and queue one request; returns its sequence id."""
+        token_ids = validate_request(prompt, sampling_params, self.request_limits(),
+                                     self.tokenizer.encode)
+        seq = Sequence(token_ids, sampling_params, self.config.kvcache_block_size)
         self.scheduler.add(seq)
         return seq.seq_id
+
+    def request_limits(self) -> RequestLimits:
+        """What a request may ask for: checked before it is queued."""
+        return RequestLimits(vocab_size=self.config.hf_config.vocab_size,
+                             max_model_len=self.config.max_model_len,
+                             block_size=self.config.kvcache_block_size,
+                             num_blocks=len(self.scheduler.block_manager.blocks))
 
     def step(self) -> tuple[list[Sequence], int]:
         """Run one scheduled batch; returns (finished sequences, tokens processed: + prefill,
@@ -70,28 +79,42 @@ class LLMEngine:
     def generate(self, prompts: list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams],
                  use_tqdm: bool = True) -> list[dict]:
-        """Run all prompts to completion; results in input order as {"text", "token_ids"}."""
-        if not isinstance(sampling_params, list):
-            sampling_params = [sampling_params] * len(prompts)
-        seq_ids = [self.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        """Run all prompts to completion; results in input order as {"text", "token_ids"}.
+
+        Every request is validated before any is queued, so a ValueError changes nothing. On
+        any exception (Ctrl-C included) this call's requests are aborted and the engine stays
+        usable.
+        """
+        requests = validate_requests(prompts, sampling_params, self.request_limits(),
+                                     self.tokenizer.encode)
+        block_size = self.config.kvcache_block_size
+        seqs = [Sequence(token_ids, sp, block_size) for token_ids, sp in requests]
         outputs: dict[int, Sequence] = {}
         pbar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True,
                     disable=not use_tqdm)
         prefill_tps = decode_tps = 0.0
-        while not self.is_finished():
-            t = perf_counter()
-            finished, num_tokens = self.step()
-            elapsed = perf_counter() - t
-            if num_tokens > 0:
-                prefill_tps = num_tokens / elapsed
-            else:
-                decode_tps = -num_tokens / elapsed
-            pbar.set_postfix(Prefill=f"{int(prefill_tps)}tok/s", Decode=f"{int(decode_tps)}tok/s")
-            for seq in finished:
-                outputs[seq.seq_id] = seq
-                pbar.update(1)
-        pbar.close()
-        return [self._output(outputs[i]) for i in seq_ids]
+        try:
+            for seq in seqs:
+                self.scheduler.add(seq)
+            while not self.is_finished():
+                t = perf_counter()
+                finished, num_tokens = self.step()
+                elapsed = perf_counter() - t
+                if num_tokens > 0:
+                    prefill_tps = num_tokens / elapsed
+                else:
+                    decode_tps = -num_tokens / elapsed
+                pbar.set_postfix(Prefill=f"{int(prefill_tps)}tok/s",
+                                 Decode=f"{int(decode_tps)}tok/s")
+                for seq in finished:
+                    outputs[seq.seq_id] = seq
+                    pbar.update(1)
+        except BaseException:
+            self.scheduler.abort(seqs)
+            raise
+        finally:
+            pbar.close()
+        return [self._output(outputs[seq.seq_id]) for seq in seqs]
 
     def _output(self, seq: Sequence) -> dict:
         token_ids = seq.completion_token_ids
@@ -100,3 +123,11 @@ class LLMEngine:
         return {"text": self.tokenizer.decode(token_ids), "token_ids": token_ids,
                 "finish_reason": seq.finish_reason,
                 "metrics": {"ttft_s": ttft, "latency_s": latency}}
+
+
+def load_tokenizer(model: str) -> PreTrainedTokenizerBase:
+    """AutoTokenizer, with an error that names the directory."""
+    try:
+        return AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load a tokenizer from {model!r}: {e}") from e

@@ -87,6 +87,29 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def abort(self, seqs: list[Sequence]) -> None:
+        """Recover from an exception mid-step: drop `seqs`, send every other unfinished
+        sequence back to waiting (recompute), free every block and forget the prefix cache.
+
+        The failed step may have reserved blocks, or hashed blocks whose K/V was never written,
+        and an interrupt can land between any two lines of bookkeeping, so nothing the pool
+        holds is trusted: starting it afresh is always right and costs only cache hits.
+        """
+        dropped = {seq.seq_id for seq in seqs}
+        survivors = [seq for seq in (*self.running, *self.waiting)
+                     if seq.seq_id not in dropped and not seq.is_finished]
+        for seq in seqs:
+            if not seq.is_finished:
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        for seq in (*seqs, *survivors):
+            seq.block_table.clear()
+            seq.num_cached_tokens = 0
+        for seq in survivors:
+            seq.status = SequenceStatus.WAITING
+        self.running.clear()
+        self.waiting = deque(survivors)  # formerly running first: they arrived earlier
+        self.block_manager.reset()
+
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
         """Append sampled tokens; return the sequences that finished this step."""
         finished = []

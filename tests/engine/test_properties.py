@@ -1,0 +1,259 @@
+"""Property-based tests: BlockManager and Scheduler under random add / step / finish / preempt /
+abort sequences on tiny pools, driven without a model (random token ids stand in for it)."""
+import sys
+from collections import Counter
+from contextlib import contextmanager
+
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.validation import max_blocks_needed
+from nanovllm.sampling_params import SamplingParams
+
+BS = 4
+EOS = 0
+MAX_MODEL_LEN = 24
+# Two token values make shared prefixes, and so prefix-cache hits, common.
+TOKENS = st.integers(1, 2)
+PROMPTS = st.lists(TOKENS, min_size=1, max_size=MAX_MODEL_LEN - 1)
+SETTINGS = settings(max_examples=80, stateful_step_count=40, deadline=None)
+
+
+def chained_hashes(seq: Sequence, num_blocks: int) -> list[int]:
+    hashes, h = [], -1
+    for i in range(num_blocks):
+        h = BlockManager.compute_hash(seq.block(i), h)
+        hashes.append(h)
+    return hashes
+
+
+def check_sequence_blocks(bm: BlockManager, seq: Sequence) -> None:
+    """Between steps K/V is stored for all tokens but the newest: its blocks are exactly those,
+    every full one hashed by the chain over the sequence's own tokens, the partial one not."""
+    resident = len(seq) - 1
+    assert len(seq.block_table) == -(-resident // BS)
+    assert seq.num_cached_tokens <= resident
+    num_full = resident // BS
+    assert seq.num_cached_blocks <= num_full
+    for i, h in enumerate(chained_hashes(seq, num_full)):
+        block = bm.blocks[seq.block_table[i]]
+        assert block.hash == h and block.token_ids == seq.block(i)
+    if resident % BS:
+        assert bm.blocks[seq.block_table[-1]].hash == -1
+
+
+def check_pool(bm: BlockManager, holders: list[Sequence]) -> None:
+    """Free + used = total; ref counts equal the block-table references of `holders`."""
+    free = list(bm.free_block_ids)
+    assert len(free) == len(set(free)) and set(free).isdisjoint(bm.used_block_ids)
+    assert len(free) + len(bm.used_block_ids) == len(bm.blocks)
+    refs = Counter(block_id for seq in holders for block_id in seq.block_table)
+    for block in bm.blocks:
+        assert block.ref_count >= 0
+        assert block.ref_count == refs[block.block_id]
+        assert (block.ref_count > 0) == (block.block_id in bm.used_block_ids)
+    for h, block_id in bm.hash_to_block_id.items():
+        assert bm.blocks[block_id].hash == h
+    for seq in holders:
+        check_sequence_blocks(bm, seq)
+
+
+def check_all_free(bm: BlockManager) -> None:
+    assert bm.num_free_blocks == len(bm.blocks) and not bm.used_block_ids
+    assert all(block.ref_count == 0 for block in bm.blocks)
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Drives BlockManager the way the scheduler does: allocate + sample on admission,
+    may_append + sample per decode, deallocate on finish or preemption."""
+
+    def __init__(self):
+        super().__init__()
+        self.bm = BlockManager(6, BS)
+        self.running: list[Sequence] = []
+        self.waiting: list[Sequence] = []
+
+    @rule(tokens=PROMPTS)
+    def add(self, tokens):
+        self.waiting.append(Sequence(tokens, SamplingParams(), BS))
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data(), token=TOKENS)
+    def admit(self, data, token):
+        seq = data.draw(st.sampled_from(self.waiting))
+        if not self.bm.can_allocate(seq):
+            return
+        self.bm.allocate(seq)
+        assert seq.num_cached_tokens % BS == 0 and seq.num_cached_tokens < len(seq)
+        event(f"prefix hit: {seq.num_cached_blocks > 0}")
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        seq.append_token(token)  # the prefill's sampled token
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), token=TOKENS)
+    def decode(self, data, token):
+        seq = data.draw(st.sampled_from(self.running))
+        if len(seq) < MAX_MODEL_LEN and self.bm.can_append(seq):
+            self.bm.may_append(seq)
+            seq.append_token(token)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), preempt=st.booleans())
+    def release(self, data, preempt):
+        seq = data.draw(st.sampled_from(self.running))
+        self.bm.deallocate(seq)
+        self.running.remove(seq)
+        if preempt:
+            self.waiting.append(seq)  # recomputed from its tokens when admitted again
+
+    @invariant()
+    def pool_is_consistent(self):
+        check_pool(self.bm, self.running)
+        assert all(not seq.block_table and seq.num_cached_tokens == 0 for seq in self.waiting)
+
+    def teardown(self):
+        for seq in self.running:
+            self.bm.deallocate(seq)
+        check_all_free(self.bm)
+
+
+@contextmanager
+def interrupt_after(num_lines: int):
+    """Raise KeyboardInterrupt at the num_lines-th line run in nanovllm/engine, as Ctrl-C could."""
+    count = 0
+    previous = sys.gettrace()
+
+    def local(frame, event, arg):
+        nonlocal count
+        if event == "line":
+            count += 1
+            if count == num_lines:
+                sys.settrace(previous)
+                raise KeyboardInterrupt
+        return local
+
+    def tracer(frame, event, arg):
+        return local if "nanovllm/engine/" in frame.f_code.co_filename else None
+
+    sys.settrace(tracer)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Scheduler + BlockManager with valid requests only (as the engine admits them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_blocks, self.max_num_seqs = 8, 3
+        self.s = Scheduler(self.max_num_seqs, MAX_MODEL_LEN, MAX_MODEL_LEN, EOS,
+                           self.num_blocks, BS)
+        self.seqs: list[Sequence] = []
+
+    @property
+    def bm(self) -> BlockManager:
+        return self.s.block_manager
+
+    @property
+    def unfinished(self) -> list[Sequence]:
+        return [seq for seq in self.seqs if not seq.is_finished]
+
+    @rule(tokens=PROMPTS, max_tokens=st.integers(1, 30), ignore_eos=st.booleans())
+    def add(self, tokens, max_tokens, ignore_eos):
+        if max_blocks_needed(len(tokens), max_tokens, MAX_MODEL_LEN, BS) > self.num_blocks:
+            return  # generate() rejects it up front
+        seq = Sequence(tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), BS)
+        self.s.add(seq)
+        self.seqs.append(seq)
+
+    def _step(self, tokens: list[int]) -> None:
+        preemptions = self.s.num_preemptions
+        batch, is_prefill = self.s.schedule()
+        event(f"preempted in schedule: {self.s.num_preemptions > preemptions}")
+        assert 0 < len(batch) <= self.max_num_seqs  # an admitted request always progresses
+        if is_prefill:
+            assert sum(len(seq) - seq.num_cached_tokens for seq in batch) <= MAX_MODEL_LEN
+            assert all(seq.num_cached_tokens % BS == 0 for seq in batch)
+        else:
+            assert all(len(seq.block_table) == seq.num_blocks for seq in batch)
+            assert all(seq.num_blocks <= -(-MAX_MODEL_LEN // BS) for seq in batch)
+        for seq in self.s.postprocess(batch, tokens[:len(batch)]):
+            self._check_finished(seq)
+
+    def _check_finished(self, seq: Sequence) -> None:
+        params = seq.sampling_params
+        assert not seq.block_table and seq not in self.s.running
+        assert len(seq) <= MAX_MODEL_LEN and seq.num_completion_tokens <= params.max_tokens
+        if seq.finish_reason == "stop":
+            assert seq.last_token == EOS and not params.ignore_eos
+        else:
+            assert seq.finish_reason == "length"
+            assert seq.num_completion_tokens == params.max_tokens or len(seq) == MAX_MODEL_LEN
+
+    @precondition(lambda self: not self.s.is_finished())
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=3, max_size=3))
+    def step(self, tokens):
+        self._step(tokens)
+
+    @precondition(lambda self: self.s.running)
+    @rule(data=st.data())
+    def preempt(self, data):
+        seq = data.draw(st.sampled_from(list(self.s.running)))
+        self.s.running.remove(seq)
+        self.s.preempt(seq)
+
+    @precondition(lambda self: not self.s.is_finished())
+    @rule(data=st.data())
+    def model_fails(self, data):
+        """An exception between schedule and postprocess aborts one call's requests."""
+        self.s.schedule()
+        call = data.draw(st.lists(st.sampled_from(self.unfinished), unique=True))
+        self.s.abort(call)
+        assert all(seq.is_finished for seq in call)
+        check_all_free(self.bm)
+        assert not self.bm.hash_to_block_id
+
+    @precondition(lambda self: not self.s.is_finished())
+    @rule(at_line=st.integers(1, 400), tokens=st.lists(st.integers(0, 2), min_size=3,
+                                                        max_size=3))
+    def interrupted_step(self, at_line, tokens):
+        """Ctrl-C at any line of a step; generate() then aborts every in-flight request."""
+        try:
+            with interrupt_after(at_line):
+                self._step(tokens)
+        except KeyboardInterrupt:
+            event("interrupted")
+            self.s.abort(self.seqs)
+            assert self.s.is_finished()
+            check_all_free(self.bm)
+
+    @invariant()
+    def queues_and_pool_are_consistent(self):
+        running, waiting = list(self.s.running), list(self.s.waiting)
+        assert {id(seq) for seq in running}.isdisjoint(id(seq) for seq in waiting)
+        assert sorted(seq.seq_id for seq in running + waiting) == sorted(
+            seq.seq_id for seq in self.unfinished)
+        assert all(seq.status == SequenceStatus.RUNNING for seq in running)
+        assert all(seq.status == SequenceStatus.WAITING and not seq.block_table
+                   for seq in waiting)
+        assert all(len(seq) <= MAX_MODEL_LEN for seq in self.seqs)
+        check_pool(self.bm, running)
+
+    def teardown(self):
+        steps = 0
+        while not self.s.is_finished():  # every admitted request finishes: no livelock
+            self._step([1, 1, 1])
+            steps += 1
+            assert steps < 5000
+        check_all_free(self.bm)
+
+
+TestBlockManagerProperties = SETTINGS(BlockManagerMachine).TestCase
+TestSchedulerProperties = SETTINGS(SchedulerMachine).TestCase

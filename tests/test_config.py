@@ -1,0 +1,128 @@
+"""LLM(...) fails early with a clear error naming the problem, and leaves nothing behind."""
+import json
+import multiprocessing
+import os
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nanovllm import LLM
+from nanovllm.config import Config
+from nanovllm.engine.model_runner import ModelRunner
+
+
+def copy_checkpoint(src: str, dst: str, drop: tuple[str, ...] = (),
+                    config_text: str | None = None) -> str:
+    """Copy `src` without files ending in any of `drop`, optionally replacing config.json."""
+    os.makedirs(dst)
+    for name in os.listdir(src):
+        if not name.endswith(drop):
+            shutil.copy(os.path.join(src, name), dst)
+    if config_text is not None:
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            f.write(config_text)
+    return dst
+
+
+def llama_config(src: str) -> str:
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    config.update(architectures=["LlamaForCausalLM"], model_type="llama")
+    return json.dumps(config)
+
+
+def nanovllm_shm() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("nanovllm")}
+
+
+def assert_fails_cleanly(model: str, kwargs: dict, exc: type, message: str) -> None:
+    shm_before = nanovllm_shm()
+    with pytest.raises(exc, match=message):
+        LLM(model, **kwargs)
+    assert multiprocessing.active_children() == []  # no worker left behind
+    assert nanovllm_shm() <= shm_before
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("missing", r"model directory '.*/nope' does not exist"),
+    ("no_config", r"model directory '.*' has no config.json"),
+    ("no_weights", r"model directory '.*' has no \*.safetensors weights"),
+    ("no_tokenizer", r"model directory '.*' has no tokenizer: expected one of \['tokenizer.json'"),
+    ("bad_json", r"cannot read config.json of '.*'"),
+    ("llama", r"unsupported architecture \['LlamaForCausalLM'\] in '.*'; "
+              r"supported: \['Qwen3ForCausalLM'\]"),
+])
+def test_bad_model_directory(tiny_model, tmp_path, kind, message):
+    dst = str(tmp_path / kind)
+    model = {
+        "missing": lambda: str(tmp_path / "nope"),
+        "no_config": lambda: copy_checkpoint(tiny_model, dst, drop=("config.json",)),
+        "no_weights": lambda: copy_checkpoint(tiny_model, dst, drop=(".safetensors",)),
+        "no_tokenizer": lambda: copy_checkpoint(tiny_model, dst, drop=("tokenizer.json",)),
+        "bad_json": lambda: copy_checkpoint(tiny_model, dst, config_text="{not json"),
+        "llama": lambda: copy_checkpoint(tiny_model, dst, config_text=llama_config(tiny_model)),
+    }[kind]()
+    assert_fails_cleanly(model, {}, ValueError, message)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(foo=1), r"unknown argument\(s\) \['foo'\]; LLM accepts \["),
+    (dict(tensor_parallel_size=0), r"tensor_parallel_size=0 is invalid: expected an int in 1..8"),
+    (dict(tensor_parallel_size=9), r"tensor_parallel_size=9 is invalid"),
+    (dict(tensor_parallel_size="2"), r"tensor_parallel_size='2' is invalid"),
+    (dict(gpu_memory_utilization=0), r"gpu_memory_utilization=0 is invalid: "
+                                     r"expected a float in \(0, 1\]"),
+    (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization=1.5 is invalid"),
+    (dict(gpu_memory_utilization=-0.1), r"gpu_memory_utilization=-0.1 is invalid"),
+    (dict(gpu_memory_utilization=float("nan")), r"gpu_memory_utilization=nan is invalid"),
+    (dict(gpu_memory_utilization="0.5"), r"gpu_memory_utilization='0.5' is invalid"),
+    (dict(kvcache_block_size=0), r"kvcache_block_size=0 is invalid: "
+                                 r"expected a positive multiple of 256"),
+    (dict(kvcache_block_size=128), r"kvcache_block_size=128 is invalid"),
+    (dict(kvcache_block_size=257), r"kvcache_block_size=257 is invalid"),
+    (dict(kvcache_block_size=-256), r"kvcache_block_size=-256 is invalid"),
+    (dict(num_kvcache_blocks=0), r"num_kvcache_blocks=0 is invalid: "
+                                 r"expected -1 \(auto\) or a positive int"),
+    (dict(num_kvcache_blocks=-2), r"num_kvcache_blocks=-2 is invalid"),
+    (dict(max_model_len=1), r"max_model_len=1 is invalid: expected an int >= 2"),
+    (dict(max_num_seqs=0), r"max_num_seqs=0 is invalid: expected an int >= 1"),
+    (dict(max_num_batched_tokens=1024), r"max_num_batched_tokens=1024 must be >= "
+                                        r"max_model_len=4096 so that any prompt fits"),
+    (dict(device="tpu"), r"device='tpu' is invalid"),
+    (dict(dtype="int8"), r"dtype='int8' is invalid: expected 'auto' or one of"),
+    (dict(enforce_eager=1), r"enforce_eager=1 is invalid: expected a bool"),
+])
+def test_bad_keyword(tiny_model, kwargs, message):
+    assert_fails_cleanly(tiny_model, kwargs, ValueError, message)
+
+
+def test_prompts_always_fit_one_prefill_step(tiny_model):
+    # Prompts are < max_model_len <= max_num_batched_tokens: no chunked prefill is needed.
+    config = Config(tiny_model, max_model_len=1024, max_num_batched_tokens=1024)
+    assert config.max_num_batched_tokens >= config.max_model_len
+    assert Config(tiny_model, max_model_len=10**6).max_model_len == 4096  # the checkpoint's
+
+
+def test_kv_pool_that_would_be_empty(tiny_model, monkeypatch):
+    """The CUDA sizing formula on faked memory figures: nothing left for the KV cache."""
+    config = Config(tiny_model, device="cpu", gpu_memory_utilization=0.5)
+    config.device = "cuda"  # only allocate_kv_cache's arithmetic runs; memory is faked below
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * gib, 8 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {
+        "allocated_bytes.all.peak": 3 * gib, "allocated_bytes.all.current": gib})
+    runner = SimpleNamespace(config=config, block_size=256, world_size=1,
+                             device=torch.device("cpu"), block_bytes=lambda: 1 << 20)
+    # budget = 8 GiB * 0.5 - (8 - 2) GiB used - 3 GiB peak + 1 GiB current < 0
+    with pytest.raises(RuntimeError, match=r"no room for the KV cache: one block needs 1048576 "
+                                           r"bytes; raise gpu_memory_utilization=0.5"):
+        ModelRunner.allocate_kv_cache(runner)
+
+
+@pytest.mark.gpu
+def test_kv_pool_that_would_be_empty_on_gpu(tiny_model):
+    assert_fails_cleanly(tiny_model, dict(gpu_memory_utilization=1e-3), RuntimeError,
+                         r"no room for the KV cache")
+    torch.cuda.empty_cache()
