@@ -99,13 +99,14 @@ class LLMEngine:
             while not self.is_finished():
                 t = perf_counter()
                 finished, num_tokens = self.step()
-                elapsed = perf_counter() - t
-                if num_tokens > 0:
-                    prefill_tps = num_tokens / elapsed
-                else:
-                    decode_tps = -num_tokens / elapsed
-                pbar.set_postfix(Prefill=f"{int(prefill_tps)}tok/s",
-                                 Decode=f"{int(decode_tps)}tok/s")
+                if use_tqdm:  # formatting the bar costs more than a step's scheduling
+                    elapsed = perf_counter() - t
+                    if num_tokens > 0:
+                        prefill_tps = num_tokens / elapsed
+                    else:
+                        decode_tps = -num_tokens / elapsed
+                    pbar.set_postfix(Prefill=f"{int(prefill_tps)}tok/s",
+                                     Decode=f"{int(decode_tps)}tok/s")
                 for seq in finished:
                     outputs[seq.seq_id] = seq
                     pbar.update(1)
