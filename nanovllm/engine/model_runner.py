@@ -6,7 +6,7 @@ import torch
 from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, select_attention_backend
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import Context, forward_context
@@ -156,8 +156,13 @@ class ModelRunner:
         return (self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64),
                 context)
 
-    def prepare_sample(self, seqs: list[Sequence]) -> torch.Tensor:
-        return self._to_device([seq.sampling_params.temperature for seq in seqs], torch.float32)
+    def prepare_sample(self, seqs: list[Sequence]) -> torch.Tensor | SamplingTensors:
+        """Temperatures alone for the sampler's fast path, else every per-row parameter."""
+        params = [seq.sampling_params for seq in seqs]
+        if all(p.simple for p in params):
+            return self._to_device([p.temperature for p in params], torch.float32)
+        # seeded noise is keyed by the index the new token will have in its sequence
+        return SamplingTensors.build(params, [len(seq) for seq in seqs], self._to_device)
 
     # ---- execution ----------------------------------------------------------------------
     @torch.inference_mode()
@@ -184,11 +189,11 @@ class ModelRunner:
         """Execute one step; rank 0 returns the sampled token ids."""
         prepare = self.prepare_prefill if is_prefill else self.prepare_decode
         input_ids, positions, context = prepare(seqs)
-        temperatures = self.prepare_sample(seqs) if self.rank == 0 else None
+        sample_params = self.prepare_sample(seqs) if self.rank == 0 else None
         logits = self.run_model(input_ids, positions, context)
         if self.rank != 0:
             return None
-        return self.sampler(logits, temperatures).tolist()
+        return self.sampler(logits, sample_params).tolist()
 
     @torch.inference_mode()
     def capture_cudagraph(self) -> None:
