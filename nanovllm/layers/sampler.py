@@ -7,6 +7,7 @@ U is a counter-based hash of (seed, position, vocab index): a seeded row draws t
 whatever its batch mates, its row in the batch, or whether CUDA graphs ran the model.
 Greedy rows (T = 0) take argmax(l) on either path.
 """
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,11 +35,21 @@ def _mix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 31)
 
 
-def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+@functools.cache
+def stream_steps(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[V] int64: (v + 1) * golden, splitmix64's state increments for vocab index v.
+
+    Made eagerly and passed in: inside torch.compile, Inductor folds arange * constant into
+    an int32 index expression that cannot hold the 64-bit constant.
+    """
+    return torch.arange(1, vocab_size + 1, device=device) * _GOLDEN
+
+
+def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor,
+                   steps: torch.Tensor) -> torch.Tensor:
     """U(0, 1) noise [B, V] that depends only on (seed, position, vocab index) of each cell."""
     row = _mix64(_mix64(seeds) ^ positions)  # [B]: one splitmix64 stream per (seed, position)
-    index = torch.arange(1, vocab_size + 1, device=seeds.device)
-    bits = _mix64(row[:, None] + index * _GOLDEN)  # [B, V]: the stream's first V outputs
+    bits = _mix64(row[:, None] + steps)  # [B, V]: the stream's first V outputs
     # 23 bits: (k + 0.5) / 2**23 is exact in float32 and never 0 or 1, so log(-log U) is finite
     return (_shr(bits, 41).float() + 0.5) * 2.0**-23
 
@@ -85,8 +96,9 @@ class Sampler(nn.Module):
             scaled = self.mask_min_p(scaled, params.min_ps)
         if params.use_top_k_top_p:
             scaled = self.mask_top_k_top_p(scaled, params.top_ks, params.top_ps)
+        steps = stream_steps(logits.size(1), logits.device)
         return self.gumbel_max(logits, scaled, params.temperatures, params.seeds,
-                               params.positions)
+                               params.positions, steps)
 
     @compile_on_cuda
     def race(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
@@ -106,7 +118,8 @@ class Sampler(nn.Module):
         gap = logits - logits.amax(dim=-1, keepdim=True)
         return logits.masked_fill(gap < torch.log(min_ps).unsqueeze(1), float("-inf"))
 
-    @compile_on_cuda
+    # Eager: sort dominates, and Inductor (torch 2.11) fails to generate its split cumsum
+    # once the batch dimension turns dynamic.
     def mask_top_k_top_p(self, logits: torch.Tensor, top_ks: torch.Tensor,
                          top_ps: torch.Tensor) -> torch.Tensor:
         """-inf outside the top k (exactly k: ties go to the lower vocab index), then outside
@@ -122,8 +135,9 @@ class Sampler(nn.Module):
 
     @compile_on_cuda
     def gumbel_max(self, logits: torch.Tensor, scaled: torch.Tensor, temperatures: torch.Tensor,
-                   seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                   seeds: torch.Tensor, positions: torch.Tensor,
+                   steps: torch.Tensor) -> torch.Tensor:
         """argmax(scaled - log E), E = -log U with hashed U; argmax(logits) for greedy rows."""
-        u = seeded_uniform(seeds, positions, scaled.size(1))
+        u = seeded_uniform(seeds, positions, steps)
         sampled = (scaled - torch.log(-torch.log(u))).argmax(dim=-1)
         return torch.where(temperatures == 0, logits.argmax(dim=-1), sampled)

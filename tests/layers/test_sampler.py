@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from nanovllm.layers.sampler import Sampler, SamplingTensors, seeded_uniform
+from nanovllm.layers.sampler import Sampler, SamplingTensors, seeded_uniform, stream_steps
 from nanovllm.sampling_params import SamplingParams
 
 # Upper 0.1% points of the chi-square distribution (from tables): a correct sampler fails a
@@ -131,7 +131,8 @@ def test_seeded_noise_is_splitmix64():
     seeds, positions, vocab = [0, 1, 12345, 2**63 - 1], [0, 3, 999, 7], 16
     expected = [[((mix((mix(mix(s) ^ p) + (i + 1) * 0x9E3779B97F4A7C15) & mask) >> 41) + 0.5)
                  / 2**23 for i in range(vocab)] for s, p in zip(seeds, positions)]
-    got = seeded_uniform(torch.tensor(seeds), torch.tensor(positions), vocab)
+    got = seeded_uniform(torch.tensor(seeds), torch.tensor(positions),
+                         stream_steps(vocab, torch.device("cpu")))
     assert torch.equal(got, torch.tensor(expected, dtype=torch.float32))
     assert 0 < got.min() and got.max() < 1
 
@@ -154,6 +155,7 @@ def test_compiled_cuda_sampler_matches_cpu_masks_and_noise():
     m_gpu = gpu.mask_top_k_top_p(logits.cuda(), s_gpu.top_ks, s_gpu.top_ps).cpu()
     assert torch.equal(torch.isinf(m_gpu),
                        torch.isinf(cpu.mask_top_k_top_p(logits, s_cpu.top_ks, s_cpu.top_ps)))
-    u_gpu = torch.compile(seeded_uniform)(s_gpu.seeds, s_gpu.positions, 1000).cpu()
-    assert torch.equal(u_gpu, seeded_uniform(s_cpu.seeds, s_cpu.positions, 1000))
+    steps = stream_steps(1000, torch.device("cpu"))
+    u_gpu = torch.compile(seeded_uniform)(s_gpu.seeds, s_gpu.positions, steps.cuda()).cpu()
+    assert torch.equal(u_gpu, seeded_uniform(s_cpu.seeds, s_cpu.positions, steps))
     assert gpu(logits.cuda(), s_gpu).tolist() == cpu(logits, s_cpu).tolist()
