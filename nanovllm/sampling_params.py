@@ -1,5 +1,6 @@
 """Per-request sampling parameters."""
 from dataclasses import dataclass
+from numbers import Integral, Real
 
 MAX_SEED = 2**63 - 1  # seeds travel to the device as int64
 
@@ -28,18 +29,21 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: expected {allowed}")
 
-        def is_int(x: object) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
+        def is_int(x: object) -> bool:  # numpy ints too; bools are not counts
+            return isinstance(x, Integral) and not isinstance(x, bool)
 
-        check("temperature", isinstance(self.temperature, int | float) and self.temperature >= 0,
+        def is_real(x: object) -> bool:
+            return isinstance(x, Real) and not isinstance(x, bool)
+
+        check("temperature", is_real(self.temperature) and self.temperature >= 0,
               "a float >= 0 (0 = greedy)")
         check("max_tokens", is_int(self.max_tokens) and self.max_tokens >= 1, "an int >= 1")
         check("ignore_eos", isinstance(self.ignore_eos, bool), "a bool")
         check("top_k", is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
               "-1 (off) or an int >= 1")
-        check("top_p", isinstance(self.top_p, int | float) and 0 < self.top_p <= 1,
+        check("top_p", is_real(self.top_p) and 0 < self.top_p <= 1,
               "a float in (0, 1] (1 = off)")
-        check("min_p", isinstance(self.min_p, int | float) and 0 <= self.min_p <= 1,
+        check("min_p", is_real(self.min_p) and 0 <= self.min_p <= 1,
               "a float in [0, 1] (0 = off)")
         check("seed", self.seed is None or (is_int(self.seed) and 0 <= self.seed <= MAX_SEED),
               f"None or an int in [0, {MAX_SEED}]")
