@@ -9,6 +9,7 @@ from nanovllm.config import config_from_kwargs
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.stop_strings import StopStringChecker
 from nanovllm.engine.validation import RequestLimits, validate_request, validate_requests
 from nanovllm.sampling_params import SamplingParams
 
@@ -30,6 +31,7 @@ class LLMEngine:
                                    config.max_model_len, eos,
                                    self.model_runner.num_kvcache_blocks,
                                    config.kvcache_block_size)
+        self.stop_checker = StopStringChecker(self.tokenizer)
         # Runs shutdown on `del llm`, garbage collection or interpreter exit, whichever is first;
         # it holds the runner, not the engine, so it does not keep the engine alive.
         self._finalizer = weakref.finalize(self, self.model_runner.shutdown)
@@ -61,11 +63,33 @@ class LLMEngine:
         seqs, is_prefill = self.scheduler.schedule()
         token_ids = self.model_runner.run(seqs, is_prefill)
         finished = self.scheduler.postprocess(seqs, token_ids)
+        finished += self._check_stop_strings(seqs)
         if is_prefill:
             num_tokens = sum(len(seq) - seq.num_cached_tokens for seq in seqs)
         else:
             num_tokens = -len(seqs)
         return finished, num_tokens
+
+    def _check_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Finish sequences whose text now contains a stop string; returns the newly finished.
+
+        A match on the step that also ended a sequence (EOS, length) turns its reason to "stop".
+        """
+        newly_finished = []
+        for seq in seqs:
+            if not seq.sampling_params.stop:  # the common path decodes nothing
+                continue
+            cut = self.stop_checker.check(seq)
+            if cut is not None:
+                seq.text = self.stop_checker.text(seq)[:cut]
+                if seq.is_finished:
+                    seq.finish_reason = "stop"
+                else:
+                    self.scheduler.finish(seq, "stop")
+                    newly_finished.append(seq)
+            if seq.is_finished:
+                self.stop_checker.forget(seq)
+        return newly_finished
 
     def reset_prefix_cache(self) -> None:
         """Drop all cached prefixes, e.g. between benchmark repeats."""
@@ -76,15 +100,21 @@ class LLMEngine:
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
 
-    def generate(self, prompts: list[str] | list[list[int]],
-                 sampling_params: SamplingParams | list[SamplingParams],
+    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict]:
-        """Run all prompts to completion; results in input order as {"text", "token_ids"}.
+        """Run one prompt or a list to completion; one SamplingParams for all or one per prompt.
 
+        Returns, in input order, {"text", "token_ids", "finish_reason", "metrics"} per prompt.
         Every request is validated before any is queued, so a ValueError changes nothing. On
         any exception (Ctrl-C included) this call's requests are aborted and the engine stays
         usable.
         """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts, list)
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt: a string or a list of token ids
+        if sampling_params is None:
+            sampling_params = SamplingParams()
         requests = validate_requests(prompts, sampling_params, self.request_limits(),
                                      self.tokenizer.encode)
         block_size = self.config.kvcache_block_size
@@ -112,6 +142,8 @@ class LLMEngine:
                     pbar.update(1)
         except BaseException:
             self.scheduler.abort(seqs)
+            for seq in seqs:
+                self.stop_checker.forget(seq)
             raise
         finally:
             pbar.close()
@@ -121,7 +153,8 @@ class LLMEngine:
         token_ids = seq.completion_token_ids
         ttft = seq.first_token_time - seq.arrival_time
         latency = seq.finish_time - seq.arrival_time
-        return {"text": self.tokenizer.decode(token_ids), "token_ids": token_ids,
+        text = self.tokenizer.decode(token_ids) if seq.text is None else seq.text
+        return {"text": text, "token_ids": token_ids,
                 "finish_reason": seq.finish_reason,
                 "metrics": {"ttft_s": ttft, "latency_s": latency}}
 

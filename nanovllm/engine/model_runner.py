@@ -8,7 +8,7 @@ from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import DecodeInputs, prepare_prefill, to_device
 from nanovllm.layers.attention import Attention, select_attention_backend
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import Context, forward_context
@@ -132,9 +132,14 @@ class ModelRunner:
         host = self.decode_inputs.pack(seqs, rows, width)
         return DecodeInputs.unpack(host.to(self.device, non_blocking=True), rows, width)
 
-    def prepare_sample(self, seqs: list[Sequence]) -> torch.Tensor:
-        temperatures = [seq.sampling_params.temperature for seq in seqs]
-        return to_device(temperatures, torch.float32, self.device)
+    def prepare_sample(self, seqs: list[Sequence]) -> torch.Tensor | SamplingTensors:
+        """Temperatures alone for the sampler's fast path, else every per-row parameter."""
+        params = [seq.sampling_params for seq in seqs]
+        if all(p.simple for p in params):
+            return to_device([p.temperature for p in params], torch.float32, self.device)
+        # seeded noise is keyed by the index the new token will have in its sequence
+        return SamplingTensors.build(params, [len(seq) for seq in seqs],
+                                     lambda data, dtype: to_device(data, dtype, self.device))
 
     # ---- execution ----------------------------------------------------------------------
     @torch.inference_mode()
@@ -154,11 +159,11 @@ class ModelRunner:
             input_ids, positions, context = prepare_prefill(seqs, self.block_size, self.device)
         else:
             input_ids, positions, context = self.prepare_decode(seqs)
-        temperatures = self.prepare_sample(seqs) if self.rank == 0 else None
+        sample_params = self.prepare_sample(seqs) if self.rank == 0 else None
         logits = self.run_model(input_ids, positions, context)
         if self.rank != 0:
             return None
-        return self.sampler(logits[:len(seqs)], temperatures).tolist()
+        return self.sampler(logits[:len(seqs)], sample_params).tolist()
 
     @torch.inference_mode()
     def capture_cudagraph(self) -> None:

@@ -120,17 +120,23 @@ class Scheduler:
                 seq.first_token_time = now
             reason = self._finish_reason(seq, token_id)
             if reason is not None:
-                seq.finish_time = now
-                seq.finish_reason = reason
-                seq.status = SequenceStatus.FINISHED
-                self.block_manager.deallocate(seq)
-                self.running.remove(seq)
+                self.finish(seq, reason, now)
                 finished.append(seq)
         return finished
+
+    def finish(self, seq: Sequence, reason: str, now: float | None = None) -> None:
+        """Retire a running sequence: free its blocks and record why it stopped."""
+        seq.finish_time = perf_counter() if now is None else now
+        seq.finish_reason = reason
+        seq.status = SequenceStatus.FINISHED
+        self.block_manager.deallocate(seq)
+        self.running.remove(seq)
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.sampling_params
         if not params.ignore_eos and token_id == self.eos_token_id:
+            return "stop"
+        if params.stop_token_ids and token_id in params.stop_token_ids:
             return "stop"
         if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
             return "length"

@@ -32,6 +32,7 @@ class Sequence:
         self.block_size = block_size
         self.sampling_params = sampling_params
         self.finish_reason: str | None = None
+        self.text: str | None = None  # completion text cut before a stop string, when one hit
         self.arrival_time = perf_counter()
         self.first_token_time = self.finish_time = 0.0  # set by the scheduler
 

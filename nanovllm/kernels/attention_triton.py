@@ -122,8 +122,7 @@ def prefill_attention_triton(
     keys, values = (k_cache, v_cache) if paged else (k, v)
     block_size = k_cache.shape[1] if paged else 64
     _check_shapes(q, keys, values, block_size, paged)
-    config = _prefill_config(head_dim, block_size, q.element_size())
-    block_m, block_n, num_warps, num_stages = config
+    block_m, block_n, warps, stages = _prefill_config(head_dim, block_size, q.element_size())
     # Grid sized without a host sync: an upper bound on the query tiles of all sequences; the
     # kernel maps each program to its (sequence, tile) and surplus programs exit at once.
     num_tiles = triton.cdiv(num_q, block_m) + num_seqs
@@ -140,7 +139,7 @@ def prefill_attention_triton(
         block_tables.stride(0) if paged else 0, scale * _LOG2E, num_seqs,
         GROUP=num_heads // keys.shape[-2], HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, SEQS_P2=triton.next_power_of_2(num_seqs), PAGED=paged,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=warps, num_stages=stages,
     )
     return out
 

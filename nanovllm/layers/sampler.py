@@ -1,15 +1,108 @@
-"""Token sampling without host syncs: Gumbel-max race for temperature rows, argmax for greedy."""
+"""Token sampling without host syncs (the sampled ids' .tolist() is the only one).
+
+Fast path, when no row uses top-k/top-p/min-p/seed: the exponential race
+argmax(softmax(l / T) / E), E ~ Exp(1) from torch's RNG. Full path: l / T, then min_p, top_k
+and top_p as -inf masks, then the Gumbel-max draw argmax(l / T - log E) with E = -log U, where
+U is a counter-based hash of (seed, position, vocab index): a seeded row draws the same tokens
+whatever its batch mates, its row in the batch, or whether CUDA graphs ran the model.
+Greedy rows (T = 0) take argmax(l) on either path.
+"""
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from nanovllm.sampling_params import MAX_SEED, SamplingParams
 from nanovllm.utils.compile import compile_on_cuda
+
+# splitmix64 constants, written as the signed int64 values with the same bits
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic: it copies the sign bit)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser; int64 products wrap around, as the hash wants."""
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
+@functools.cache
+def stream_steps(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[V] int64: (v + 1) * golden, splitmix64's state increments for vocab index v.
+
+    Made eagerly and passed in: inside torch.compile, Inductor folds arange * constant into
+    an int32 index expression that cannot hold the 64-bit constant.
+    """
+    return torch.arange(1, vocab_size + 1, device=device) * _GOLDEN
+
+
+def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor,
+                   steps: torch.Tensor) -> torch.Tensor:
+    """U(0, 1) noise [B, V] that depends only on (seed, position, vocab index) of each cell."""
+    row = _mix64(_mix64(seeds) ^ positions)  # [B]: one splitmix64 stream per (seed, position)
+    bits = _mix64(row[:, None] + steps)  # [B, V]: the stream's first V outputs
+    # 23 bits: (k + 0.5) / 2**23 is exact in float32 and never 0 or 1, so log(-log U) is finite
+    return (_shr(bits, 41).float() + 0.5) * 2.0**-23
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row inputs of the full path, [B] each, plus host flags that skip unused passes."""
+
+    temperatures: torch.Tensor  # float32; 0 = greedy
+    top_ps: torch.Tensor  # float32; >= 1 = off
+    min_ps: torch.Tensor  # float32; 0 = off
+    top_ks: torch.Tensor  # int64; <= 0 = off
+    seeds: torch.Tensor  # int64 in [0, 2**63)
+    positions: torch.Tensor  # int64: index of the token being drawn in its sequence
+    use_min_p: bool
+    use_top_k_top_p: bool
+
+    @staticmethod
+    def build(params: list[SamplingParams], positions: list[int],
+              to_device: Callable[[list, torch.dtype], torch.Tensor]) -> "SamplingTensors":
+        """Pack rows into one float and one int64 tensor; `to_device(rows, dtype)` copies."""
+        sampled = [p for p in params if p.temperature > 0]
+        # unseeded rows still draw from torch's (CPU) RNG, so torch.manual_seed governs them
+        fresh = torch.randint(MAX_SEED, (len(params),)).tolist()
+        floats = to_device([[p.temperature for p in params], [p.top_p for p in params],
+                            [p.min_p for p in params]], torch.float32)
+        ints = to_device([[p.top_k for p in params],
+                          [r if p.seed is None else p.seed for p, r in zip(params, fresh)],
+                          positions], torch.int64)
+        return SamplingTensors(
+            *floats, *ints, use_min_p=any(p.min_p > 0 for p in sampled),
+            use_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in sampled))
 
 
 class Sampler(nn.Module):
-    """logits [B, V], temperatures [B] (0 = greedy) -> token ids [B]."""
+    """logits [B, V] + temperatures [B] (fast path) or SamplingTensors -> token ids [B]."""
+
+    def forward(self, logits: torch.Tensor,
+                params: torch.Tensor | SamplingTensors) -> torch.Tensor:
+        if isinstance(params, torch.Tensor):
+            return self.race(logits, params)
+        scaled = logits.float() / params.temperatures.clamp(min=1e-5).unsqueeze(1)
+        if params.use_min_p:
+            scaled = self.mask_min_p(scaled, params.min_ps)
+        if params.use_top_k_top_p:
+            scaled = self.mask_top_k_top_p(scaled, params.top_ks, params.top_ps)
+        steps = stream_steps(logits.size(1), logits.device)
+        return self.gumbel_max(logits, scaled, params.temperatures, params.seeds,
+                               params.positions, steps)
 
     @compile_on_cuda
-    def forward(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    def race(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+        """The fast path: exponential race from torch's RNG, argmax for greedy rows."""
         logits = logits.float()
         greedy = logits.argmax(dim=-1)
         scaled = logits / temperatures.clamp(min=1e-5).unsqueeze(1)
@@ -18,3 +111,33 @@ class Sampler(nn.Module):
         noise = torch.empty_like(probs).exponential_(1).clamp_(min=1e-10)
         sampled = probs.div_(noise).argmax(dim=-1)
         return torch.where(temperatures == 0, greedy, sampled)
+
+    @compile_on_cuda
+    def mask_min_p(self, logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+        """-inf where p < min_p * p_max, i.e. l - l_max < log(min_p): no softmax needed."""
+        gap = logits - logits.amax(dim=-1, keepdim=True)
+        return logits.masked_fill(gap < torch.log(min_ps).unsqueeze(1), float("-inf"))
+
+    # Eager: sort dominates, and Inductor (torch 2.11) fails to generate its split cumsum
+    # once the batch dimension turns dynamic.
+    def mask_top_k_top_p(self, logits: torch.Tensor, top_ks: torch.Tensor,
+                         top_ps: torch.Tensor) -> torch.Tensor:
+        """-inf outside the top k (exactly k: ties go to the lower vocab index), then outside
+        the smallest set whose probability, renormalised over the top k, reaches top_p."""
+        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+        rank = torch.arange(logits.size(1), device=logits.device)
+        drop = (rank >= top_ks.unsqueeze(1)) & (top_ks > 0).unsqueeze(1)  # [B, V], sorted order
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens; 0 for the top
+        drop |= (before >= top_ps.unsqueeze(1)) & (top_ps < 1).unsqueeze(1)
+        drop = torch.empty_like(drop).scatter_(1, order, drop)  # back to vocab order
+        return logits.masked_fill(drop, float("-inf"))
+
+    @compile_on_cuda
+    def gumbel_max(self, logits: torch.Tensor, scaled: torch.Tensor, temperatures: torch.Tensor,
+                   seeds: torch.Tensor, positions: torch.Tensor,
+                   steps: torch.Tensor) -> torch.Tensor:
+        """argmax(scaled - log E), E = -log U with hashed U; argmax(logits) for greedy rows."""
+        u = seeded_uniform(seeds, positions, steps)
+        sampled = (scaled - torch.log(-torch.log(u))).argmax(dim=-1)
+        return torch.where(temperatures == 0, logits.argmax(dim=-1), sampled)

@@ -1,0 +1,193 @@
+"""Sampling through the whole engine: filters, seeds, stop strings and ids, finish reasons, chat."""
+import random
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+
+N = 16
+
+
+def greedy(max_tokens: int = N, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def rand_prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1, 400) for _ in range(n)]
+
+
+def ids(outs: list[dict]) -> list[list[int]]:
+    return [o["token_ids"] for o in outs]
+
+
+def results(outs: list[dict]) -> list[dict]:
+    """Outputs without their timings."""
+    return [{k: v for k, v in o.items() if k != "metrics"} for o in outs]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    engine = LLM(tiny_model, num_kvcache_blocks=16)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [rand_prompt(rng, n) for n in (7, 30, 13)]
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(temperature=-0.1), "temperature"), (dict(max_tokens=0), "max_tokens"),
+    (dict(top_k=0), "top_k"), (dict(top_k=2.5), "top_k"), (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"), (dict(min_p=-0.1), "min_p"), (dict(min_p=1.1), "min_p"),
+    (dict(stop=""), "stop"), (dict(stop=["a", 3]), "stop"), (dict(stop_token_ids=[-1]),
+                                                              "stop_token_ids"),
+    (dict(seed=-1), "seed"), (dict(seed=2**63), "seed"), (dict(seed=1.0), "seed")])
+def test_bad_sampling_params_name_the_value_and_range(kwargs, name):
+    with pytest.raises(ValueError, match=rf"^{name}=.* expected"):
+        SamplingParams(**kwargs)
+
+
+def test_defaults_keep_upstream_behaviour():
+    sp = SamplingParams(stop="x")
+    assert (sp.temperature, sp.max_tokens, sp.ignore_eos) == (1.0, 64, False)
+    assert (sp.top_k, sp.top_p, sp.min_p, sp.seed) == (-1, 1.0, 0.0, None)
+    assert sp.stop_strings == ("x",) and SamplingParams().stop_strings == ()
+
+
+@pytest.fixture(scope="module")
+def greedy_ids(llm, prompts) -> list[list[int]]:
+    return ids(llm.generate(prompts, greedy(), use_tqdm=False))
+
+
+@pytest.mark.parametrize("kwargs", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)])
+def test_filters_at_temperature_one_reproduce_greedy(llm, prompts, greedy_ids, kwargs):
+    sp = SamplingParams(temperature=1.0, max_tokens=N, ignore_eos=True, **kwargs)
+    assert ids(llm.generate(prompts, sp, use_tqdm=False)) == greedy_ids
+
+
+def test_same_seed_same_tokens_whatever_the_batch(llm, prompts):
+    me = SamplingParams(seed=7, temperature=1.0, top_p=0.95, max_tokens=N, ignore_eos=True)
+    alone = llm.generate([prompts[0]], me, use_tqdm=False)[0]["token_ids"]
+    mates = [SamplingParams(top_k=5, max_tokens=N), me, greedy(),
+             SamplingParams(seed=8, min_p=0.1, max_tokens=4, ignore_eos=True)]
+    outs = llm.generate([prompts[1], prompts[0], prompts[2], prompts[0]], mates, use_tqdm=False)
+    assert outs[1]["token_ids"] == alone
+    assert outs[3]["token_ids"] != alone[:4]  # another seed, another draw (p ~ 1e-9 to fail)
+    other = SamplingParams(seed=9, temperature=1.0, top_p=0.95, max_tokens=N, ignore_eos=True)
+    assert llm.generate([prompts[0]], other, use_tqdm=False)[0]["token_ids"] != alone
+
+
+def test_seeded_tokens_survive_preemption(tiny_model, llm):
+    rng = random.Random(1)
+    batch = [rand_prompt(rng, 200), rand_prompt(rng, 210)]
+    # 200 + 57 tokens need a second block: the second sequence finds none free
+    params = [SamplingParams(seed=s, top_k=50, max_tokens=64, ignore_eos=True) for s in (1, 2)]
+    expected = ids(llm.generate(batch, params, use_tqdm=False))
+    small = LLM(tiny_model, num_kvcache_blocks=3)  # each needs 2 blocks at the end; 3 exist
+    try:
+        assert ids(small.generate(batch, params, use_tqdm=False)) == expected
+        assert small.scheduler.num_preemptions > 0
+    finally:
+        small.shutdown()
+
+
+def spanning_stop(llm, tokens: list[int]) -> str:
+    """A stop string of the last 2 characters of one token and the first 2 of the next."""
+    texts = [llm.tokenizer.decode(tokens[:n]) for n in range(len(tokens) + 1)]
+    for i in range(1, len(tokens) - 1):
+        a, b, c = texts[i - 1], texts[i], texts[i + 1]
+        if "\ufffd" in c or len(b) - len(a) < 2 or len(c) - len(b) < 2:
+            continue
+        stop = b[-2:] + c[len(b):len(b) + 2]
+        if c.find(stop) == len(b) - 2:  # its first occurrence is the spanning one
+            return stop
+    raise AssertionError(f"no clean token boundary in {texts[-1]!r}")
+
+
+def test_stop_string_spanning_tokens_is_cut_from_text(llm, prompts):
+    full = llm.generate(prompts, greedy(24), use_tqdm=False)
+    stop = spanning_stop(llm, full[1]["token_ids"])
+    params = [greedy(24), greedy(24, stop=["never here", stop]), greedy(24)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    tokens = full[1]["token_ids"]
+    n = next(n for n in range(len(tokens) + 1) if stop in llm.tokenizer.decode(tokens[:n]))
+    assert outs[1]["token_ids"] == tokens[:n]
+    assert outs[1]["text"] == full[1]["text"][:full[1]["text"].find(stop)]
+    assert outs[1]["finish_reason"] == "stop"
+    assert results([outs[0], outs[2]]) == results([full[0], full[2]])
+    assert llm.stop_checker.states == {}  # nothing kept for finished sequences
+
+
+def test_stop_token_ids_finish_with_the_token_kept(llm, prompts, greedy_ids):
+    tokens = greedy_ids[0]
+    i = next(i for i in range(3, N) if tokens[i] not in tokens[:i])
+    out = llm.generate(prompts[0], greedy(stop_token_ids=[tokens[i]]), use_tqdm=False)[0]
+    assert out["token_ids"] == tokens[:i + 1] and out["finish_reason"] == "stop"
+
+
+def test_finish_reason_length_at_max_tokens_and_max_model_len(tiny_model, llm, prompts):
+    out = llm.generate(prompts[0], greedy(5), use_tqdm=False)[0]
+    assert len(out["token_ids"]) == 5 and out["finish_reason"] == "length"
+    short = LLM(tiny_model, max_model_len=20, num_kvcache_blocks=2)
+    try:
+        out = short.generate(prompts[2], greedy(64), use_tqdm=False)[0]  # 13-token prompt
+    finally:
+        short.shutdown()
+    assert len(out["token_ids"]) == 20 - 13 and out["finish_reason"] == "length"
+
+
+def test_generate_takes_one_prompt_or_many_and_params_per_prompt(llm, prompts):
+    one = llm.generate(prompts[0], greedy(4), use_tqdm=False)
+    assert results(one) == results(llm.generate([prompts[0]], greedy(4), use_tqdm=False))
+    text = llm.generate("hello world", greedy(3), use_tqdm=False)
+    assert len(text) == 1 and len(text[0]["token_ids"]) == 3
+    per = llm.generate(prompts[:2], [greedy(2), greedy(5)], use_tqdm=False)
+    assert [len(o["token_ids"]) for o in per] == [2, 5]
+    default = llm.generate(prompts[0], None, use_tqdm=False)[0]
+    assert default["finish_reason"] == "stop" or len(default["token_ids"]) == 64
+    with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
+        llm.generate(prompts, [greedy(), greedy()], use_tqdm=False)
+
+
+def test_chat_equals_generate_on_the_templated_prompt(llm):
+    convs = [[{"role": "user", "content": "hello world"}],
+             [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the fox"},
+              {"role": "assistant", "content": "jumps"}, {"role": "user", "content": "over"}]]
+    templated = [llm.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+                 for c in convs]
+    assert templated[0].endswith("<|im_start|>assistant\n")
+    expected = llm.generate(templated, greedy(8), use_tqdm=False)
+    assert results(llm.chat(convs, greedy(8), use_tqdm=False)) == results(expected)
+    assert results(llm.chat(convs[1], greedy(8), use_tqdm=False)) == results(expected[1:])
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_match_eager_for_seeded_mixed_batch(tiny_model):
+    """Graphs replay only the model forward; the sampler runs after it in both modes.
+
+    8 rows that all run 32 steps keep every decode batch at a captured size, so eager and
+    graph replay run the same GEMM and attention shapes and produce the same logits.
+    """
+    rng = random.Random(3)
+    batch = [rand_prompt(rng, 5 + 4 * i) for i in range(8)]
+    kw = dict(max_tokens=32, ignore_eos=True)
+    params = [SamplingParams(seed=1, **kw), SamplingParams(seed=2, temperature=0.8, top_k=20, **kw),
+              SamplingParams(seed=3, top_p=0.9, **kw), SamplingParams(seed=4, min_p=0.1, **kw),
+              SamplingParams(temperature=0, **kw), SamplingParams(top_k=40, **kw),  # unseeded
+              SamplingParams(seed=5, temperature=1.5, top_k=50, top_p=0.8, min_p=0.02, **kw),
+              SamplingParams(seed=6, temperature=0.5, **kw)]
+    outs = {}
+    for eager in (True, False):
+        llm = LLM(tiny_model, enforce_eager=eager, max_model_len=256, max_num_seqs=8,
+                  dtype="bfloat16")
+        try:
+            assert bool(llm.model_runner.graphs) != eager
+            torch.manual_seed(0)  # unseeded rows draw from torch's RNG
+            outs[eager] = ids(llm.generate(batch, params, use_tqdm=False))
+        finally:
+            llm.shutdown()
+    assert outs[True] == outs[False]

@@ -1,0 +1,208 @@
+"""Paged attention: torch references vs a naive float64 loop, Triton kernels vs the references."""
+
+import itertools
+import os
+
+# The interpreter runs tl.dot on numpy: threaded OpenBLAS on a small busy CPU can be ~100x
+# slower for these tiny matmuls. Takes effect only before numpy's first import (torch's).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
+
+import pytest  # noqa: E402
+
+from nanovllm.kernels.attention_torch import (  # noqa: E402
+    decode_attention_torch,
+    prefill_attention_torch,
+)
+from nanovllm.kernels.attention_triton import (  # noqa: E402
+    _num_splits,
+    decode_attention_triton,
+    prefill_attention_triton,
+)
+from nanovllm.kernels.store_kvcache import store_kvcache  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+# (block_size, head_dim, group): the full grid on CUDA; under the (slow) interpreter a covering
+# subset in which every block_size, head_dim and GQA ratio appears.
+PAGED_CASES = (
+    list(itertools.product([16, 32, 256], [32, 64, 128], [1, 2, 4])) if DEVICE == "cuda"
+    else [(16, 32, 1), (16, 64, 2), (16, 128, 4), (32, 64, 4), (256, 32, 2), (256, 128, 1)]
+)
+DENSE_CASES = [(d, g) for b, d, g in PAGED_CASES if b != 32]  # (head_dim, group)
+KV_HEADS = 2
+# (atol, rtol) Triton vs reference; on CUDA fp32 tl.dot runs in tf32.
+TOL = {torch.float32: (1e-4, 1e-4) if DEVICE == "cpu" else (1e-2, 1e-2),
+       torch.bfloat16: (3e-2, 3e-2)}
+DENSE_LENS = [1, 0, 64, 80]  # incl. an empty sequence and several query tiles
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def _paged_pairs(block_size: int) -> list[tuple[int, int]]:
+    """Mixed (seqlen_q, seqlen_k) batch: prefix hits, page crossings, exact page multiples."""
+    return [(3, 3), (20, 53), (1, 33), (24, 2 * block_size), (8, block_size + 44)]
+
+
+def _cu(lens: list[int]) -> torch.Tensor:
+    """Cumulative sequence lengths [B + 1], int32."""
+    return torch.tensor([0, *lens], device=DEVICE).cumsum(0).to(torch.int32)
+
+
+def _paged_cache(
+    lens: list[int], block_size: int, head_dim: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random caches (garbage everywhere) and block tables of shuffled ids, padded with -1."""
+    per_seq = [(n + block_size - 1) // block_size for n in lens]
+    num_blocks = sum(per_seq) + 3  # spare blocks never referenced
+    ids = torch.randperm(num_blocks).tolist()
+    tables = torch.full((len(lens), max(per_seq) + 1), -1, dtype=torch.int32)
+    for b, n in enumerate(per_seq):
+        tables[b, :n] = torch.tensor(ids[:n], dtype=torch.int32)
+        ids = ids[n:]
+    shape = (num_blocks, block_size, KV_HEADS, head_dim)
+    k_cache = torch.randn(shape, dtype=dtype, device=DEVICE)
+    v_cache = torch.randn(shape, dtype=dtype, device=DEVICE)
+    return k_cache, v_cache, tables.to(DEVICE)
+
+
+def _gather_naive(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """Token-by-token gather of one sequence from the paged cache."""
+    bs = cache.shape[1]
+    return torch.stack([cache[int(table[p // bs]), p % bs] for p in range(length)])
+
+
+def _naive(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: list[int],
+           scale: float) -> torch.Tensor:
+    """float64 per-query, per-head causal attention; query i sees keys 0..q_pos[i]."""
+    q, keys, values = q.double(), keys.double(), values.double()
+    group = q.shape[1] // keys.shape[1]
+    out = torch.zeros_like(q)
+    for i, pos in enumerate(q_pos):
+        for h in range(q.shape[1]):
+            k, v = keys[: pos + 1, h // group], values[: pos + 1, h // group]
+            out[i, h] = torch.softmax(k @ q[i, h] * scale, dim=0) @ v
+    return out
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_prefill_torch_matches_naive(paged: bool) -> None:
+    """Reference prefill (dense and paged with prefix hits, GQA 2) against the float64 loop."""
+    pairs = [(20, 53), (1, 17), (16, 16)] if paged else [(5, 5), (17, 17), (1, 1)]
+    heads, head_dim, block_size, scale = 2 * KV_HEADS, 16, 16, 0.3
+    q_lens, k_lens = [p[0] for p in pairs], [p[1] for p in pairs]
+    q = torch.randn(sum(q_lens), heads, head_dim, device=DEVICE)
+    k = torch.randn(sum(k_lens), KV_HEADS, head_dim, device=DEVICE)
+    v = torch.randn_like(k)
+    k_cache, v_cache, tables = _paged_cache(k_lens, block_size, head_dim, torch.float32)
+    cu_q, cu_k = _cu(q_lens), _cu(k_lens)
+    out = prefill_attention_torch(q, k, v, k_cache, v_cache, cu_q, cu_k,
+                                  tables if paged else None, scale)
+    for b, (len_q, len_k) in enumerate(pairs):
+        if paged:
+            keys = _gather_naive(k_cache, tables[b], len_k)
+            values = _gather_naive(v_cache, tables[b], len_k)
+        else:
+            keys, values = k[cu_k[b] : cu_k[b + 1]], v[cu_k[b] : cu_k[b + 1]]
+        q_pos = [len_k - len_q + i for i in range(len_q)]
+        expected = _naive(q[cu_q[b] : cu_q[b + 1]], keys, values, q_pos, scale)
+        torch.testing.assert_close(out[cu_q[b] : cu_q[b + 1]].double(), expected,
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_decode_torch_matches_naive() -> None:
+    """Reference decode (GQA 4, padding rows) against the float64 loop."""
+    lens, heads, head_dim, scale = [0, 1, 17, 33, 0], 4 * KV_HEADS, 16, 0.25
+    k_cache, v_cache, tables = _paged_cache(lens, 16, head_dim, torch.float32)
+    q = torch.randn(len(lens), heads, head_dim, device=DEVICE)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out = decode_attention_torch(q, k_cache, v_cache, ctx, tables, scale)
+    for b, n in enumerate(lens):
+        if n == 0:
+            assert torch.equal(out[b], torch.zeros_like(out[b]))
+            continue
+        keys = _gather_naive(k_cache, tables[b], n)
+        values = _gather_naive(v_cache, tables[b], n)
+        expected = _naive(q[b : b + 1], keys, values, [n - 1], scale)[0]
+        torch.testing.assert_close(out[b].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("head_dim", "group"), sorted(set(DENSE_CASES)))
+def test_prefill_triton_dense(head_dim: int, group: int, dtype: torch.dtype) -> None:
+    """Dense varlen prefill on strided q/k/v views (as split from a fused qkv projection)."""
+    heads, n = group * KV_HEADS, sum(DENSE_LENS)
+    qkv = torch.randn(n, (heads + 2 * KV_HEADS) * head_dim, dtype=dtype, device=DEVICE)
+    q, k, v = qkv.split([heads * head_dim, KV_HEADS * head_dim, KV_HEADS * head_dim], dim=-1)
+    q, k, v = q.view(n, heads, head_dim), k.view(n, -1, head_dim), v.view(n, -1, head_dim)
+    cu = _cu(DENSE_LENS)
+    args = (q, k, v, None, None, cu, cu, None, head_dim**-0.5)
+    _close(prefill_attention_triton(*args), prefill_attention_torch(*args), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("block_size", "head_dim", "group"), PAGED_CASES)
+def test_prefill_triton_paged(block_size: int, head_dim: int, group: int,
+                              dtype: torch.dtype) -> None:
+    """Paged prefill with cached prefixes, shuffled block ids and -1 table padding."""
+    pairs = _paged_pairs(block_size)
+    q_lens, k_lens = [p[0] for p in pairs], [p[1] for p in pairs]
+    k_cache, v_cache, tables = _paged_cache(k_lens, block_size, head_dim, dtype)
+    q = torch.randn(sum(q_lens), group * KV_HEADS, head_dim, dtype=dtype, device=DEVICE)
+    args = (q, None, None, k_cache, v_cache, _cu(q_lens), _cu(k_lens), tables, head_dim**-0.5)
+    _close(prefill_attention_triton(*args), prefill_attention_torch(*args), dtype)
+
+
+def test_prefill_triton_paged_matches_dense() -> None:
+    """store_kvcache then paged prefill (given max_seqlen_q) equals dense prefill."""
+    lens, block_size, head_dim, heads = [40, 16, 5], 16, 32, 2 * KV_HEADS
+    k_cache, v_cache, tables = _paged_cache(lens, block_size, head_dim, torch.float32)
+    q = torch.randn(sum(lens), heads, head_dim, device=DEVICE)
+    k = torch.randn(sum(lens), KV_HEADS, head_dim, device=DEVICE)
+    v = torch.randn_like(k)
+    slots = torch.cat([tables[b, torch.arange(n, device=DEVICE) // block_size] * block_size
+                       + torch.arange(n, device=DEVICE) % block_size
+                       for b, n in enumerate(lens)]).to(torch.int32)
+    store_kvcache(k, v, k_cache, v_cache, slots)
+    cu = _cu(lens)
+    dense = prefill_attention_triton(q, k, v, None, None, cu, cu, None, 0.2)
+    paged = prefill_attention_triton(q, None, None, k_cache, v_cache, cu, cu, tables, 0.2,
+                                     max_seqlen_q=max(lens))
+    _close(paged, dense, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("block_size", "head_dim", "group"), PAGED_CASES)
+def test_decode_triton(block_size: int, head_dim: int, group: int, dtype: torch.dtype) -> None:
+    """Decode over mixed contexts (incl. exact page multiples) with context_len 0 padding rows."""
+    lens = [0, 1, 16, 45, 2 * block_size, block_size + 44, 0]
+    k_cache, v_cache, tables = _paged_cache(lens, block_size, head_dim, dtype)
+    q = torch.randn(len(lens), group * KV_HEADS, head_dim, dtype=dtype, device=DEVICE)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out = decode_attention_triton(q, k_cache, v_cache, ctx, tables, head_dim**-0.5)
+    _close(out, decode_attention_torch(q, k_cache, v_cache, ctx, tables, head_dim**-0.5), dtype)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and not out.isnan().any()
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 5])
+def test_decode_triton_long_context_splits(num_splits: int | None) -> None:
+    """Long contexts spread over several splits (auto and forced counts) give the same result."""
+    lens, block_size, head_dim, heads = [600, 300, 5, 0], 32, 32, 2 * KV_HEADS
+    k_cache, v_cache, tables = _paged_cache(lens, block_size, head_dim, torch.float32)
+    assert _num_splits(len(lens), KV_HEADS, tables.shape[1] * block_size) > 1
+    q = torch.randn(len(lens), heads, head_dim, device=DEVICE)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out = decode_attention_triton(q, k_cache, v_cache, ctx, tables, 0.2, num_splits=num_splits)
+    _close(out, decode_attention_torch(q, k_cache, v_cache, ctx, tables, 0.2), torch.float32)
