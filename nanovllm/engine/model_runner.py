@@ -153,6 +153,7 @@ class ModelRunner:
             graph.replay()
             return self.model.compute_logits(self.graph_outputs[:input_ids.size(0)])
 
+    @torch.inference_mode()  # graph input buffers are inference tensors
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
         """Execute one step; rank 0 returns the sampled token ids."""
         if is_prefill:
