@@ -1,5 +1,6 @@
 """The engine loop: add requests, step the scheduler and model, collect finished outputs."""
 import atexit
+from contextlib import nullcontext
 from time import perf_counter
 
 from tqdm.auto import tqdm
@@ -9,6 +10,7 @@ from nanovllm.config import config_from_kwargs
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.worker import WorkerGroup
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -18,8 +20,18 @@ class LLMEngine:
     def __init__(self, model: str, **kwargs):
         attention_backend = kwargs.pop("attention_backend", "auto")
         self.config = config = config_from_kwargs(model, kwargs)
-        self.model_runner = ModelRunner(config, 0, attention_backend)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.model_runner: ModelRunner | None = None
+        # Ranks 1..N-1 first: rank 0's runner agrees on the KV pool size with them.
+        self.workers = (WorkerGroup(config, attention_backend)
+                        if config.tensor_parallel_size > 1 else None)
+        atexit.register(self.shutdown)
+        try:
+            with self.workers.guard() if self.workers else nullcontext():
+                self.model_runner = ModelRunner(config, 0, attention_backend)
+            self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        except BaseException:
+            self.shutdown()
+            raise
         eos = self.tokenizer.eos_token_id
         if eos is None:
             eos = getattr(config.hf_config, "eos_token_id", None)
@@ -28,14 +40,16 @@ class LLMEngine:
                                    config.max_model_len, eos,
                                    self.model_runner.num_kvcache_blocks,
                                    config.kvcache_block_size)
-        atexit.register(self.shutdown)
 
     def shutdown(self) -> None:
-        """Release the model, KV pool and graphs; safe to call twice."""
+        """Stop the workers; release the model, KV pool and graphs; safe to call twice."""
+        atexit.unregister(self.shutdown)
+        workers, self.workers = getattr(self, "workers", None), None
         runner, self.model_runner = getattr(self, "model_runner", None), None
+        if workers is not None:
+            workers.shutdown()
         if runner is not None:
             runner.shutdown()
-            atexit.unregister(self.shutdown)
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
         """Queue one request; returns its sequence id."""
@@ -48,13 +62,18 @@ class LLMEngine:
     def step(self) -> tuple[list[Sequence], int]:
         """Run one scheduled batch; returns (finished sequences, tokens processed: + prefill,
         - decode)."""
+        if self.model_runner is None:
+            raise RuntimeError("the engine is shut down")
         seqs, is_prefill = self.scheduler.schedule()
-        token_ids = self.model_runner.run(seqs, is_prefill)
-        finished = self.scheduler.postprocess(seqs, token_ids)
         if is_prefill:
             num_tokens = sum(len(seq) - seq.num_cached_tokens for seq in seqs)
         else:
             num_tokens = -len(seqs)
+        if self.workers is None:
+            token_ids = self.model_runner.run(seqs, is_prefill)
+        else:
+            token_ids = self.workers.execute(self.model_runner, "run", seqs, is_prefill)
+        finished = self.scheduler.postprocess(seqs, token_ids)
         return finished, num_tokens
 
     def reset_prefix_cache(self) -> None:

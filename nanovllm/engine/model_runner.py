@@ -2,10 +2,12 @@
 import logging
 
 import torch
+import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, select_attention_backend
+from nanovllm.layers.linear import tp_rank_and_size
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 from nanovllm.sampling_params import SamplingParams
@@ -27,6 +29,11 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.device = torch.device(f"cuda:{rank}" if config.device == "cuda" else "cpu")
         self.use_cuda_graph = config.device == "cuda" and not config.enforce_eager
+        if tp_rank_and_size() != (rank, self.world_size):
+            # The layers shard themselves by the torch.distributed group they find.
+            raise RuntimeError(f"rank {rank} of tensor_parallel_size={self.world_size} needs a "
+                               f"process group of that size; found (rank, size) = "
+                               f"{tp_rank_and_size()}")
         if config.device == "cuda":
             torch.cuda.set_device(self.device)
         hf_config = config.hf_config
@@ -86,6 +93,11 @@ class ModelRunner:
         else:
             min_blocks = -(-config.max_model_len // self.block_size)
             num_blocks = max(CPU_KV_POOL_BYTES // block_bytes, min_blocks)
+        if self.world_size > 1:
+            # Block ids must mean the same on every rank: all ranks take the smallest pool.
+            agreed = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+            num_blocks = int(agreed.item())
         if num_blocks <= 0:
             raise RuntimeError(
                 f"no room for the KV cache: one block needs {block_bytes} bytes; raise "
@@ -119,7 +131,7 @@ class ModelRunner:
         bs = self.block_size
         for seq in seqs:
             seqlen, cached = len(seq), seq.num_cached_tokens
-            input_ids.extend(seq.token_ids[cached:])
+            input_ids.extend(seq.uncached_token_ids)
             positions.extend(range(cached, seqlen))
             cu_seqlens_q.append(cu_seqlens_q[-1] + seqlen - cached)
             cu_seqlens_k.append(cu_seqlens_k[-1] + seqlen)
