@@ -23,7 +23,7 @@ class CommandChannel:
         0          8          16                               16 + length      capacity
         | number   | length   | pickle.dumps((method, args))   | unused ...     |
 
-    Signalling (one Event per worker) lives outside; the writer may only overwrite a command
+    Signalling (one semaphore per worker) lives outside; the writer may only overwrite a command
     after every reader has read it, which the worker loop guarantees by reading before it
     joins the step's collectives. A command too big for the segment moves the channel: the
     writer creates a segment twice as big (or more), writes the command there, and leaves

@@ -1,9 +1,10 @@
 """Tensor parallelism: rank 0 (in the engine's process) drives ranks 1..N-1 (spawned workers).
 
 Each rank owns a ModelRunner (its model shard and KV pool). Rank 0 publishes every step as a
-("run", (seqs, is_prefill)) command through a CommandChannel and sets one Event per worker;
-each worker's loop reads the command, builds its own step inputs from the sequences and joins
-the step's collectives (gloo on CPU, NCCL on CUDA). Tensors move only through those collectives.
+("run", (seqs, is_prefill)) command through a CommandChannel and wakes each worker through its
+own semaphore; each worker's loop reads the command, builds its own step inputs from the
+sequences and joins the step's collectives (gloo on CPU, NCCL on CUDA). Tensors move only
+through those collectives.
 """
 import multiprocessing as mp
 import os
@@ -11,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from multiprocessing.synchronize import Event
+from multiprocessing.synchronize import Semaphore
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,7 @@ def init_process_group(device: str, store: dist.Store, rank: int, world_size: in
                             world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
 
 
-def worker_main(config: Config, rank: int, port: int, channel_name: str, event: Event,
+def worker_main(config: Config, rank: int, port: int, channel_name: str, wakeup: Semaphore,
                 attention_backend: str) -> None:
     """Entry point of a spawned rank: join the group, build the shard, serve commands."""
     world_size = config.tensor_parallel_size
@@ -62,7 +63,7 @@ def worker_main(config: Config, rank: int, port: int, channel_name: str, event: 
     runner = None
     try:
         runner = ModelRunner(config, rank, attention_backend)
-        worker_loop(runner, channel, event)
+        worker_loop(runner, channel, wakeup)
     finally:
         if runner is not None:
             runner.shutdown()
@@ -70,16 +71,15 @@ def worker_main(config: Config, rank: int, port: int, channel_name: str, event: 
         dist.destroy_process_group()
 
 
-def worker_loop(runner: ModelRunner, channel: CommandChannel, event: Event) -> None:
+def worker_loop(runner: ModelRunner, channel: CommandChannel, wakeup: Semaphore) -> None:
     """Read commands and dispatch them until "shutdown", or until the engine's process dies."""
     parent = mp.parent_process()
     while True:
-        if not event.wait(PARENT_POLL_S):
+        if not wakeup.acquire(timeout=PARENT_POLL_S):
             if parent is not None and not parent.is_alive():
                 return  # orphaned: nobody will ever send "shutdown"
             continue
         method, args = channel.read()
-        event.clear()  # before the step's collectives, so rank 0 cannot signal again earlier
         if method == "shutdown":
             return
         if method not in WORKER_COMMANDS:
@@ -105,12 +105,14 @@ class WorkerGroup:
                                    timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
         self.channel = CommandChannel.create()
         ctx = mp.get_context("spawn")
-        self.events = [ctx.Event() for _ in range(1, self.world_size)]
+        # One wakeup per worker. Semaphores, not Events: Event.set() waits for every waiter to
+        # wake, so it hangs forever once a worker is killed while waiting; release() never blocks.
+        self.wakeups = [ctx.Semaphore(0) for _ in range(1, self.world_size)]
         self.processes = [
             ctx.Process(target=worker_main, name=f"nanovllm-tp{rank}",
-                        args=(config, rank, self.store.port, self.channel.name, event,
+                        args=(config, rank, self.store.port, self.channel.name, wakeup,
                               attention_backend))
-            for rank, event in enumerate(self.events, start=1)]
+            for rank, wakeup in enumerate(self.wakeups, start=1)]
         try:
             for process in self.processes:
                 process.start()
@@ -167,8 +169,8 @@ class WorkerGroup:
         self.check_alive()
         with self.guard():
             self.channel.write(method, args)
-            for event in self.events:
-                event.set()
+            for wakeup in self.wakeups:
+                wakeup.release()
             return WORKER_COMMANDS[method](runner, *args)
 
     def shutdown(self, join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
@@ -178,8 +180,8 @@ class WorkerGroup:
         self.closed = True
         started = [p for p in self.processes if p.pid is not None]
         self.channel.write("shutdown", ())
-        for event in self.events:
-            event.set()
+        for wakeup in self.wakeups:
+            wakeup.release()
         for process in started:
             process.join(join_timeout_s)
         if dist.is_initialized():
