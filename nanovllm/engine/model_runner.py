@@ -15,7 +15,7 @@ from nanovllm.utils.context import Context, forward_context
 from nanovllm.utils.loader import load_model
 
 logger = logging.getLogger(__name__)
-CPU_KV_POOL_BYTES = 2 << 30  # default KV pool on CPU when num_kvcache_blocks is -1: 2 GiB
+CPU_KV_POOL_BYTES = 2 << 30  # CPU KV pool of all ranks together when num_kvcache_blocks is -1
 _WARMUP_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 
@@ -92,7 +92,9 @@ class ModelRunner:
             num_blocks = int(budget) // block_bytes
         else:
             min_blocks = -(-config.max_model_len // self.block_size)
-            num_blocks = max(CPU_KV_POOL_BYTES // block_bytes, min_blocks)
+            # Every rank's shard lives in the same host memory: split the budget between them.
+            budget = CPU_KV_POOL_BYTES // self.world_size
+            num_blocks = max(budget // block_bytes, min_blocks)
         if self.world_size > 1:
             # Block ids must mean the same on every rank: all ranks take the smallest pool.
             agreed = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)

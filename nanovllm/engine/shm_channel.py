@@ -36,8 +36,9 @@ class CommandChannel:
         self.number = 0  # last command written (writer) or read (reader)
 
     @classmethod
-    def create(cls, capacity: int = DEFAULT_CAPACITY) -> "CommandChannel":
-        """The writer's end: a new segment with a unique name."""
+    def create(cls, capacity: int | None = None) -> "CommandChannel":
+        """The writer's end: a new segment with a unique name (DEFAULT_CAPACITY bytes)."""
+        capacity = DEFAULT_CAPACITY if capacity is None else capacity
         if capacity <= _HEADER.size:
             raise ValueError(f"capacity={capacity} must exceed the {_HEADER.size}-byte header")
         return cls(SharedMemory(unique_name(), create=True, size=capacity), owner=True)

@@ -38,7 +38,8 @@ class WorkerDiedError(RuntimeError):
 
 def cpu_threads_per_rank(world_size: int) -> int:
     """Split this machine's cores between ranks: oversubscribed ranks crawl at every collective."""
-    return max(1, len(os.sched_getaffinity(0)) // world_size)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // world_size)
 
 
 def init_process_group(device: str, store: dist.Store, rank: int, world_size: int) -> None:
@@ -97,9 +98,6 @@ class WorkerGroup:
                                "process (another tensor-parallel engine?); shut it down first")
         self.device, self.world_size = config.device, config.tensor_parallel_size
         self.closed = False
-        self.saved_num_threads = torch.get_num_threads()
-        if self.device == "cpu":
-            torch.set_num_threads(cpu_threads_per_rank(self.world_size))
         # Port 0: the OS picks a free port, so engines on one machine never collide.
         self.store = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True,
                                    timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
@@ -113,6 +111,9 @@ class WorkerGroup:
                         args=(config, rank, self.store.port, self.channel.name, wakeup,
                               attention_backend))
             for rank, wakeup in enumerate(self.wakeups, start=1)]
+        self.saved_num_threads = torch.get_num_threads()
+        if self.device == "cpu":
+            torch.set_num_threads(cpu_threads_per_rank(self.world_size))
         try:
             for process in self.processes:
                 process.start()

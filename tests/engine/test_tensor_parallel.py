@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
-from nanovllm.engine import worker
+from nanovllm.engine import shm_channel, worker
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.utils.checkpoint import build_checkpoint
 from tests.reference import hf_greedy, load_hf
@@ -183,16 +183,19 @@ def test_workers_exit_when_the_engine_process_dies(tiny_model, tmp_path):
 
 
 # ---- lifecycles -----------------------------------------------------------------------------
-def test_two_engines_one_after_the_other_in_one_process(tiny_model):
-    batch, names = prompts(1), []
-    results = []
-    for _ in range(2):
+def test_two_engines_one_after_the_other_in_one_process(tiny_model, monkeypatch):
+    batch, names, results = prompts(1), [], []
+    for capacity in (1 << 20, 1024):  # the second engine's prefill outgrows its channel
+        monkeypatch.setattr(shm_channel, "DEFAULT_CAPACITY", capacity)
         llm = LLM(tiny_model, tensor_parallel_size=2, num_kvcache_blocks=16)
         names.append(llm.workers.channel.name)
         results.append(tokens(llm, batch))
+        names.append(llm.workers.channel.name)
+        assert (names[-1] != names[-2]) == (capacity == 1024)  # grown: a new, bigger segment
         llm.shutdown()
         assert_nothing_left(names[-1])
-    assert results[0] == results[1] and names[0] != names[1]
+    assert results[0] == results[1] and len(set(names)) == 3
+    assert not any(segment_exists(name) for name in names)
 
 
 def test_two_processes_each_with_a_tp2_engine_at_once(tiny_model, tmp_path):
