@@ -1,4 +1,5 @@
 """Tensor parallelism on CPU (gloo): parity with TP=1 and transformers, failures, lifecycles."""
+import glob
 import json
 import multiprocessing as mp
 import os
@@ -84,7 +85,8 @@ def bias_model(tmp_path_factory) -> str:
 @pytest.mark.parametrize("tp, name", [(3, "num_attention_heads"), (4, "num_key_value_heads")])
 def test_tp_must_divide_heads(tiny_model, tp, name):
     with pytest.raises(ValueError, match=f"tensor_parallel_size={tp} does not divide {name}="):
-        Config(tiny_model, tensor_parallel_size=tp)
+        LLM(tiny_model, tensor_parallel_size=tp)
+    assert mp.active_children() == []  # refused before any worker started
 
 
 def test_tp_must_divide_intermediate_size_and_vocab(tmp_path):
@@ -180,6 +182,13 @@ def test_workers_exit_when_the_engine_process_dies(tiny_model, tmp_path):
     while segment_exists(info["shm"]) and time.monotonic() < deadline + 5:
         time.sleep(0.1)
     assert not segment_exists(info["shm"])
+
+
+def test_a_failed_start_leaves_nothing_behind(tiny_model):
+    with pytest.raises(ValueError, match="attention backend 'bogus' unknown"):
+        LLM(tiny_model, tensor_parallel_size=2, num_kvcache_blocks=16, attention_backend="bogus")
+    assert mp.active_children() == [] and not dist.is_initialized()
+    assert glob.glob(f"/dev/shm/nanovllm-{os.getpid()}-*") == []
 
 
 # ---- lifecycles -----------------------------------------------------------------------------
