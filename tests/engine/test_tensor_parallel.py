@@ -207,6 +207,7 @@ def test_two_engines_one_after_the_other_in_one_process(tiny_model, monkeypatch)
     assert not any(segment_exists(name) for name in names)
 
 
+@pytest.mark.slow
 def test_two_processes_each_with_a_tp2_engine_at_once(tiny_model, tmp_path):
     batch = prompts(2)
     cmd = [sys.executable, "-c", ENGINE_SCRIPT, tiny_model, json.dumps(batch), str(tmp_path),
