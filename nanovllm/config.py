@@ -39,6 +39,7 @@ class Config:
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                 f"max_model_len={self.max_model_len} so that any prompt fits in one prefill step")
         self.device = resolve_device(self.device)
+        check_tensor_parallel(self.tensor_parallel_size, self.device, self.hf_config)
         self.torch_dtype = resolve_dtype(self.dtype, self.device, self.hf_config)
 
     def _check_ranges(self) -> None:
@@ -111,6 +112,19 @@ def resolve_device(device: str) -> str:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but no CUDA GPU is visible")
     return device
+
+
+def check_tensor_parallel(tp_size: int, device: str, hf_config: PretrainedConfig) -> None:
+    """Every rank needs its own GPU and an equal share of heads, MLP columns and vocabulary."""
+    if device == "cuda" and tp_size > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={tp_size} exceeds the "
+                         f"{torch.cuda.device_count()} visible CUDA GPU(s)")
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size",
+                 "vocab_size"):
+        value = getattr(hf_config, name)
+        if value % tp_size:
+            raise ValueError(f"tensor_parallel_size={tp_size} does not divide {name}={value}; "
+                             f"choose a divisor of {value}")
 
 
 def resolve_dtype(dtype: str, device: str, hf_config: PretrainedConfig) -> torch.dtype:

@@ -1,5 +1,6 @@
 """The engine loop: add requests, step the scheduler and model, collect finished outputs."""
 import weakref
+from contextlib import nullcontext
 from time import perf_counter
 
 from tqdm.auto import tqdm
@@ -11,6 +12,7 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stop_strings import StopStringChecker
 from nanovllm.engine.validation import RequestLimits, validate_request, validate_requests
+from nanovllm.engine.worker import WorkerGroup
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -22,7 +24,16 @@ class LLMEngine:
         self.config = config = config_from_kwargs(model, kwargs)
         # The tokenizer first: a bad directory then fails before any model or worker exists.
         self.tokenizer = load_tokenizer(config.model)
-        self.model_runner = ModelRunner(config, 0, attention_backend)
+        # Ranks 1..N-1 first: rank 0's runner agrees on the KV pool size with them.
+        self.workers = (WorkerGroup(config, attention_backend)
+                        if config.tensor_parallel_size > 1 else None)
+        try:
+            with self.workers.guard() if self.workers else nullcontext():
+                self.model_runner = ModelRunner(config, 0, attention_backend)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.shutdown()
+            raise
         eos = self.tokenizer.eos_token_id
         if eos is None:
             eos = getattr(config.hf_config, "eos_token_id", None)
@@ -32,15 +43,15 @@ class LLMEngine:
                                    self.model_runner.num_kvcache_blocks,
                                    config.kvcache_block_size)
         self.stop_checker = StopStringChecker(self.tokenizer)
-        # Runs shutdown on `del llm`, garbage collection or interpreter exit, whichever is first;
-        # it holds the runner, not the engine, so it does not keep the engine alive.
-        self._finalizer = weakref.finalize(self, self.model_runner.shutdown)
+        # Runs on `del llm`, garbage collection or interpreter exit, whichever is first; it
+        # holds the workers and runner, not the engine, so it does not keep the engine alive.
+        self._finalizer = weakref.finalize(self, _release, self.workers, self.model_runner)
 
     def shutdown(self) -> None:
-        """Release the model, KV pool and graphs; safe to call twice."""
+        """Stop the workers; release the model, KV pool and graphs; safe to call twice."""
         if hasattr(self, "_finalizer"):
             self._finalizer()
-        self.model_runner = None
+        self.workers = self.model_runner = None
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
         """Validate and queue one request; returns its sequence id."""
@@ -60,14 +71,19 @@ class LLMEngine:
     def step(self) -> tuple[list[Sequence], int]:
         """Run one scheduled batch; returns (finished sequences, tokens processed: + prefill,
         - decode)."""
+        if self.model_runner is None:
+            raise RuntimeError("the engine is shut down")
         seqs, is_prefill = self.scheduler.schedule()
-        token_ids = self.model_runner.run(seqs, is_prefill)
-        finished = self.scheduler.postprocess(seqs, token_ids)
-        finished += self._check_stop_strings(seqs)
         if is_prefill:
             num_tokens = sum(len(seq) - seq.num_cached_tokens for seq in seqs)
         else:
             num_tokens = -len(seqs)
+        if self.workers is None:
+            token_ids = self.model_runner.run(seqs, is_prefill)
+        else:
+            token_ids = self.workers.execute(self.model_runner, "run", seqs, is_prefill)
+        finished = self.scheduler.postprocess(seqs, token_ids)
+        finished += self._check_stop_strings(seqs)
         return finished, num_tokens
 
     def _check_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
@@ -165,3 +181,10 @@ def load_tokenizer(model: str) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(model)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot load a tokenizer from {model!r}: {e}") from e
+
+
+def _release(workers: WorkerGroup | None, runner: ModelRunner) -> None:
+    """Stop the workers, then free rank 0's model, KV pool and graphs."""
+    if workers is not None:
+        workers.shutdown()
+    runner.shutdown()

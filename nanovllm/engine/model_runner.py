@@ -3,11 +3,13 @@ import logging
 from time import perf_counter
 
 import torch
+import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import DecodeInputs, prepare_prefill, to_device
 from nanovllm.layers.attention import Attention, select_attention_backend
+from nanovllm.layers.linear import tp_rank_and_size
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 from nanovllm.sampling_params import SamplingParams
@@ -15,7 +17,7 @@ from nanovllm.utils.context import Context, forward_context
 from nanovllm.utils.loader import load_model
 
 logger = logging.getLogger(__name__)
-CPU_KV_POOL_BYTES = 2 << 30  # default KV pool on CPU when num_kvcache_blocks is -1: 2 GiB
+CPU_KV_POOL_BYTES = 2 << 30  # CPU KV pool of all ranks together when num_kvcache_blocks is -1
 _WARMUP_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 
@@ -29,6 +31,11 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.device = torch.device(f"cuda:{rank}" if config.device == "cuda" else "cpu")
         self.use_cuda_graph = config.device == "cuda" and not config.enforce_eager
+        if tp_rank_and_size() != (rank, self.world_size):
+            # The layers shard themselves by the torch.distributed group they find.
+            raise RuntimeError(f"rank {rank} of tensor_parallel_size={self.world_size} needs a "
+                               f"process group of that size; found (rank, size) = "
+                               f"{tp_rank_and_size()}")
         if config.device == "cuda":
             torch.cuda.set_device(self.device)
         hf_config = config.hf_config
@@ -100,7 +107,14 @@ class ModelRunner:
             num_blocks = int(budget) // block_bytes
         else:
             min_blocks = -(-config.max_model_len // self.block_size)
-            num_blocks = max(CPU_KV_POOL_BYTES // block_bytes, min_blocks)
+            # Every rank's shard lives in the same host memory: split the budget between them.
+            budget = CPU_KV_POOL_BYTES // self.world_size
+            num_blocks = max(budget // block_bytes, min_blocks)
+        if self.world_size > 1:
+            # Block ids must mean the same on every rank: all ranks take the smallest pool.
+            agreed = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+            num_blocks = int(agreed.item())
         if num_blocks <= 0:
             raise RuntimeError(
                 f"no room for the KV cache: one block needs {block_bytes} bytes; raise "

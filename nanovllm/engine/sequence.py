@@ -24,10 +24,11 @@ class Sequence:
         self.seq_id = next(Sequence._ids)
         self.status = SequenceStatus.WAITING
         self.token_ids = copy(token_ids)
+        self.token_offset = 0  # index of token_ids[0] in the sequence (> 0 on worker copies)
         self.last_token = token_ids[-1]
         self.num_tokens = len(token_ids)
         self.num_prompt_tokens = len(token_ids)
-        self.num_cached_tokens = 0
+        self.num_cached_tokens = 0  # tokens whose K/V are already in the paged cache
         self.block_table: list[int] = []
         self.block_size = block_size
         self.sampling_params = sampling_params
@@ -59,6 +60,11 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def uncached_token_ids(self) -> list[int]:
+        """Tokens whose K/V are not cached yet: what the next step feeds the model."""
+        return self.token_ids[self.num_cached_tokens - self.token_offset:]
+
+    @property
     def num_cached_blocks(self) -> int:
         return self.num_cached_tokens // self.block_size
 
@@ -76,6 +82,21 @@ class Sequence:
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
     def append_token(self, token_id: int) -> None:
+        """Add a sampled token; the step that sampled it cached every earlier token's K/V."""
         self.token_ids.append(token_id)
         self.last_token = token_id
+        self.num_cached_tokens = self.num_tokens
         self.num_tokens += 1
+
+    def __getstate__(self) -> tuple:
+        # What a tensor-parallel worker needs to build its step inputs, and no more: the
+        # uncached tokens (the whole uncached prompt in prefill, one token in decode), the
+        # lengths and the block table. Sampling happens on rank 0 only.
+        return (self.seq_id, self.num_tokens, self.num_cached_tokens, self.block_size,
+                self.block_table, self.uncached_token_ids)
+
+    def __setstate__(self, state: tuple) -> None:
+        (self.seq_id, self.num_tokens, self.num_cached_tokens, self.block_size,
+         self.block_table, self.token_ids) = state
+        self.token_offset = self.num_cached_tokens
+        self.last_token = self.token_ids[-1]

@@ -31,7 +31,7 @@ def prepare_prefill(seqs: list[Sequence], block_size: int,
     max_seqlen_q = max_seqlen_k = 0
     for seq in seqs:
         seqlen, cached = len(seq), seq.num_cached_tokens
-        input_ids.extend(seq.token_ids[cached:])
+        input_ids.extend(seq.uncached_token_ids)  # workers receive only these
         positions.extend(range(cached, seqlen))
         cu_seqlens_q.append(cu_seqlens_q[-1] + seqlen - cached)
         cu_seqlens_k.append(cu_seqlens_k[-1] + seqlen)

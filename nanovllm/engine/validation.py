@@ -91,12 +91,12 @@ def validate_requests(prompts: list[Prompt],
                       encode: Callable[[str], list[int]]) -> list[tuple[list[int], SamplingParams]]:
     """Validate a whole call up front; the error names the first bad request's index."""
     if not isinstance(prompts, list | tuple):
-        raise ValueError(f"prompts must be a list of prompts, got {_describe(prompts)}; "
-                         f"wrap a single prompt in a list")
+        raise ValueError(f"prompts must be a prompt (a string or a list of token ids) or a list "
+                         f"of prompts, got {_describe(prompts)}")
     if isinstance(sampling_params, list | tuple):
         if len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} "
-                             f"prompts; pass one SamplingParams or one per prompt")
+            raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} "
+                             f"prompts: pass one for all or exactly one per prompt")
         params_list = list(sampling_params)
     else:
         params_list = [sampling_params] * len(prompts)

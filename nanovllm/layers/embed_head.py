@@ -44,7 +44,9 @@ class ParallelLMHead(VocabParallelEmbedding):
             x = x[last_indices].contiguous()
         logits = F.linear(x, self.weight)
         if self.tp_size > 1:
-            shards = [torch.empty_like(logits) for _ in range(self.tp_size)]
-            dist.gather(logits, shards if self.tp_rank == 0 else None, 0)
+            # Only rank 0 samples, so only rank 0 receives the other ranks' vocabulary slices.
+            shards = ([torch.empty_like(logits) for _ in range(self.tp_size)]
+                      if self.tp_rank == 0 else None)
+            dist.gather(logits, shards, 0)
             logits = torch.cat(shards, -1) if self.tp_rank == 0 else None
         return logits

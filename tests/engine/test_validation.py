@@ -68,10 +68,10 @@ def test_sampling_params_construction_still_checks():
 
 
 def test_malformed_call_is_rejected(llm):
-    with pytest.raises(ValueError, match=r"got 1 sampling params for 2 prompts"):
+    with pytest.raises(ValueError, match=r"got 1 SamplingParams for 2 prompts"):
         llm.generate([GOOD, GOOD], [GREEDY], use_tqdm=False)
-    with pytest.raises(ValueError, match=r"prompts must be a list of prompts, got 'hello' \(str\)"):
-        llm.generate("hello", GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"or a list of prompts, got 42 \(int\)"):
+        llm.generate(42, GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match=r"request 0: sampling params must be a SamplingParams"):
         llm.generate([GOOD], {"temperature": 0}, use_tqdm=False)
     assert llm.generate([], GREEDY, use_tqdm=False) == []

@@ -1,0 +1,196 @@
+"""Tensor parallelism: rank 0 (in the engine's process) drives ranks 1..N-1 (spawned workers).
+
+Each rank owns a ModelRunner (its model shard and KV pool). Rank 0 publishes every step as a
+("run", (seqs, is_prefill)) command through a CommandChannel and wakes each worker through its
+own semaphore; each worker's loop reads the command, builds its own step inputs from the
+sequences and joins the step's collectives (gloo on CPU, NCCL on CUDA). Tensors move only
+through those collectives.
+"""
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from multiprocessing.synchronize import Semaphore
+
+import torch
+import torch.distributed as dist
+
+from nanovllm.config import Config
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.shm_channel import CommandChannel
+
+# A collective that waits longer than this for a peer fails instead of hanging forever; gloo
+# fails at once when a peer's socket closes, so this only bounds a peer that is stuck.
+COLLECTIVE_TIMEOUT = timedelta(seconds=300)
+STARTUP_TIMEOUT_S = 300.0  # spawned ranks must join the process group within this
+PARENT_POLL_S = 0.5  # how often an idle worker checks that the engine's process is alive
+DEATH_GRACE_S = 5.0  # a broken collective may be noticed before the dead peer is reaped
+JOIN_TIMEOUT_S = 10.0
+# The fixed set of commands a worker obeys; "shutdown" ends its loop.
+WORKER_COMMANDS: dict[str, Callable] = {"run": ModelRunner.run}
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker process exited while the engine needed it."""
+
+
+def cpu_threads_per_rank(world_size: int) -> int:
+    """Split this machine's cores between ranks: oversubscribed ranks crawl at every collective."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // world_size)
+
+
+def init_process_group(device: str, store: dist.Store, rank: int, world_size: int) -> None:
+    """Join the engine's process group: NCCL on CUDA, gloo on CPU."""
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store, rank=rank,
+                            world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+
+
+def worker_main(config: Config, rank: int, port: int, channel_name: str, wakeup: Semaphore,
+                attention_backend: str) -> None:
+    """Entry point of a spawned rank: join the group, build the shard, serve commands."""
+    world_size = config.tensor_parallel_size
+    if config.device == "cpu":
+        torch.set_num_threads(cpu_threads_per_rank(world_size))
+    channel = CommandChannel.attach(channel_name)  # before joining, so no command is missed
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                          timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+    store.set(f"joined/{rank}", "1")
+    init_process_group(config.device, store, rank, world_size)
+    runner = None
+    try:
+        runner = ModelRunner(config, rank, attention_backend)
+        worker_loop(runner, channel, wakeup)
+    finally:
+        if runner is not None:
+            runner.shutdown()
+        channel.close()
+        dist.destroy_process_group()
+
+
+def worker_loop(runner: ModelRunner, channel: CommandChannel, wakeup: Semaphore) -> None:
+    """Read commands and dispatch them until "shutdown", or until the engine's process dies."""
+    parent = mp.parent_process()
+    while True:
+        if not wakeup.acquire(timeout=PARENT_POLL_S):
+            if parent is not None and not parent.is_alive():
+                return  # orphaned: nobody will ever send "shutdown"
+            continue
+        method, args = channel.read()
+        if method == "shutdown":
+            return
+        if method not in WORKER_COMMANDS:
+            raise RuntimeError(f"unknown worker command {method!r}; expected one of "
+                               f"{[*WORKER_COMMANDS, 'shutdown']}")
+        WORKER_COMMANDS[method](runner, *args)
+
+
+class WorkerGroup:
+    """Rank 0's handle on ranks 1..N-1: spawns them, mirrors commands, notices deaths."""
+
+    def __init__(self, config: Config, attention_backend: str = "auto"):
+        if dist.is_initialized():
+            raise RuntimeError("a torch.distributed process group already exists in this "
+                               "process (another tensor-parallel engine?); shut it down first")
+        self.device, self.world_size = config.device, config.tensor_parallel_size
+        self.closed = False
+        # Port 0: the OS picks a free port, so engines on one machine never collide.
+        self.store = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True,
+                                   timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
+        self.channel = CommandChannel.create()
+        ctx = mp.get_context("spawn")
+        # One wakeup per worker. Semaphores, not Events: Event.set() waits for every waiter to
+        # wake, so it hangs forever once a worker is killed while waiting; release() never blocks.
+        self.wakeups = [ctx.Semaphore(0) for _ in range(1, self.world_size)]
+        self.processes = [
+            ctx.Process(target=worker_main, name=f"nanovllm-tp{rank}",
+                        args=(config, rank, self.store.port, self.channel.name, wakeup,
+                              attention_backend))
+            for rank, wakeup in enumerate(self.wakeups, start=1)]
+        self.saved_num_threads = torch.get_num_threads()
+        if self.device == "cpu":
+            torch.set_num_threads(cpu_threads_per_rank(self.world_size))
+        try:
+            for process in self.processes:
+                process.start()
+            self._wait_until_joined()
+            init_process_group(self.device, self.store, 0, self.world_size)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _wait_until_joined(self) -> None:
+        """Wait for every worker to reach the rendezvous, failing fast if one dies first."""
+        keys = [f"joined/{rank}" for rank in range(1, self.world_size)]
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not self.store.check(keys):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel workers did not start within "
+                                   f"{STARTUP_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
+
+    def dead_workers(self) -> list[str]:
+        """'rank R (pid P) exit code C' for each worker that has exited."""
+        return [f"rank {rank} (pid {p.pid}) exit code {p.exitcode}"
+                for rank, p in enumerate(self.processes, start=1) if p.exitcode is not None]
+
+    def check_alive(self) -> None:
+        """Raise WorkerDiedError (after cleaning up) if any worker has exited."""
+        dead = self.dead_workers()
+        if dead:
+            self.shutdown()
+            raise WorkerDiedError(f"tensor-parallel worker died: {', '.join(dead)}")
+
+    @contextmanager
+    def guard(self) -> Iterator[None]:
+        """A failure inside leaves the ranks out of step: clean up, and name a dead worker."""
+        try:
+            yield
+        except BaseException as error:
+            # A broken collective is often noticed before the dead peer has been reaped.
+            grace = DEATH_GRACE_S if isinstance(error, RuntimeError) else 0.0
+            deadline = time.monotonic() + grace
+            while not self.dead_workers() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            dead = self.dead_workers()
+            self.shutdown(join_timeout_s=1.0)
+            if dead:
+                raise WorkerDiedError(f"tensor-parallel worker died: {', '.join(dead)}") from error
+            raise
+
+    def execute(self, runner: ModelRunner, method: str, *args) -> object:
+        """Run `method` on every rank: workers through the channel, rank 0 on `runner`."""
+        if self.closed:
+            raise RuntimeError("the tensor-parallel workers are shut down")
+        self.check_alive()
+        with self.guard():
+            self.channel.write(method, args)
+            for wakeup in self.wakeups:
+                wakeup.release()
+            return WORKER_COMMANDS[method](runner, *args)
+
+    def shutdown(self, join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
+        """Tell workers to exit, join (or kill) them, unlink the segment, leave the group."""
+        if self.closed:
+            return
+        self.closed = True
+        started = [p for p in self.processes if p.pid is not None]
+        self.channel.write("shutdown", ())
+        for wakeup in self.wakeups:
+            wakeup.release()
+        for process in started:
+            process.join(join_timeout_s)
+        if dist.is_initialized():
+            dist.destroy_process_group()  # also breaks a worker out of a stuck collective
+        for process in started:
+            if process.is_alive():
+                process.kill()
+                process.join()
+        self.channel.close()
+        self.store = None
+        torch.set_num_threads(self.saved_num_threads)

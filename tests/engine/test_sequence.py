@@ -1,0 +1,53 @@
+"""What a Sequence sends to tensor-parallel workers: only the tokens the next step feeds."""
+import pickle
+
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
+
+BS = 4
+
+
+def worker_copy(seq: Sequence) -> Sequence:
+    return pickle.loads(pickle.dumps(seq))
+
+
+def test_prefill_sends_the_uncached_prompt_and_decode_only_the_last_token():
+    bm = BlockManager(8, BS)
+    seq = Sequence(list(range(1, 8)), SamplingParams(), BS)
+    bm.allocate(seq)
+    copy = worker_copy(seq)
+    assert copy.token_ids == list(range(1, 8)) and copy.uncached_token_ids == list(range(1, 8))
+    assert (len(copy), copy.block_table, copy.num_cached_tokens) == (7, [0, 1], 0)
+    seq.append_token(42)  # the prefill cached tokens 1..7
+    bm.may_append(seq)
+    copy = worker_copy(seq)
+    assert copy.token_ids == [42] and copy.last_token == 42
+    assert (len(copy), copy.block_table, copy.last_block_num_tokens) == (8, [0, 1], 4)
+    assert not hasattr(copy, "sampling_params")  # rank 0 samples; workers never need it
+
+
+def test_prefix_cached_prefill_sends_only_the_tail():
+    bm = BlockManager(8, BS)
+    first = Sequence([1, 2, 3, 4, 5], SamplingParams(), BS)
+    bm.allocate(first)
+    second = Sequence([1, 2, 3, 4, 9, 9], SamplingParams(), BS)
+    bm.allocate(second)
+    assert second.num_cached_tokens == BS
+    copy = worker_copy(second)
+    assert copy.uncached_token_ids == [9, 9] and copy.num_cached_tokens == BS
+
+
+def test_recompute_after_preemption_sends_prompt_and_completion():
+    bm = BlockManager(8, BS)
+    seq = Sequence([1, 2, 3, 4, 5], SamplingParams(), BS)
+    bm.allocate(seq)
+    for token in (10, 11):
+        seq.append_token(token)
+        bm.may_append(seq)
+    assert worker_copy(seq).token_ids == [11]
+    bm.deallocate(seq)  # preempted: its KV is gone and must be recomputed
+    bm.reset_prefix_cache()  # and no prefix-cache hit either
+    bm.allocate(seq)
+    assert seq.num_completion_tokens == 2  # upstream sends only the last token here
+    assert worker_copy(seq).uncached_token_ids == [1, 2, 3, 4, 5, 10, 11]
