@@ -9,6 +9,7 @@ from nanovllm.config import config_from_kwargs
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.stats import StepCounters
 from nanovllm.engine.validation import RequestLimits, validate_request, validate_requests
 from nanovllm.sampling_params import SamplingParams
 
@@ -30,6 +31,7 @@ class LLMEngine:
                                    config.max_model_len, eos,
                                    self.model_runner.num_kvcache_blocks,
                                    config.kvcache_block_size)
+        self.counters = StepCounters()
         # Runs shutdown on `del llm`, garbage collection or interpreter exit, whichever is first;
         # it holds the runner, not the engine, so it does not keep the engine alive.
         self._finalizer = weakref.finalize(self, self.model_runner.shutdown)
@@ -58,14 +60,37 @@ class LLMEngine:
     def step(self) -> tuple[list[Sequence], int]:
         """Run one scheduled batch; returns (finished sequences, tokens processed: + prefill,
         - decode)."""
+        t0 = perf_counter()
         seqs, is_prefill = self.scheduler.schedule()
-        token_ids = self.model_runner.run(seqs, is_prefill)
-        finished = self.scheduler.postprocess(seqs, token_ids)
+        # Counted before postprocess, which appends a token and frees finished sequences.
         if is_prefill:
             num_tokens = sum(len(seq) - seq.num_cached_tokens for seq in seqs)
         else:
             num_tokens = -len(seqs)
+        kv_blocks_in_use = len(self.scheduler.block_manager.used_block_ids)
+        token_ids = self.model_runner.run(seqs, is_prefill)
+        finished = self.scheduler.postprocess(seqs, token_ids)
+        self.counters.record(is_prefill, len(seqs), abs(num_tokens), t0, perf_counter(),
+                             kv_blocks_in_use)
         return finished, num_tokens
+
+    def stats(self) -> dict:
+        """Counters since the last reset_stats(): see README.md, "Engine counters"."""
+        scheduler = self.scheduler
+        stats = self.counters.as_dict()
+        stats.update(cache_hit_blocks=scheduler.block_manager.num_cache_hit_blocks,
+                     preemptions=scheduler.num_preemptions,
+                     recomputed_tokens=scheduler.num_recomputed_tokens)
+        if self.counters.timeline is not None:
+            stats["timeline"] = list(self.counters.timeline)
+        return stats
+
+    def reset_stats(self, timeline: bool = False) -> None:
+        """Zero every counter; with timeline=True also record one entry per step from now on."""
+        self.counters = StepCounters(timeline=[] if timeline else None)
+        self.scheduler.block_manager.num_cache_hit_blocks = 0
+        self.scheduler.num_preemptions = 0
+        self.scheduler.num_recomputed_tokens = 0
 
     def reset_prefix_cache(self) -> None:
         """Drop all cached prefixes, e.g. between benchmark repeats."""
