@@ -33,6 +33,7 @@ def plot(results: dict[str, dict], path: str) -> None:
         # entry: [start s, duration s, is_prefill, batch size, tokens]
         starts = [e[0] for e in timeline]
         ax.step(starts, [e[3] for e in timeline], where="post", color="tab:blue", lw=1)
+        ax.set_ylim(bottom=0)
         ax.set_ylabel("batch size", color="tab:blue")
         ax.set_xlabel("time (s)")
         ax.set_title(title, fontsize=9)
