@@ -52,3 +52,20 @@ def plot(results: dict[str, dict], path: str) -> None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     print(f"plot: {len(panels)} runs -> {path}")
+
+
+def main() -> None:
+    """`python -m benchmarks.plot RESULTS.json OUT.png`: plot a --json file elsewhere (for
+    machines where matplotlib cannot be installed)."""
+    import json
+    import sys
+    if len(sys.argv) != 3:
+        raise SystemExit("usage: python -m benchmarks.plot RESULTS.json OUT.png")
+    with open(sys.argv[1]) as f:
+        data = json.load(f)
+    # bench.py --scenario throughput writes its one result at top level
+    plot(data.get("scenarios") or {data.get("scenario", "throughput"): data}, sys.argv[2])
+
+
+if __name__ == "__main__":
+    main()

@@ -122,6 +122,7 @@ def tp(args: argparse.Namespace, path: str) -> dict:
     for n in sizes:
         try:
             with open_engine(path, args, tensor_parallel_size=n) as (llm, startup_s):
+                _check_ranks(n)
                 run = repeated(llm, prompts, params, args.repeats)
                 run.update(_gpu_memory(llm, n), engine=engine_env(llm, startup_s))
         except (RuntimeError, ValueError, NotImplementedError) as e:
@@ -135,6 +136,15 @@ def tp(args: argparse.Namespace, path: str) -> dict:
             run["speedup"] = run["output_tok_s"] / base
             run["scaling_efficiency"] = run["speedup"] / n
     return dict(workload=size, sizes=sizes, runs=runs)
+
+
+def _check_ranks(n: int) -> None:
+    """An engine without tensor-parallel workers would run tp=n on one GPU: refuse to time it."""
+    dist = torch.distributed
+    ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if ranks != n:
+        raise RuntimeError(f"tensor_parallel_size={n} but the engine runs {ranks} rank(s): "
+                           "this build has no tensor-parallel workers")
 
 
 def _gpu_memory(llm, num_gpus: int) -> dict:
