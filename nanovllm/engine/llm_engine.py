@@ -10,6 +10,7 @@ from nanovllm.config import config_from_kwargs
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.stats import StepCounters
 from nanovllm.engine.stop_strings import StopStringChecker
 from nanovllm.engine.validation import RequestLimits, validate_request, validate_requests
 from nanovllm.engine.worker import WorkerGroup
@@ -43,6 +44,7 @@ class LLMEngine:
                                    self.model_runner.num_kvcache_blocks,
                                    config.kvcache_block_size)
         self.stop_checker = StopStringChecker(self.tokenizer)
+        self.counters = StepCounters()
         # Runs on `del llm`, garbage collection or interpreter exit, whichever is first; it
         # holds the workers and runner, not the engine, so it does not keep the engine alive.
         self._finalizer = weakref.finalize(self, _release, self.workers, self.model_runner)
@@ -73,17 +75,22 @@ class LLMEngine:
         - decode)."""
         if self.model_runner is None:
             raise RuntimeError("the engine is shut down")
+        t0 = perf_counter()
         seqs, is_prefill = self.scheduler.schedule()
+        # Counted before postprocess, which appends a token and frees finished sequences.
         if is_prefill:
             num_tokens = sum(len(seq) - seq.num_cached_tokens for seq in seqs)
         else:
             num_tokens = -len(seqs)
+        kv_blocks_in_use = len(self.scheduler.block_manager.used_block_ids)
         if self.workers is None:
             token_ids = self.model_runner.run(seqs, is_prefill)
         else:
             token_ids = self.workers.execute(self.model_runner, "run", seqs, is_prefill)
         finished = self.scheduler.postprocess(seqs, token_ids)
         finished += self._check_stop_strings(seqs)
+        self.counters.record(is_prefill, len(seqs), abs(num_tokens), t0, perf_counter(),
+                             kv_blocks_in_use)
         return finished, num_tokens
 
     def _check_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
@@ -106,6 +113,24 @@ class LLMEngine:
             if seq.is_finished:
                 self.stop_checker.forget(seq)
         return newly_finished
+
+    def stats(self) -> dict:
+        """Counters since the last reset_stats(): see README.md, "Engine counters"."""
+        scheduler = self.scheduler
+        stats = self.counters.as_dict()
+        stats.update(cache_hit_blocks=scheduler.block_manager.num_cache_hit_blocks,
+                     preemptions=scheduler.num_preemptions,
+                     recomputed_tokens=scheduler.num_recomputed_tokens)
+        if self.counters.timeline is not None:
+            stats["timeline"] = list(self.counters.timeline)
+        return stats
+
+    def reset_stats(self, timeline: bool = False) -> None:
+        """Zero every counter; with timeline=True also record one entry per step from now on."""
+        self.counters = StepCounters(timeline=[] if timeline else None)
+        self.scheduler.block_manager.num_cache_hit_blocks = 0
+        self.scheduler.num_preemptions = 0
+        self.scheduler.num_recomputed_tokens = 0
 
     def reset_prefix_cache(self) -> None:
         """Drop all cached prefixes, e.g. between benchmark repeats."""

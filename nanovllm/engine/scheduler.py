@@ -20,6 +20,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0  # tokens prefilled again after a preemption
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -43,7 +44,10 @@ class Scheduler:
                     or not self.block_manager.can_allocate(seq)):
                 break
             self.block_manager.allocate(seq)
-            num_batched_tokens += len(seq) - seq.num_cached_tokens
+            num_new_tokens = len(seq) - seq.num_cached_tokens
+            if seq.num_completion_tokens:  # it has output, so it was preempted: a recompute
+                self.num_recomputed_tokens += num_new_tokens
+            num_batched_tokens += num_new_tokens
             seq.status = SequenceStatus.RUNNING
             self.waiting.popleft()
             self.running.append(seq)

@@ -106,8 +106,8 @@ step = llm.step
 
 def step_and_report():
     result = step()
+    llm.step = step  # report once; before the print, which the parent answers with SIGINT
     print("STEPPING", flush=True)
-    llm.step = step  # report once
     return result
 
 llm.step = step_and_report

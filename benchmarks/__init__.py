@@ -1,0 +1,1 @@
+"""Benchmark scenarios, workloads and reports behind bench.py."""

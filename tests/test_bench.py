@@ -1,0 +1,76 @@
+"""bench.py --tiny --scenario all: every scenario runs on CPU and reports sane numbers."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_bench(tmp_path: Path, *extra: str) -> dict:
+    out = tmp_path / "bench.json"
+    # One thread: the smoke model's ops are tiny, and threads only contend on a shared CI box.
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "bench.py", "--tiny", "--scenario", "all",
+                           "--json", str(out), *extra], cwd=ROOT, env=env, text=True,
+                          capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for title in ("graphs:", "prefix-cache:", "kv-pressure:", "tp: skipped", "median output"):
+        assert title in proc.stdout, proc.stdout
+    return json.loads(out.read_text())
+
+
+def check_environment(result: dict) -> None:
+    env = result["environment"]
+    for key in ("device", "gpu_count", "torch", "triton", "flash_attn", "command", "seed"):
+        assert key in env, key
+    assert "--scenario all" in env["command"]
+    for run in result.get("runs", {}).values():
+        keys = {"attention_backend", "dtype", "cuda_graphs", "block_size", "kv_blocks"}
+        assert keys <= set(run["engine"])
+
+
+def test_every_scenario_on_cpu(tmp_path):
+    plot = importlib.util.find_spec("matplotlib") is not None  # the optional `plot` extra
+    png = tmp_path / "timeline.png"
+    data = run_bench(tmp_path, *(["--plot", str(png)] if plot else []))
+    scenarios = data["scenarios"]
+    assert list(scenarios) == ["throughput", "graphs", "prefix-cache", "kv-pressure", "tp"]
+    for name in ("graphs", "prefix-cache", "kv-pressure"):
+        check_environment(scenarios[name])
+
+    through = scenarios["throughput"]
+    assert through["median_output_tok_s"] > 0 and through["environment"]["device"] == "cpu"
+    run = through["runs"][0]
+    assert run["prefill_tokens"] == run["prompt_tokens"]
+    assert run["decode_tokens"] + through["workload"]["num_seqs"] == run["output_tokens"]
+
+    graphs = scenarios["graphs"]["runs"]
+    assert graphs["eager"]["engine"]["enforce_eager"]
+    assert not graphs["graphs"]["engine"]["cuda_graphs"]  # CPU: both runs are eager
+    for run in graphs.values():
+        assert run["decode_tok_s"] > 0 and run["tpot_p50_ms"] > 0
+        assert run["gpu_wait_ms"] == 0 and run["host_ms"] == run["step_ms"] > 0  # no GPU
+
+    prefix = scenarios["prefix-cache"]
+    w, runs = prefix["workload"], prefix["runs"]
+    assert runs["distinct"]["cache_hit_blocks"] == 0
+    # The first request computes the shared prefix; every other one hits all of its blocks.
+    assert runs["shared"]["cache_hit_blocks"] == (w["num_seqs"] - 1) * w["prefix_blocks"]
+    assert 0 < runs["shared"]["hit_rate"] <= 1
+    assert runs["shared"]["prefill_tokens"] < runs["distinct"]["prefill_tokens"]
+    assert runs["shared"]["peak_kv_blocks_in_use"] < runs["distinct"]["peak_kv_blocks_in_use"]
+
+    kv = scenarios["kv-pressure"]
+    small, free = kv["runs"]["small-pool"], kv["runs"]["unconstrained"]
+    assert small["engine"]["kv_blocks"] == kv["workload"]["pool_blocks"]
+    assert small["preemptions"] > 0 and small["recomputed_tokens"] > 0
+    assert small["peak_kv_blocks_in_use"] <= kv["workload"]["pool_blocks"]
+    assert free["preemptions"] == 0 and free["recomputed_tokens"] == 0
+    assert small["output_tokens"] == free["output_tokens"]
+
+    assert "CUDA" in scenarios["tp"]["skipped"]
+    assert not plot or png.stat().st_size > 0
