@@ -1,6 +1,7 @@
 """What every scenario shares: one engine at a time, a timed generate(), the environment."""
 import argparse
 import gc
+import os
 import platform
 import subprocess
 import sys
@@ -107,6 +108,9 @@ def _version(module: str) -> str | None:
 
 
 def _commit() -> str | None:
+    """HEAD's short hash; NANOVLLM_COMMIT where the tree travelled without .git (GPU machine)."""
+    if os.environ.get("NANOVLLM_COMMIT"):
+        return os.environ["NANOVLLM_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], text=True,
                              capture_output=True, check=False)
