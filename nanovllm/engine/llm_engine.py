@@ -75,6 +75,8 @@ class LLMEngine:
         - decode)."""
         if self.model_runner is None:
             raise RuntimeError("the engine is shut down")
+        if self.is_finished():
+            return [], 0
         t0 = perf_counter()
         seqs, is_prefill = self.scheduler.schedule()
         # Counted before postprocess, which appends a token and frees finished sequences.
@@ -160,6 +162,7 @@ class LLMEngine:
                                      self.tokenizer.encode)
         block_size = self.config.kvcache_block_size
         seqs = [Sequence(token_ids, sp, block_size) for token_ids, sp in requests]
+        own = {seq.seq_id for seq in seqs}  # requests queued by add_request are not ours
         outputs: dict[int, Sequence] = {}
         pbar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True,
                     disable=not use_tqdm)
@@ -177,10 +180,11 @@ class LLMEngine:
                     else:
                         decode_tps = -num_tokens / elapsed
                     pbar.set_postfix(Prefill=f"{int(prefill_tps)}tok/s",
-                                     Decode=f"{int(decode_tps)}tok/s")
+                                     Decode=f"{int(decode_tps)}tok/s", refresh=False)
                 for seq in finished:
-                    outputs[seq.seq_id] = seq
-                    pbar.update(1)
+                    if seq.seq_id in own:
+                        outputs[seq.seq_id] = seq
+                        pbar.update(1)
         except BaseException:
             self.scheduler.abort(seqs)
             for seq in seqs:
@@ -210,6 +214,8 @@ def load_tokenizer(model: str) -> PreTrainedTokenizerBase:
 
 def _release(workers: WorkerGroup | None, runner: ModelRunner) -> None:
     """Stop the workers, then free rank 0's model, KV pool and graphs."""
-    if workers is not None:
-        workers.shutdown()
-    runner.shutdown()
+    try:
+        if workers is not None:
+            workers.shutdown()
+    finally:
+        runner.shutdown()

@@ -40,6 +40,7 @@ def check_sampling_params(params: SamplingParams) -> None:
     if not real or not temperature >= 0:  # `not >=` also rejects NaN
         raise ValueError(f"temperature={temperature!r} is invalid: expected a number >= 0 "
                          f"(0 = greedy)")
+    params.__post_init__()  # every other field (top_p, seed, stop, ...) by the same rules
 
 
 def prompt_token_ids(prompt: Prompt, encode: Callable[[str], list[int]]) -> list[int]:

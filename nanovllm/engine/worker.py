@@ -8,6 +8,7 @@ through those collectives.
 """
 import multiprocessing as mp
 import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -53,6 +54,8 @@ def init_process_group(device: str, store: dist.Store, rank: int, world_size: in
 def worker_main(config: Config, rank: int, port: int, channel_name: str, wakeup: Semaphore,
                 attention_backend: str) -> None:
     """Entry point of a spawned rank: join the group, build the shard, serve commands."""
+    # Ctrl-C in a terminal reaches the whole process group; rank 0 alone handles it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     world_size = config.tensor_parallel_size
     if config.device == "cpu":
         torch.set_num_threads(cpu_threads_per_rank(world_size))

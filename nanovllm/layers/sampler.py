@@ -3,7 +3,7 @@
 Fast path, when no row uses top-k/top-p/min-p/seed: the exponential race
 argmax(softmax(l / T) / E), E ~ Exp(1) from torch's RNG. Full path: l / T, then min_p, top_k
 and top_p as -inf masks, then the Gumbel-max draw argmax(l / T - log E) with E = -log U, where
-U is a counter-based hash of (seed, position, vocab index): a seeded row draws the same tokens
+U is a counter-based hash of (seed, position, vocab index): a seeded row draws the same noise
 whatever its batch mates, its row in the batch, or whether CUDA graphs ran the model.
 Greedy rows (T = 0) take argmax(l) on either path.
 """

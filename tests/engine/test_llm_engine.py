@@ -77,3 +77,18 @@ def test_string_prompts_and_input_order(llm):
                         use_tqdm=False)
     assert [len(o["token_ids"]) for o in outs] == [5, 5]
     assert all(isinstance(o["text"], str) for o in outs)
+
+
+def test_idle_step_and_generate_returns_only_its_own_requests(llm):
+    assert llm.step() == ([], 0)
+    llm.add_request([5, 6, 7], GREEDY)  # queued by hand: not part of the next call
+    outs = llm.generate([[8, 9, 10]], GREEDY, use_tqdm=False)
+    assert len(outs) == 1 and len(outs[0]["token_ids"]) == 24
+    assert llm.is_finished()
+
+
+def test_fields_mutated_after_construction_are_checked_again(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    params.top_p = 0.0
+    with pytest.raises(ValueError, match="request 0: .*top_p"):
+        llm.generate([[1, 2, 3]], params, use_tqdm=False)
