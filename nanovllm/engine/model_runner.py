@@ -174,10 +174,11 @@ class ModelRunner:
             input_ids, positions, context = prepare_prefill(seqs, self.block_size, self.device)
         else:
             input_ids, positions, context = self.prepare_decode(seqs)
-        sample_params = self.prepare_sample(seqs) if self.rank == 0 else None
         logits = self.run_model(input_ids, positions, context)
         if self.rank != 0:
             return None
+        # Prepared after the (asynchronous) forward was launched, so it overlaps the GPU.
+        sample_params = self.prepare_sample(seqs)
         return self.sampler(logits[:len(seqs)], sample_params).tolist()
 
     @torch.inference_mode()
