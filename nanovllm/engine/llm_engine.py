@@ -38,7 +38,6 @@ class LLMEngine:
         eos = self.tokenizer.eos_token_id
         if eos is None:
             eos = getattr(config.hf_config, "eos_token_id", None)
-        self.eos_token_id = eos
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, eos,
                                    self.model_runner.num_kvcache_blocks,

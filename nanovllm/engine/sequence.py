@@ -40,9 +40,6 @@ class Sequence:
     def __len__(self) -> int:
         return self.num_tokens
 
-    def __getitem__(self, key):
-        return self.token_ids[key]
-
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
@@ -50,10 +47,6 @@ class Sequence:
     @property
     def num_completion_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[:self.num_prompt_tokens]
 
     @property
     def completion_token_ids(self) -> list[int]:
