@@ -1,10 +1,11 @@
 """Token sampling without host syncs (the sampled ids' .tolist() is the only one).
 
 Fast path, when no row uses top-k/top-p/min-p/seed: the exponential race
-argmax(softmax(l / T) / E), E ~ Exp(1) from torch's RNG. Full path: l / T, then min_p, top_k
-and top_p as -inf masks, then the Gumbel-max draw argmax(l / T - log E) with E = -log U, where
-U is a counter-based hash of (seed, position, vocab index): a seeded row draws the same noise
-whatever its batch mates, its row in the batch, or whether CUDA graphs ran the model.
+argmax(softmax(l / T) / E), E ~ Exp(1) from torch's RNG, computed in one pass as
+argmax(l / T - log E). Full path: l / T, then min_p, top_k and top_p as -inf masks, then
+the Gumbel-max draw argmax(l / T - log E) with E = -log U, where U is a counter-based hash
+of (seed, position, vocab index): a seeded row draws the same noise whatever its batch
+mates, its row in the batch, or whether CUDA graphs ran the model.
 Greedy rows (T = 0) take argmax(l) on either path.
 """
 import functools
@@ -106,10 +107,10 @@ class Sampler(nn.Module):
         logits = logits.float()
         greedy = logits.argmax(dim=-1)
         scaled = logits / temperatures.clamp(min=1e-5).unsqueeze(1)
-        probs = torch.softmax(scaled, dim=-1)
-        # argmax(p / E) with E ~ Exp(1) draws from p: the exponential race.
-        noise = torch.empty_like(probs).exponential_(1).clamp_(min=1e-10)
-        sampled = probs.div_(noise).argmax(dim=-1)
+        # argmax(p / E) with E ~ Exp(1) draws from p (the exponential race); taking logs,
+        # argmax(l / T - log E): one pass over the logits, no softmax (its sum is a constant).
+        noise = torch.empty_like(scaled).exponential_(1).clamp_(min=1e-10)
+        sampled = (scaled - noise.log()).argmax(dim=-1)
         return torch.where(temperatures == 0, greedy, sampled)
 
     @compile_on_cuda
