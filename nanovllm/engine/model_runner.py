@@ -106,10 +106,10 @@ class ModelRunner:
             budget = total * config.gpu_memory_utilization - (total - free) - peak + current
             num_blocks = int(budget) // block_bytes
         else:
-            min_blocks = -(-config.max_model_len // self.block_size)
-            # Every rank's shard lives in the same host memory: split the budget between them.
+            # Every rank's shard lives in the same host memory: split the budget between them;
+            # at least one max_model_len sequence must fit.
             budget = CPU_KV_POOL_BYTES // self.world_size
-            num_blocks = max(budget // block_bytes, min_blocks)
+            num_blocks = max(budget // block_bytes, self.max_num_blocks)
         if self.world_size > 1:
             # Block ids must mean the same on every rank: all ranks take the smallest pool.
             agreed = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)

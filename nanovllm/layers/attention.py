@@ -26,7 +26,7 @@ class TorchBackend:
     def prefill(self, q, k, v, k_cache, v_cache, ctx: Context, scale: float) -> torch.Tensor:
         block_tables = ctx.block_tables if ctx.prefix_cached else None
         return self._prefill(q, k, v, k_cache, v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
-                             block_tables, scale)
+                             block_tables, scale, max_seqlen_q=ctx.max_seqlen_q)
 
     def decode(self, q, k_cache, v_cache, ctx: Context, scale: float) -> torch.Tensor:
         return self._decode(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables, scale)
@@ -40,13 +40,8 @@ class TritonBackend(TorchBackend):
     def __init__(self) -> None:
         from nanovllm.kernels import attention_triton, store_kvcache
         self.store_kvcache = store_kvcache.store_kvcache
-        self._prefill_triton = attention_triton.prefill_attention_triton
+        self._prefill = attention_triton.prefill_attention_triton  # same signatures
         self._decode = attention_triton.decode_attention_triton
-
-    def prefill(self, q, k, v, k_cache, v_cache, ctx: Context, scale: float) -> torch.Tensor:
-        block_tables = ctx.block_tables if ctx.prefix_cached else None
-        return self._prefill_triton(q, k, v, k_cache, v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
-                                    block_tables, scale, max_seqlen_q=ctx.max_seqlen_q)
 
 
 class FlashAttnBackend:
