@@ -2,6 +2,9 @@
 # The H200 checks and figures the open issues need, in two device calls of < 10 min each:
 #   NANOVLLM_COMMIT=<hash> bash benchmarks/h200_session.sh tests-and-ab
 #   NANOVLLM_COMMIT=<hash> bash benchmarks/h200_session.sh startup-and-scenarios
+#   NANOVLLM_COMMIT=<hash> bash benchmarks/h200_session.sh ab-vs-base   (needs .ab_base/, below)
+# ab-vs-base compares this tree with a worktree of a baseline commit: `git worktree add
+# .ab_base <commit>; echo <commit> > .ab_base/.commit`, then carry [".device", ".ab_base"].
 # Run with carry [".device"]; logs and JSON land in $OUT.
 source .device/env.sh
 set -uo pipefail
@@ -26,5 +29,16 @@ startup-and-scenarios)
   done
   timeout 420 python bench.py --random-weights --scenario all --json $OUT/scenarios.json 2>&1 \
     | grep -vE "Writing|Loading"
+  ;;
+ab-vs-base)
+  # Empty compile caches: the first run (this tree, flash-attn) gives the cold start-up, the
+  # second round's the warm one. Then GPU tests, then the new kernel tests.
+  export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d)
+  benchmarks/h200_ab.sh 3 "" "@.ab_base" "--attention-backend triton" 2>&1 \
+    | tee $OUT/ab.log | tail -5
+  timeout 170 python -m pytest -q -p no:cacheprovider -s -m gpu tests 2>&1 \
+    | grep -vE "DEBUG|Writing|Loading" > $OUT/gpu_tests.log
+  grep -E "passed|failed|argmax|relative error|^FAILED" $OUT/gpu_tests.log
+  timeout 40 python -m pytest -q -p no:cacheprovider tests/kernels/test_sample.py 2>&1 | tail -1
   ;;
 esac

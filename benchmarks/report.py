@@ -4,7 +4,7 @@ from benchmarks.runs import print_table
 Columns = list[tuple[str, str, str]]
 
 GRAPHS: Columns = [("decode_tok_s", "decode tok/s", ".0f"), ("tpot_p50_ms", "TPOT p50 ms", ".2f"),
-                   ("tpot_p99_ms", "TPOT p99 ms", ".2f"), ("step_ms", "step ms", ".2f"),
+                   ("tpot_p99_ms", "TPOT p99 ms", ".2f"), ("step_ms", "lockstep step ms", ".2f"),
                    ("host_ms", "host ms/step", ".2f"), ("gpu_wait_ms", "GPU wait ms", ".2f"),
                    ("output_tok_s", "out tok/s", ".0f"), ("total_s", "total s", ".2f")]
 PREFIX: Columns = [("prefill_s", "prefill s", ".3f"), ("prefill_tokens", "prefilled tok", "d"),

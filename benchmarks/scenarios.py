@@ -12,19 +12,26 @@ from benchmarks.runs import GiB, GpuWaitProbe, engine_env, host_times, measure, 
 Scenario = Callable[[argparse.Namespace, str], dict]
 
 
-def repeated(llm, prompts: list, params: list, repeats: int,
-             probe: GpuWaitProbe | None = None) -> dict:
+def repeated(llm, prompts: list, params: list, repeats: int) -> dict:
     """`repeats` timed runs on one engine; the median run by output tok/s, with all of them."""
-    runs = []
-    for _ in range(repeats):
-        if probe is not None:
-            probe.waits.clear()
-        run = measure(llm, prompts, params)
-        if probe is not None:
-            run.update(host_times(run["timeline"], probe.waits))
-        runs.append(run)
+    runs = [measure(llm, prompts, params) for _ in range(repeats)]
     median = sorted(runs, key=lambda r: r["output_tok_s"])[(len(runs) - 1) // 2]
     return dict(median, repeat_output_tok_s=[r["output_tok_s"] for r in runs])
+
+
+def host_split(llm, prompts: list, params: list) -> dict:
+    """ms per decode step split into GPU wait and host time, from one extra lockstep run.
+
+    The probe synchronises after every step, which would stall the pipelined engine, so this
+    run is lockstep (see LLMEngine.step) and separate from the timed runs.
+    """
+    probe, llm.pipelined = GpuWaitProbe(llm.model_runner), False
+    try:
+        run = measure(llm, prompts, params)
+    finally:
+        probe.remove()
+        llm.pipelined = True
+    return host_times(run["timeline"], probe.waits)
 
 
 def throughput(args: argparse.Namespace, path: str) -> dict:
@@ -54,9 +61,8 @@ def graphs(args: argparse.Namespace, path: str) -> dict:
     runs = {}
     for label, eager in (("eager", True), ("graphs", False)):
         with open_engine(path, args, enforce_eager=eager) as (llm, startup_s):
-            probe = GpuWaitProbe(llm.model_runner)
-            runs[label] = repeated(llm, prompts, params, args.repeats, probe)
-            probe.remove()
+            runs[label] = repeated(llm, prompts, params, args.repeats)
+            runs[label].update(host_split(llm, prompts[:32], params[:32]))
             runs[label]["engine"] = engine_env(llm, startup_s)
     note = None if runs["graphs"]["engine"]["cuda_graphs"] else "no CUDA: both runs are eager"
     return dict(workload=size, runs=runs, note=note,

@@ -127,7 +127,7 @@ class BlockManager:
         return len(self.free_block_ids) >= (len(seq) % self.block_size == 1)
 
     def may_append(self, seq: Sequence) -> None:
-        """Reserve room for the newest token; hash the last block once it is full."""
+        """Reserve room for the newest token; hash the last block once it is full and known."""
         block_table = seq.block_table
         last_block = self.blocks[block_table[-1]]
         if len(seq) % self.block_size == 1:
@@ -135,11 +135,18 @@ class BlockManager:
             block = self._allocate_block(self.free_block_ids[0])
             block_table.append(block.block_id)
         elif len(seq) % self.block_size == 0:
-            assert last_block.hash == -1
-            token_ids = seq.block(seq.num_blocks - 1)
-            prefix = self.blocks[block_table[-2]].hash if len(block_table) > 1 else -1
-            h = self.compute_hash(token_ids, prefix)
-            last_block.update(h, token_ids)
-            self.hash_to_block_id[h] = last_block.block_id
+            if seq.last_token >= 0:  # else a placeholder: Scheduler.commit hashes it
+                self.hash_last_block(seq)
         else:
             assert last_block.hash == -1
+
+    def hash_last_block(self, seq: Sequence) -> None:
+        """Register a sequence's just-filled last block in the prefix cache."""
+        block_table = seq.block_table
+        last_block = self.blocks[block_table[-1]]
+        assert last_block.hash == -1
+        token_ids = seq.block(seq.num_blocks - 1)
+        prefix = self.blocks[block_table[-2]].hash if len(block_table) > 1 else -1
+        h = self.compute_hash(token_ids, prefix)
+        last_block.update(h, token_ids)
+        self.hash_to_block_id[h] = last_block.block_id

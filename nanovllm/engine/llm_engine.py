@@ -7,7 +7,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nanovllm.config import config_from_kwargs
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.model_runner import ModelRunner, SampledIds
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stats import StepCounters
@@ -44,6 +44,10 @@ class LLMEngine:
                                    config.kvcache_block_size)
         self.stop_checker = StopStringChecker(self.tokenizer)
         self.counters = StepCounters()
+        # (sequences, their sampled ids on the device) of the step launched but not committed
+        self.pending: tuple[list[Sequence], SampledIds] | None = None
+        # Workers build their inputs from host token ids, so tensor parallelism runs lockstep.
+        self.pipelined = self.workers is None
         # Runs on `del llm`, garbage collection or interpreter exit, whichever is first; it
         # holds the workers and runner, not the engine, so it does not keep the engine alive.
         self._finalizer = weakref.finalize(self, _release, self.workers, self.model_runner)
@@ -52,7 +56,7 @@ class LLMEngine:
         """Stop the workers; release the model, KV pool and graphs; safe to call twice."""
         if hasattr(self, "_finalizer"):
             self._finalizer()
-        self.workers = self.model_runner = None
+        self.workers = self.model_runner = self.pending = None
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
         """Validate and queue one request; returns its sequence id."""
@@ -71,18 +75,39 @@ class LLMEngine:
 
     def step(self) -> tuple[list[Sequence], int]:
         """Run one scheduled batch; returns (finished sequences, tokens processed: + prefill,
-        - decode)."""
+        - decode). Without tensor parallelism the engine runs one step ahead: a step is
+        launched before the previous step's sampled ids are read, so the host's bookkeeping
+        overlaps the GPU, and sequences are returned one step after their last token."""
         if self.model_runner is None:
             raise RuntimeError("the engine is shut down")
         if self.is_finished():
             return [], 0
+        if not self.pipelined:
+            return self._step_lockstep()
+        t0 = perf_counter()
+        pending, self.pending = self.pending, None
+        advanced = self.scheduler.advance(pending[0]) if pending else []
+        seqs, is_prefill = self.scheduler.schedule()
+        num_tokens = self._count_tokens(seqs, is_prefill)
+        kv_blocks_in_use = len(self.scheduler.block_manager.used_block_ids)
+        if seqs:
+            previous = pending[1].device if pending and not is_prefill else None
+            self.pending = (seqs, self.model_runner.launch(seqs, is_prefill, previous))
+        finished = []
+        if pending:
+            # The only host sync: by now the GPU has the next step queued behind this one.
+            finished = self.scheduler.commit(advanced, pending[1].tolist(), seqs)
+            finished += self._check_stop_strings([seq for _, seq in advanced])
+        if seqs:
+            self.counters.record(is_prefill, len(seqs), abs(num_tokens), t0, perf_counter(),
+                                 kv_blocks_in_use)
+        return finished, num_tokens
+
+    def _step_lockstep(self) -> tuple[list[Sequence], int]:
+        """Schedule, run on every rank, and postprocess before returning."""
         t0 = perf_counter()
         seqs, is_prefill = self.scheduler.schedule()
-        # Counted before postprocess, which appends a token and frees finished sequences.
-        if is_prefill:
-            num_tokens = sum(len(seq) - seq.num_cached_tokens for seq in seqs)
-        else:
-            num_tokens = -len(seqs)
+        num_tokens = self._count_tokens(seqs, is_prefill)
         kv_blocks_in_use = len(self.scheduler.block_manager.used_block_ids)
         if self.workers is None:
             token_ids = self.model_runner.run(seqs, is_prefill)
@@ -93,6 +118,13 @@ class LLMEngine:
         self.counters.record(is_prefill, len(seqs), abs(num_tokens), t0, perf_counter(),
                              kv_blocks_in_use)
         return finished, num_tokens
+
+    @staticmethod
+    def _count_tokens(seqs: list[Sequence], is_prefill: bool) -> int:
+        """+ tokens a prefill computes, - sequences a decode extends (read before postprocess)."""
+        if is_prefill:
+            return sum(len(seq) - seq.num_cached_tokens for seq in seqs)
+        return -len(seqs)
 
     def _check_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
         """Finish sequences whose text now contains a stop string; returns the newly finished.
@@ -140,7 +172,7 @@ class LLMEngine:
         self.scheduler.block_manager.reset_prefix_cache()
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        return self.scheduler.is_finished() and self.pending is None
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -185,6 +217,7 @@ class LLMEngine:
                         outputs[seq.seq_id] = seq
                         pbar.update(1)
         except BaseException:
+            self.pending = None  # its sampled ids are dropped; survivors are prefilled again
             self.scheduler.abort(seqs)
             for seq in seqs:
                 self.stop_checker.forget(seq)

@@ -21,6 +21,27 @@ CPU_KV_POOL_BYTES = 2 << 30  # CPU KV pool of all ranks together when num_kvcach
 _WARMUP_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 
+class SampledIds:
+    """A step's sampled ids: on the device for the next step's inputs, and copied to pinned
+    host memory as soon as the sampler is done (a plain .tolist() would wait behind the next
+    step, which the pipelined engine has queued by then)."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.device = ids
+        self.host, self.ready = ids, None
+        if ids.is_cuda:
+            self.host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            self.host.copy_(ids, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def tolist(self) -> list[int]:
+        """Wait for this step only; the host's one sync per step."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
 class ModelRunner:
     """Owns the model shard and KV pool of one rank and executes scheduled batches."""
 
@@ -135,16 +156,28 @@ class ModelRunner:
         """The smallest captured graph batch size that holds `batch`, if any."""
         return next((b for b in self.graph_bs if b >= batch), None) if self.graphs else None
 
-    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, Context]:
-        """Decode inputs, written straight into the graph's input buffer when one will run."""
+    def prepare_decode(self, seqs: list[Sequence], previous: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, Context]:
+        """Decode inputs, written straight into the graph's input buffer when one will run.
+
+        A placeholder id -(r + 1) (see Scheduler.advance) is replaced on the device by row r of
+        `previous`, the sampled ids of the step still in flight.
+        """
         rows = self.graph_size(len(seqs))
         if rows is not None:
             host = self.decode_inputs.pack(seqs, rows, self.max_num_blocks)
             buf = self.graph_inputs[rows].copy_(host, non_blocking=True)
-            return DecodeInputs.unpack(buf, rows, self.max_num_blocks)
-        rows, width = len(seqs), max(len(seq.block_table) for seq in seqs)
-        host = self.decode_inputs.pack(seqs, rows, width)
-        return DecodeInputs.unpack(host.to(self.device, non_blocking=True), rows, width)
+            input_ids, positions, context = DecodeInputs.unpack(buf, rows, self.max_num_blocks)
+        else:
+            rows, width = len(seqs), max(len(seq.block_table) for seq in seqs)
+            host = self.decode_inputs.pack(seqs, rows, width)
+            input_ids, positions, context = DecodeInputs.unpack(
+                host.to(self.device, non_blocking=True), rows, width)
+        if previous is not None:
+            pending = input_ids < 0
+            rows_of_previous = (-1 - input_ids).clamp_(min=0)
+            input_ids.copy_(torch.where(pending, previous[rows_of_previous].int(), input_ids))
+        return input_ids, positions, context
 
     def prepare_sample(self, seqs: list[Sequence]) -> torch.Tensor | SamplingTensors:
         """Temperatures alone for the sampler's fast path, else every per-row parameter."""
@@ -168,29 +201,39 @@ class ModelRunner:
             return self.model.compute_logits(self.graph_outputs[:input_ids.size(0)])
 
     @torch.inference_mode()  # graph input buffers are inference tensors
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
-        """Execute one step; rank 0 returns the sampled token ids."""
+    def launch(self, seqs: list[Sequence], is_prefill: bool,
+               previous: torch.Tensor | None = None) -> SampledIds | None:
+        """Enqueue one step without waiting for it; rank 0 returns its sampled ids.
+        `previous`: the in-flight step's ids on the device, for placeholders (decode only)."""
         if is_prefill:
             input_ids, positions, context = prepare_prefill(seqs, self.block_size, self.device)
         else:
-            input_ids, positions, context = self.prepare_decode(seqs)
+            input_ids, positions, context = self.prepare_decode(seqs, previous)
         logits = self.run_model(input_ids, positions, context)
         if self.rank != 0:
             return None
         # Prepared after the (asynchronous) forward was launched, so it overlaps the GPU.
         sample_params = self.prepare_sample(seqs)
-        return self.sampler(logits[:len(seqs)], sample_params).tolist()
+        return SampledIds(self.sampler(logits[:len(seqs)], sample_params))
+
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
+        """Execute one step and wait for it; rank 0 returns the sampled token ids."""
+        sampled = self.launch(seqs, is_prefill)
+        return None if sampled is None else sampled.tolist()
 
     @torch.inference_mode()
     def capture_cudagraph(self) -> None:
-        """Capture decode graphs for batch sizes 1, 2, 4, 8, 16, 32, 48, ... max, largest first.
+        """Capture decode graphs for batch sizes 1, 2, 3, 4, 6, 8, 12, 16, 24, ... max (powers
+        of two and their midpoints), largest first.
 
-        Each graph reads its own packed input buffer (see DecodeInputs) and all write their
-        hidden states into one shared output buffer; graphs share one memory pool.
+        A decode step reads every weight whatever its batch, so padding a batch up to the next
+        size costs little, and fewer graphs start faster (upstream captures every 16th). Each
+        graph reads its own packed input buffer (see DecodeInputs) and all write their hidden
+        states into one shared output buffer; graphs share one memory pool.
         """
         max_bs = min(self.config.max_num_seqs, 512)
-        self.graph_bs = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 16))
-        self.graph_bs.append(max_bs)
+        ladder = sorted({b * m // 2 for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) for m in (2, 3)})
+        self.graph_bs = [b for b in ladder if b < max_bs] + [max_bs]
         self.graph_outputs = torch.zeros(max_bs, self.config.hf_config.hidden_size,
                                          dtype=self.config.torch_dtype, device=self.device)
         pool = None

@@ -21,6 +21,7 @@ class Scheduler:
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0  # tokens prefilled again after a preemption
+        self.uncommitted: list[tuple[int, Sequence]] = []  # advanced, ids not yet committed
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -100,6 +101,13 @@ class Scheduler:
         holds is trusted: starting it afresh is always right and costs only cache hits.
         """
         dropped = {seq.seq_id for seq in seqs}
+        for _, seq in self.uncommitted:  # a step was cut between advance and commit
+            if seq.last_token < 0:
+                seq.pop_token()
+                if seq.is_finished and seq.finish_reason == "length":
+                    seq.status, seq.finish_reason = SequenceStatus.RUNNING, None
+                    self.running.append(seq)  # finished by its placeholder: not really
+        self.uncommitted = []
         survivors = [seq for seq in (*self.running, *self.waiting)
                      if seq.seq_id not in dropped and not seq.is_finished]
         for seq in seqs:
@@ -116,32 +124,64 @@ class Scheduler:
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
         """Append sampled tokens; return the sequences that finished this step."""
+        return self.commit(self.advance(seqs), token_ids)
+
+    def advance(self, seqs: list[Sequence]) -> list[tuple[int, Sequence]]:
+        """Give each unfinished sequence of a launched step a placeholder for the token it is
+        sampling, -(row + 1); finish those that reach a length limit. Returns (row, seq) pairs.
+
+        The pipelined engine schedules the next step before the sampled ids reach the host: the
+        placeholder makes lengths, positions and slots right, and the next step reads the token
+        itself from the device (row `row` of this step's sampled ids).
+        """
+        advanced = self.uncommitted = []  # filled as it goes: abort() must see every placeholder
+        for row, seq in enumerate(seqs):
+            if seq.is_finished:  # stopped by the previous commit: its new token is dropped
+                continue
+            advanced.append((row, seq))
+            seq.append_token(-(row + 1))
+            if (seq.num_completion_tokens >= seq.sampling_params.max_tokens
+                    or len(seq) >= self.max_model_len):
+                self.finish(seq, "length")
+        return advanced
+
+    def commit(self, advanced: list[tuple[int, Sequence]], token_ids: list[int],
+               in_flight: list[Sequence] = ()) -> list[Sequence]:
+        """Replace placeholders by the sampled ids; return the sequences that finished.
+
+        A block filled by a placeholder is hashed here once its token is known, if the step in
+        flight (which writes that token's K/V) holds the sequence; else may_append hashes it.
+        """
         finished = []
         now = perf_counter()
-        for seq, token_id in zip(seqs, token_ids):
-            seq.append_token(token_id)
+        in_flight_ids = {seq.seq_id for seq in in_flight} if in_flight else ()
+        block_size = self.block_manager.block_size
+        for row, seq in advanced:
+            token_id = token_ids[row]
+            seq.set_last_token(token_id)
             if seq.num_completion_tokens == 1:
                 seq.first_token_time = now
-            reason = self._finish_reason(seq, token_id)
-            if reason is not None:
-                self.finish(seq, reason, now)
+            if self._stops_on(seq, token_id):
+                if seq.is_finished:
+                    seq.finish_reason = "stop"  # also at its length limit: the token wins
+                else:
+                    self.finish(seq, "stop", now)
+            if seq.is_finished:
                 finished.append(seq)
+            elif len(seq) % block_size == 0 and seq.seq_id in in_flight_ids:
+                self.block_manager.hash_last_block(seq)
+        self.uncommitted = []
         return finished
-
     def finish(self, seq: Sequence, reason: str, now: float | None = None) -> None:
         """Retire a running sequence: free its blocks and record why it stopped."""
         seq.finish_time = perf_counter() if now is None else now
         seq.finish_reason = reason
+        # Waiting, too, in the pipelined engine: preempted while its last token was in flight.
+        (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)
         seq.status = SequenceStatus.FINISHED
         self.block_manager.deallocate(seq)
-        self.running.remove(seq)
 
-    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+    def _stops_on(self, seq: Sequence, token_id: int) -> bool:
         params = seq.sampling_params
-        if not params.ignore_eos and token_id == self.eos_token_id:
-            return "stop"
-        if params.stop_token_ids and token_id in params.stop_token_ids:
-            return "stop"
-        if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
-            return "length"
-        return None
+        return ((not params.ignore_eos and token_id == self.eos_token_id)
+                or bool(params.stop_token_ids and token_id in params.stop_token_ids))

@@ -81,6 +81,17 @@ class Sequence:
         self.num_cached_tokens = self.num_tokens
         self.num_tokens += 1
 
+    def set_last_token(self, token_id: int) -> None:
+        """Replace the placeholder that `append_token` got while the token was being sampled."""
+        self.token_ids[-1] = self.last_token = token_id
+
+    def pop_token(self) -> None:
+        """Undo the last append_token (an aborted step's placeholder)."""
+        self.token_ids.pop()
+        self.num_tokens -= 1
+        self.num_cached_tokens = min(self.num_cached_tokens, self.num_tokens - 1)
+        self.last_token = self.token_ids[-1]
+
     def __getstate__(self) -> tuple:
         # What a tensor-parallel worker needs to build its step inputs, and no more: the
         # uncached tokens (the whole uncached prompt in prefill, one token in decode), the

@@ -52,12 +52,12 @@ def assert_idle_and_empty(llm) -> None:
     ("model", 3, KeyboardInterrupt()),      # Ctrl-C during a forward pass
     ("model", 1, RuntimeError("CUDA out of memory")),  # during the first prefill
     ("schedule", 2, KeyboardInterrupt()),   # decode scheduling, at a block boundary
-    ("postprocess", 4, ValueError("boom")),
+    ("commit", 4, ValueError("boom")),       # reading a step's sampled ids
 ])
 def test_exception_mid_generate_aborts_the_call(llm, expected, monkeypatch, where, n, exc):
-    target, name = {"model": (llm.model_runner, "run"),
+    target, name = {"model": (llm.model_runner, "launch"),
                     "schedule": (llm.scheduler.block_manager, "may_append"),
-                    "postprocess": (llm.scheduler, "postprocess")}[where]
+                    "commit": (llm.scheduler, "commit")}[where]
     fail_on_call(target, name, n, exc, monkeypatch)
     with pytest.raises(type(exc)):
         llm.generate(PROMPTS, PARAMS, use_tqdm=False)
@@ -71,7 +71,7 @@ def test_failed_prefill_does_not_poison_the_prefix_cache(llm, expected, monkeypa
     # The failed prefill hashed PROMPTS[3]'s full blocks before their K/V was written; make
     # that K/V garbage so a cache hit on them would change the output.
     llm.reset_prefix_cache()
-    fail_on_call(llm.model_runner, "run", 1, KeyboardInterrupt(), monkeypatch,
+    fail_on_call(llm.model_runner, "launch", 1, KeyboardInterrupt(), monkeypatch,
                  before=lambda: llm.model_runner.kv_cache.zero_())
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS[3:], PARAMS, use_tqdm=False)
@@ -81,7 +81,7 @@ def test_failed_prefill_does_not_poison_the_prefix_cache(llm, expected, monkeypa
 
 def test_requests_outside_the_call_are_recomputed(llm, expected, monkeypatch):
     other = llm.add_request(PROMPTS[0], PARAMS)  # queued by hand, not by the failing call
-    fail_on_call(llm.model_runner, "run", 3, KeyboardInterrupt(), monkeypatch)
+    fail_on_call(llm.model_runner, "launch", 3, KeyboardInterrupt(), monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS[1:], PARAMS, use_tqdm=False)
     monkeypatch.undo()

@@ -31,10 +31,11 @@ def chained_hashes(seq: Sequence, num_blocks: int) -> list[int]:
     return hashes
 
 
-def check_sequence_blocks(bm: BlockManager, seq: Sequence) -> None:
-    """Between steps K/V is stored for all tokens but the newest: its blocks are exactly those,
-    every full one hashed by the chain over the sequence's own tokens, the partial one not."""
-    resident = len(seq) - 1
+def check_sequence_blocks(bm: BlockManager, seq: Sequence, in_flight: bool = False) -> None:
+    """Between steps K/V is stored for all tokens but the newest (all of them once a launched
+    step is in flight): its blocks are exactly those, every full one hashed by the chain over
+    the sequence's own tokens, the partial one not."""
+    resident = len(seq) if in_flight else len(seq) - 1
     assert len(seq.block_table) == -(-resident // BS)
     assert seq.num_cached_tokens <= resident
     num_full = resident // BS
@@ -46,7 +47,7 @@ def check_sequence_blocks(bm: BlockManager, seq: Sequence) -> None:
         assert bm.blocks[seq.block_table[-1]].hash == -1
 
 
-def check_pool(bm: BlockManager, holders: list[Sequence]) -> None:
+def check_pool(bm: BlockManager, holders: list[Sequence], in_flight: tuple = ()) -> None:
     """Free + used = total; ref counts equal the block-table references of `holders`."""
     free = list(bm.free_block_ids)
     assert len(free) == len(set(free)) and set(free).isdisjoint(bm.used_block_ids)
@@ -59,7 +60,7 @@ def check_pool(bm: BlockManager, holders: list[Sequence]) -> None:
     for h, block_id in bm.hash_to_block_id.items():
         assert bm.blocks[block_id].hash == h
     for seq in holders:
-        check_sequence_blocks(bm, seq)
+        check_sequence_blocks(bm, seq, seq in in_flight)
 
 
 def check_all_free(bm: BlockManager) -> None:
@@ -156,6 +157,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.s = Scheduler(self.max_num_seqs, MAX_MODEL_LEN, MAX_MODEL_LEN, EOS,
                            self.num_blocks, BS)
         self.seqs: list[Sequence] = []
+        self.pending: list[Sequence] = []  # the pipelined engine's launched, uncommitted batch
 
     @property
     def bm(self) -> BlockManager:
@@ -174,6 +176,26 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.seqs.append(seq)
 
     def _step(self, tokens: list[int]) -> None:
+        if self.pending:  # a lockstep step after pipelined ones: commit first, nothing in flight
+            pending, self.pending = self.pending, []
+            for seq in self.s.commit(self.s.advance(pending), tokens):
+                self._check_finished(seq)
+            if self.s.is_finished():
+                return
+        batch, is_prefill = self._schedule()
+        for seq in self.s.postprocess(batch, tokens[:len(batch)]):
+            self._check_finished(seq)
+
+    def _pipelined_step(self, tokens: list[int]) -> None:
+        """LLMEngine.step without tensor parallelism: advance, schedule, launch, commit."""
+        pending, self.pending = self.pending, []
+        advanced = self.s.advance(pending)
+        batch = self._schedule()[0] if not self.s.is_finished() else []
+        self.pending = batch
+        for seq in self.s.commit(advanced, tokens, batch):
+            self._check_finished(seq)
+
+    def _schedule(self) -> tuple[list[Sequence], bool]:
         preemptions = self.s.num_preemptions
         batch, is_prefill = self.s.schedule()
         event(f"preempted in schedule: {self.s.num_preemptions > preemptions}")
@@ -184,12 +206,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         else:
             assert all(len(seq.block_table) == seq.num_blocks for seq in batch)
             assert all(seq.num_blocks <= -(-MAX_MODEL_LEN // BS) for seq in batch)
-        for seq in self.s.postprocess(batch, tokens[:len(batch)]):
-            self._check_finished(seq)
+        return batch, is_prefill
 
     def _check_finished(self, seq: Sequence) -> None:
         params = seq.sampling_params
-        assert not seq.block_table and seq not in self.s.running
+        assert not seq.block_table and seq not in self.s.running and seq not in self.s.waiting
         assert len(seq) <= MAX_MODEL_LEN and seq.num_completion_tokens <= params.max_tokens
         if seq.finish_reason == "stop":
             assert seq.last_token == EOS and not params.ignore_eos
@@ -202,7 +223,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self, tokens):
         self._step(tokens)
 
-    @precondition(lambda self: self.s.running)
+    @precondition(lambda self: not self.s.is_finished() or self.pending)
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=3, max_size=3))
+    def pipelined_step(self, tokens):
+        self._pipelined_step(tokens)
+
+    @precondition(lambda self: self.s.running and not self.pending)
     @rule(data=st.data())
     def preempt(self, data):
         seq = data.draw(st.sampled_from(list(self.s.running)))
@@ -213,23 +239,29 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def model_fails(self, data):
         """An exception between schedule and postprocess aborts one call's requests."""
-        self.s.schedule()
-        call = data.draw(st.lists(st.sampled_from(self.unfinished), unique=True))
+        if self.pending:  # the pipelined engine advances the launched batch first
+            self.s.advance(self.pending)
+        if not self.s.is_finished():
+            self.s.schedule()
+        unfinished = self.unfinished
+        call = data.draw(st.lists(st.sampled_from(unfinished), unique=True)) if unfinished else []
         self.s.abort(call)
+        self.pending = []  # the engine drops the failed step's sampled ids
         assert all(seq.is_finished for seq in call)
         check_all_free(self.bm)
         assert not self.bm.hash_to_block_id
 
     @precondition(lambda self: not self.s.is_finished())
     @rule(at_line=st.integers(1, 400), tokens=st.lists(st.integers(0, 2), min_size=3,
-                                                        max_size=3))
-    def interrupted_step(self, at_line, tokens):
+                                                        max_size=3), pipelined=st.booleans())
+    def interrupted_step(self, at_line, tokens, pipelined):
         """Ctrl-C at any line of a step; generate() then aborts every in-flight request."""
         try:
             with interrupt_after(at_line):
-                self._step(tokens)
+                (self._pipelined_step if pipelined else self._step)(tokens)
         except KeyboardInterrupt:
             event("interrupted")
+            self.pending = []
             self.s.abort(self.seqs)
             assert self.s.is_finished()
             check_all_free(self.bm)
@@ -244,7 +276,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert all(seq.status == SequenceStatus.WAITING and not seq.block_table
                    for seq in waiting)
         assert all(len(seq) <= MAX_MODEL_LEN for seq in self.seqs)
-        check_pool(self.bm, running)
+        assert not self.s.uncommitted and all(min(seq.token_ids) >= 0 for seq in self.seqs)
+        check_pool(self.bm, running, tuple(self.pending))
 
     def teardown(self):
         steps = 0

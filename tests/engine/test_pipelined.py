@@ -1,0 +1,76 @@
+"""The pipelined engine (next step launched before the previous step's ids are read) gives
+exactly what the lockstep engine gives: same tokens, finish reasons, texts and cache hits."""
+import pytest
+
+from nanovllm import LLM, SamplingParams
+
+PROMPTS = [[(11 * i + 3 * j) % 400 + 2 for j in range(230 + 9 * i)] for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    engine = LLM(tiny_model, num_kvcache_blocks=7)  # 6 sequences crossing a block: preemptions
+    yield engine
+    engine.shutdown()
+
+
+def run(llm, prompts, params, pipelined: bool) -> tuple[list[dict], dict]:
+    llm.pipelined = pipelined
+    llm.reset_prefix_cache()
+    llm.reset_stats()
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.pipelined = True
+    return [{k: o[k] for k in ("token_ids", "finish_reason", "text")} for o in outs], llm.stats()
+
+
+def mixed_params(llm) -> list[SamplingParams]:
+    """Greedy, seeded and stop conditions, some of which fire mid-run."""
+    greedy = run(llm, PROMPTS[:1], SamplingParams(temperature=0, max_tokens=40), False)[0][0]
+    stop_id = greedy["token_ids"][7]
+    stop_text = llm.tokenizer.decode(greedy["token_ids"][10:12])
+    return [SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_id]),
+            SamplingParams(temperature=0.8, max_tokens=35, seed=5),
+            SamplingParams(temperature=0, max_tokens=40, stop=stop_text),
+            SamplingParams(temperature=1.0, max_tokens=30, seed=9, top_k=20),
+            SamplingParams(temperature=0, max_tokens=40),
+            SamplingParams(temperature=0.6, max_tokens=1, seed=1)]
+
+
+def test_pipelined_equals_lockstep_under_preemption(llm):
+    params = mixed_params(llm)
+    lockstep, _ = run(llm, PROMPTS, params, pipelined=False)
+    pipelined, stats = run(llm, PROMPTS, params, pipelined=True)
+    assert pipelined == lockstep
+    assert stats["preemptions"] > 0
+    assert {o["finish_reason"] for o in pipelined} == {"stop", "length"}
+    assert llm.is_finished() and not llm.scheduler.block_manager.used_block_ids
+
+
+def test_blocks_filled_in_decode_are_cached(llm):
+    # 250 prompt tokens + 20 generated fill block 0 during decode; a prompt extending that
+    # output must hit it, and only correct K/V there gives the lockstep tokens.
+    prompt, params = PROMPTS[2][:250], SamplingParams(temperature=0, max_tokens=20)
+    results = []
+    for pipelined in (False, True):
+        llm.pipelined = pipelined
+        llm.reset_prefix_cache()
+        first = llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"]
+        llm.reset_stats()
+        second = llm.generate([prompt + first], params, use_tqdm=False)[0]["token_ids"]
+        results.append((first, second, llm.stats()["cache_hit_blocks"]))
+    llm.pipelined = True
+    assert results[0] == results[1]
+    assert results[1][2] == 1
+
+
+def test_step_by_step_returns_each_sequence_once(llm):
+    ids = [llm.add_request(p, SamplingParams(temperature=0, max_tokens=5)) for p in PROMPTS[:3]]
+    finished = []
+    while not llm.is_finished():
+        finished += llm.step()[0]
+    assert sorted(seq.seq_id for seq in finished) == sorted(ids)
+    assert all(len(seq.completion_token_ids) == 5 and min(seq.token_ids) >= 0
+               for seq in finished)
+    assert llm.pending is None
