@@ -1,1 +1,1 @@
-"""Triton kernels and plain-torch references for KV-cache writes and attention."""
+"""Triton kernels (and plain-torch references) for KV-cache writes, attention and sampling."""

@@ -1,8 +1,10 @@
 """Token sampling without host syncs (the sampled ids' .tolist() is the only one).
 
 Fast path, when no row uses top-k/top-p/min-p/seed: the exponential race
-argmax(softmax(l / T) / E), E ~ Exp(1) from torch's RNG, computed in one pass as
-argmax(l / T - log E). Full path: l / T, then min_p, top_k and top_p as -inf masks, then
+argmax(softmax(l / T) / E), E ~ Exp(1), computed in one pass as argmax(l / T - log E). On
+CUDA it is one fused Triton kernel (nanovllm.kernels.sample) drawing E = -log U from Philox
+keyed by a per-step seed from torch's CPU RNG; on CPU, eager torch with torch's RNG.
+Full path: l / T, then min_p, top_k and top_p as -inf masks, then
 the Gumbel-max draw argmax(l / T - log E) with E = -log U, where U is a counter-based hash
 of (seed, position, vocab index): a seeded row draws the same noise whatever its batch
 mates, its row in the batch, or whether CUDA graphs ran the model.
@@ -101,9 +103,13 @@ class Sampler(nn.Module):
         return self.gumbel_max(logits, scaled, params.temperatures, params.seeds,
                                params.positions, steps)
 
-    @compile_on_cuda
     def race(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-        """The fast path: exponential race from torch's RNG, argmax for greedy rows."""
+        """The fast path: exponential race (fused kernel on CUDA), argmax for greedy rows."""
+        if logits.is_cuda:
+            # Imported here: CPU-only runs never import Triton (as for the attention backends).
+            from nanovllm.kernels.sample import race_sample
+            # The seed comes from torch's CPU RNG: torch.manual_seed governs it, and no sync.
+            return race_sample(logits, temperatures, int(torch.randint(2**31 - 1, (1,))))
         logits = logits.float()
         greedy = logits.argmax(dim=-1)
         scaled = logits / temperatures.clamp(min=1e-5).unsqueeze(1)

@@ -1,0 +1,68 @@
+"""Fused sampling: per-row argmax(l / T + Gumbel) (argmax(l) if T = 0) in one pass (Triton)."""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["seed"])  # a fresh seed each step must not recompile
+def _race_kernel(logits_ptr, temp_ptr, best_val_ptr, best_idx_ptr, stride_row, vocab, seed,
+                 CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per (row, chunk): the chunk's best value and its lowest column."""
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    num_chunks = tl.num_programs(1)
+    Q: tl.constexpr = BLOCK // 4
+    temp = tl.load(temp_ptr + row)
+    inv_temp = 1.0 / tl.maximum(temp, 1e-5)  # T clamped as in the torch path
+    row64 = row.to(tl.int64)  # row * stride and the noise counters overflow int32
+    start = chunk * CHUNK
+    lanes = tl.arange(0, Q)
+    # A block is [Q, 4]: 4 adjacent columns per counter. Init to the chunk's first column, so
+    # an all -inf chunk still names a valid one.
+    best_val = tl.full([Q, 4], float("-inf"), tl.float32)
+    best_idx = tl.full([Q, 4], 0, tl.int32) + start
+    for off in range(start, start + CHUNK, BLOCK):
+        cols = off + 4 * lanes[:, None] + tl.arange(0, 4)[None, :]
+        x = tl.load(logits_ptr + row64 * stride_row + cols, mask=cols < vocab,
+                    other=float("-inf")).to(tl.float32)
+        if temp != 0:  # greedy rows skip the noise: value = l, an exact argmax
+            # Philox is the costly part: one call gives 4 words, for the 4 columns of counter
+            # (row, off / 4 + j), unique per (row, column); int64 counters: no wrap-around.
+            counter = row64 * num_chunks * (CHUNK // 4) + off // 4 + lanes
+            r0, r1, r2, r3 = tl.randint4x(seed, counter)
+            bits = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), [Q, 4])
+            # 23 bits: (k + 0.5) / 2**23 is exact in float32 and never 0 or 1, so the
+            # Gumbel noise -log(-log u) is finite.
+            u = ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+            x = x * inv_temp - tl.log(-tl.log(u))
+        # Strict >: a lane keeps its earlier (lower) column among ties.
+        better = x > best_val
+        best_val = tl.where(better, x, best_val)
+        best_idx = tl.where(better, cols, best_idx)
+    # Across lanes: the max value, then the lowest column holding it.
+    top = tl.max(best_val)
+    idx = tl.min(tl.where(best_val == top, best_idx, 2**31 - 1))
+    tl.store(best_val_ptr + row64 * num_chunks + chunk, top)
+    tl.store(best_idx_ptr + row64 * num_chunks + chunk, idx.to(tl.int64))
+
+
+def race_sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int,
+                chunk: int = 4096, block: int = 1024) -> torch.Tensor:
+    """Token ids [B] int64: Gumbel-max draw from softmax(l / T) per row, argmax(l) if T = 0."""
+    assert logits.dim() == 2 and temperatures.shape == logits.shape[:1]
+    assert chunk % block == 0 and block & (block - 1) == 0 and block >= 4
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    batch, vocab = logits.shape
+    if batch == 0:
+        return torch.empty(0, dtype=torch.int64, device=logits.device)
+    num_chunks = triton.cdiv(vocab, chunk)
+    best_val = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)
+    best_idx = torch.empty(batch, num_chunks, dtype=torch.int64, device=logits.device)
+    temperatures = temperatures.float().contiguous()
+    _race_kernel[(batch, num_chunks)](logits, temperatures, best_val, best_idx, logits.stride(0),
+                                      vocab, seed, CHUNK=chunk, BLOCK=block)
+    # Chunks are in vocab order and torch.argmax returns the first max: ties go to the lowest
+    # index across chunks too.
+    winner = best_val.argmax(dim=1, keepdim=True)
+    return best_idx.gather(1, winner).squeeze(1)
