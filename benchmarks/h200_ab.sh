@@ -12,7 +12,7 @@ for ((r = 0; r < rounds; r++)); do
     dir=.
     if [[ $args == @* ]]; then dir=${args%% *}; dir=${dir#@}; args=${args#"@$dir"}; fi
     # shellcheck disable=SC2086
-    (cd "$dir" && { [[ ! -f .commit ]] || export NANOVLLM_COMMIT=$(cat .commit); } && PYTHONPATH=. python bench.py --random-weights $args --json "$out/r${r}_c${i}.json") 2>&1 \
+    (cd "$dir" && { [[ ! -f .commit ]] || export NANOVLLM_COMMIT=$(cat .commit); } && PYTHONPATH=".:${PYTHONPATH:-}" python bench.py --random-weights $args --json "$out/r${r}_c${i}.json") 2>&1 \
       | grep -E "^(run|median)" | sed "s/^/[$r:$i $name] /"
     i=$((i + 1))
   done

@@ -30,6 +30,12 @@ startup-and-scenarios)
   timeout 420 python bench.py --random-weights --scenario all --json $OUT/scenarios.json 2>&1 \
     | grep -vE "Writing|Loading"
   ;;
+fa-and-scenarios)
+  # The standard bench with flash-attn, 3 runs, then every scenario at full size.
+  benchmarks/h200_ab.sh 3 "" 2>&1 | tee $OUT/ab.log | tail -2
+  timeout 400 python bench.py --random-weights --scenario all --json $OUT/scenarios.json 2>&1 \
+    | grep -vE "Writing|Loading"
+  ;;
 ab-vs-base)
   # Empty compile caches: the first run (this tree, flash-attn) gives the cold start-up, the
   # second round's the warm one. Then GPU tests, then the new kernel tests.
