@@ -36,6 +36,12 @@ fa-and-scenarios)
   timeout 400 python bench.py --random-weights --scenario all --json $OUT/scenarios.json 2>&1 \
     | grep -vE "Writing|Loading"
   ;;
+backends-and-eager)
+  # flash-attn and Triton alternated on one machine, then one eager run.
+  benchmarks/h200_ab.sh 2 "" "--attention-backend triton" 2>&1 | tee $OUT/ab.log | tail -3
+  timeout 150 python bench.py --random-weights --enforce-eager --json $OUT/eager.json 2>&1 \
+    | grep -E "^(run|median)"
+  ;;
 ab-vs-base)
   # Empty compile caches: the first run (this tree, flash-attn) gives the cold start-up, the
   # second round's the warm one. Then GPU tests, then the new kernel tests.
