@@ -223,17 +223,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_cudagraph(self) -> None:
-        """Capture decode graphs for batch sizes 1, 2, 3, 4, 6, 8, 12, 16, 24, ... max (powers
-        of two and their midpoints), largest first.
+        """Capture decode graphs for batch sizes 2, 3, 4, 6, 8, 12, 16, 24, ... max (powers of
+        two and their midpoints), largest first.
 
         A decode step reads every weight whatever its batch, so padding a batch up to the next
-        size costs little, and fewer graphs start faster (upstream captures every 16th). Each
+        size costs little, and fewer graphs start faster (upstream captures every 16th). No
+        graph of 1: a lone sequence runs in the graph of 2, so the compiled ops never see a
+        dimension of size 1, for which torch.compile would compile them all again. Each
         graph reads its own packed input buffer (see DecodeInputs) and all write their hidden
         states into one shared output buffer; graphs share one memory pool.
         """
         max_bs = min(self.config.max_num_seqs, 512)
         ladder = sorted({b * m // 2 for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) for m in (2, 3)})
-        self.graph_bs = [b for b in ladder if b < max_bs] + [max_bs]
+        self.graph_bs = [b for b in ladder if 1 < b < max_bs] + [max_bs]
         self.graph_outputs = torch.zeros(max_bs, self.config.hf_config.hidden_size,
                                          dtype=self.config.torch_dtype, device=self.device)
         pool = None
