@@ -82,8 +82,16 @@ class LLMEngine:
             raise RuntimeError("the engine is shut down")
         if self.is_finished():
             return [], 0
-        if not self.pipelined:
-            return self._step_lockstep()
+        try:
+            return self._step_pipelined() if self.pipelined else self._step_lockstep()
+        except BaseException:
+            # Nothing a failed step touched is trusted: every unfinished request goes back to
+            # waiting, without placeholders, to be recomputed (generate() aborts its own).
+            self._abort([])
+            raise
+
+    def _step_pipelined(self) -> tuple[list[Sequence], int]:
+        """Advance the launched batch, launch the next, then commit the launched one's ids."""
         t0 = perf_counter()
         pending, self.pending = self.pending, None
         advanced = self.scheduler.advance(pending[0]) if pending else []
@@ -204,7 +212,7 @@ class LLMEngine:
             while not self.is_finished():
                 t = perf_counter()
                 finished, num_tokens = self.step()
-                if use_tqdm:  # formatting the bar costs more than a step's scheduling
+                if use_tqdm and num_tokens:  # formatting costs more than a step's scheduling
                     elapsed = perf_counter() - t
                     if num_tokens > 0:
                         prefill_tps = num_tokens / elapsed
@@ -217,14 +225,20 @@ class LLMEngine:
                         outputs[seq.seq_id] = seq
                         pbar.update(1)
         except BaseException:
-            self.pending = None  # its sampled ids are dropped; survivors are prefilled again
-            self.scheduler.abort(seqs)
+            self._abort(seqs)
             for seq in seqs:
                 self.stop_checker.forget(seq)
             raise
         finally:
             pbar.close()
         return [self._output(outputs[seq.seq_id]) for seq in seqs]
+
+    def _abort(self, seqs: list[Sequence]) -> None:
+        """Drop the in-flight step's ids and abort `seqs`; others go back to waiting."""
+        self.pending = None
+        if self.model_runner is not None:
+            self.model_runner.wait_idle()  # no queued copy may still read a staging buffer
+        self.scheduler.abort(seqs)
 
     def _output(self, seq: Sequence) -> dict:
         token_ids = seq.completion_token_ids

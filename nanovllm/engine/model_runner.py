@@ -216,6 +216,14 @@ class ModelRunner:
         sample_params = self.prepare_sample(seqs)
         return SampledIds(self.sampler(logits[:len(seqs)], sample_params))
 
+    def wait_idle(self) -> None:
+        """Wait for all queued GPU work, ignoring the error that may have stopped it."""
+        if self.device.type == "cuda":
+            try:
+                torch.cuda.synchronize(self.device)
+            except RuntimeError:
+                pass  # the caller is already handling the failure that raised this
+
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
         """Execute one step and wait for it; rank 0 returns the sampled token ids."""
         sampled = self.launch(seqs, is_prefill)
@@ -228,8 +236,9 @@ class ModelRunner:
 
         A decode step reads every weight whatever its batch, so padding a batch up to the next
         size costs little, and fewer graphs start faster (upstream captures every 16th). No
-        graph of 1: a lone sequence runs in the graph of 2, so the compiled ops never see a
-        dimension of size 1, for which torch.compile would compile them all again. Each
+        graph of 1 (unless max_num_seqs is 1): a lone sequence runs in the graph of 2, so the
+        compiled ops never see a dimension of size 1, for which torch.compile would compile
+        them all again. Each
         graph reads its own packed input buffer (see DecodeInputs) and all write their hidden
         states into one shared output buffer; graphs share one memory pool.
         """

@@ -172,8 +172,10 @@ class Scheduler:
                 self.block_manager.hash_last_block(seq)
         self.uncommitted = []
         return finished
+
     def finish(self, seq: Sequence, reason: str, now: float | None = None) -> None:
-        """Retire a running sequence: free its blocks and record why it stopped."""
+        """Retire a running (or, pipelined, just preempted) sequence: free its blocks and record
+        why it stopped."""
         seq.finish_time = perf_counter() if now is None else now
         seq.finish_reason = reason
         # Waiting, too, in the pipelined engine: preempted while its last token was in flight.

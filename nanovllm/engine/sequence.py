@@ -75,7 +75,8 @@ class Sequence:
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
     def append_token(self, token_id: int) -> None:
-        """Add a sampled token; the step that sampled it cached every earlier token's K/V."""
+        """Add a sampled token (or a placeholder for one being sampled); the step that sampled it
+        wrote, or has queued the write of, every earlier token's K/V."""
         self.token_ids.append(token_id)
         self.last_token = token_id
         self.num_cached_tokens = self.num_tokens

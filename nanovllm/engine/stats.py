@@ -31,8 +31,8 @@ class StepCounters:
             self.decode_tokens += num_tokens
             self.decode_steps += 1
             self.decode_s += t1 - t0
-        # Blocks are reserved by schedule() and freed by postprocess(), so the caller samples
-        # the pool between the two, when this step's use is highest.
+        # Blocks are reserved by schedule() and freed by finishing sequences (advance/commit),
+        # so the caller samples the pool right after schedule(), when this step's use is highest.
         if kv_blocks_in_use > self.peak_kv_blocks_in_use:
             self.peak_kv_blocks_in_use = kv_blocks_in_use
         if self.timeline is not None:

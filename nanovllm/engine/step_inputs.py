@@ -65,8 +65,8 @@ class DecodeInputs:
 
     def __init__(self, max_rows: int, max_width: int, block_size: int, pin: bool):
         size = max_rows * (4 + max_width)
-        # Two staging buffers, alternated: today every step syncs before the next is packed,
-        # but a pipelined engine would otherwise overwrite a copy still in flight.
+        # Two staging buffers, alternated: the pipelined engine packs step n+1 while step n may
+        # still be queued, but it has waited for step n-1, whose copy read the other buffer.
         self.staging = [torch.empty(size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self.turn = 0
         self.block_size = block_size

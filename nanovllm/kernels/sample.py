@@ -14,7 +14,7 @@ def _race_kernel(logits_ptr, temp_ptr, best_val_ptr, best_idx_ptr, stride_row, v
     Q: tl.constexpr = BLOCK // 4
     temp = tl.load(temp_ptr + row)
     inv_temp = 1.0 / tl.maximum(temp, 1e-5)  # T clamped as in the torch path
-    row64 = row.to(tl.int64)  # row * stride and the noise counters overflow int32
+    row64 = row.to(tl.int64)  # row * stride overflows int32 for large batches
     start = chunk * CHUNK
     lanes = tl.arange(0, Q)
     # A block is [Q, 4]: 4 adjacent columns per counter. Init to the chunk's first column, so
@@ -27,9 +27,12 @@ def _race_kernel(logits_ptr, temp_ptr, best_val_ptr, best_idx_ptr, stride_row, v
                     other=float("-inf")).to(tl.float32)
         if temp != 0:  # greedy rows skip the noise: value = l, an exact argmax
             # Philox is the costly part: one call gives 4 words, for the 4 columns of counter
-            # (row, off / 4 + j), unique per (row, column); int64 counters: no wrap-around.
-            counter = row64 * num_chunks * (CHUNK // 4) + off // 4 + lanes
+            # row * (vocab / 4) + (column / 4), unique per (row, column) below 2**31 counters
+            # (B x V < 8.6e9). int32, not int64: before Triton 3.4 an int64 counter selects
+            # 64-bit Philox, whose uint64 words would break the 23-bit shift below.
+            counter = row * num_chunks * (CHUNK // 4) + off // 4 + lanes
             r0, r1, r2, r3 = tl.randint4x(seed, counter)
+            tl.static_assert(r0.dtype == tl.uint32)
             bits = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), [Q, 4])
             # 23 bits: (k + 0.5) / 2**23 is exact in float32 and never 0 or 1, so the
             # Gumbel noise -log(-log u) is finite.

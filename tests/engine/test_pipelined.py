@@ -74,3 +74,28 @@ def test_step_by_step_returns_each_sequence_once(llm):
     assert all(len(seq.completion_token_ids) == 5 and min(seq.token_ids) >= 0
                for seq in finished)
     assert llm.pending is None
+
+
+def test_exception_in_a_bare_step_requeues_every_request(llm, monkeypatch):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [o["token_ids"] for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
+    ids = [llm.add_request(p, params) for p in PROMPTS[:3]]
+    launch, calls = llm.model_runner.launch, [0]
+
+    def failing_launch(*args):
+        calls[0] += 1
+        if calls[0] == 3:  # a decode step: the batch before it already holds placeholders
+            raise RuntimeError("boom")
+        return launch(*args)
+
+    monkeypatch.setattr(llm.model_runner, "launch", failing_launch)
+    finished = []
+    with pytest.raises(RuntimeError, match="boom"):
+        while not llm.is_finished():
+            finished += llm.step()[0]
+    assert not finished and llm.pending is None
+    assert all(min(seq.token_ids) >= 0 for seq in llm.scheduler.waiting)
+    while not llm.is_finished():
+        finished += llm.step()[0]
+    by_id = {seq.seq_id: seq.completion_token_ids for seq in finished}
+    assert [by_id[i] for i in ids] == expected
