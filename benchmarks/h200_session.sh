@@ -3,6 +3,7 @@
 #   NANOVLLM_COMMIT=<hash> bash benchmarks/h200_session.sh tests-and-ab
 #   NANOVLLM_COMMIT=<hash> bash benchmarks/h200_session.sh startup-and-scenarios
 #   NANOVLLM_COMMIT=<hash> bash benchmarks/h200_session.sh ab-vs-base   (needs .ab_base/, below)
+#   NANOVLLM_COMMIT=<hash> bash benchmarks/h200_session.sh tp-x2        (kind nvidia-h200-x2)
 # ab-vs-base compares this tree with a worktree of a baseline commit: `git worktree add
 # .ab_base <commit>; echo <commit> > .ab_base/.commit`, then carry [".device", ".ab_base"].
 # Run with carry [".device"]; logs and JSON land in $OUT.
@@ -35,6 +36,16 @@ fa-and-scenarios)
   benchmarks/h200_ab.sh 3 "" 2>&1 | tee $OUT/ab.log | tail -2
   timeout 400 python bench.py --random-weights --scenario all --json $OUT/scenarios.json 2>&1 \
     | grep -vE "Writing|Loading"
+  ;;
+tp-x2)
+  # Issue 5 on nvidia-h200-x2: TP=2 vs TP=1 parity (64 tokens x 8 prompts, logit error, clean
+  # exit), then the tp scenario (standard bench at TP=1 and TP=2, memory per GPU).
+  timeout 240 python -m benchmarks.tp_parity --random-weights --tp 2 --json $OUT/tp_parity.json \
+    2>&1 | grep -vE "Writing|Loading"
+  timeout 300 python bench.py --random-weights --scenario tp --json $OUT/tp.json 2>&1 \
+    | grep -vE "Writing|Loading"
+  echo "left after exit: $(ls /dev/shm | grep -c nanovllm) shm segments," \
+    "$(pgrep -fc 'multiprocessing.spawn' || true) spawned processes"
   ;;
 backends-and-eager)
   # flash-attn and Triton alternated on one machine, then one eager run.
