@@ -41,7 +41,9 @@ def _softmax_step(q, k_t, v, visible, m_i, l_i, acc, qk_scale):
     return m_new, l_i, acc
 
 
-@triton.jit
+# num_seqs changes every step: specialising on its value (1, multiple of 16) would compile new
+# variants mid-run.
+@triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr, block_tables_ptr,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
@@ -138,7 +140,10 @@ def prefill_attention_triton(
         q.stride(0), q.stride(1), *strides, out.stride(0), out.stride(1),
         block_tables.stride(0) if paged else 0, scale * _LOG2E, num_seqs,
         GROUP=num_heads // keys.shape[-2], HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, SEQS_P2=triton.next_power_of_2(num_seqs), PAGED=paged,
+        BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged,
+        # At least 64: the warm-up's small batches compile the variant that typical prefill
+        # batches (<= 64 sequences) use, instead of one per power of two inside a timed run.
+        SEQS_P2=max(64, triton.next_power_of_2(num_seqs)),
         num_warps=warps, num_stages=stages,
     )
     return out
