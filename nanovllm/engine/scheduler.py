@@ -154,7 +154,6 @@ class Scheduler:
         """
         finished = []
         now = perf_counter()
-        in_flight_ids = {seq.seq_id for seq in in_flight} if in_flight else ()
         block_size = self.block_manager.block_size
         for row, seq in advanced:
             token_id = token_ids[row]
@@ -168,7 +167,7 @@ class Scheduler:
                     self.finish(seq, "stop", now)
             if seq.is_finished:
                 finished.append(seq)
-            elif len(seq) % block_size == 0 and seq.seq_id in in_flight_ids:
+            elif len(seq) % block_size == 0 and seq in in_flight:  # rare: a block just filled
                 self.block_manager.hash_last_block(seq)
         self.uncommitted = []
         return finished

@@ -87,10 +87,10 @@ class Sequence:
         self.token_ids[-1] = self.last_token = token_id
 
     def pop_token(self) -> None:
-        """Undo the last append_token (an aborted step's placeholder)."""
+        """Undo the last append_token (an aborted step's placeholder; abort then resets the
+        cache state)."""
         self.token_ids.pop()
         self.num_tokens -= 1
-        self.num_cached_tokens = min(self.num_cached_tokens, self.num_tokens - 1)
         self.last_token = self.token_ids[-1]
 
     def __getstate__(self) -> tuple:
