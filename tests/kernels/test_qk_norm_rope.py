@@ -42,10 +42,11 @@ def _norm(head_dim: int, dtype: torch.dtype) -> RMSNorm:
 
 
 def _reference(norm_q: RMSNorm, norm_k: RMSNorm, rope: RotaryEmbedding, positions, q, k):
-    """The torch path, eager even on CUDA (__wrapped__ skips compile_on_cuda)."""
+    """The torch path, eager even on CUDA (rms_forward is the torch code; __wrapped__ skips
+    RoPE's compile_on_cuda)."""
     with torch.no_grad():
-        q = RMSNorm.rms_forward.__wrapped__(norm_q, q)
-        k = RMSNorm.rms_forward.__wrapped__(norm_k, k)
+        q = norm_q.rms_forward(q)
+        k = norm_k.rms_forward(k)
         return RotaryEmbedding.forward.__wrapped__(rope, positions, q, k)
 
 
