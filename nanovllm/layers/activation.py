@@ -3,13 +3,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.utils.compile import compile_on_cuda
-
 
 class SiluAndMul(nn.Module):
-    """[..., 2d] -> silu(first half) * second half, [..., d]."""
+    """[..., 2d] -> silu(first half) * second half, [..., d]: a Triton kernel on CUDA."""
 
-    @compile_on_cuda
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            # Imported here: CPU-only runs never import Triton (as for the sampler's kernel).
+            from nanovllm.kernels.fused_ops import silu_and_mul
+            return silu_and_mul(x)
+        return self.torch_forward(x)
+
+    @staticmethod
+    def torch_forward(x: torch.Tensor) -> torch.Tensor:
+        """The torch path (CPU, and the kernel's reference)."""
         x, y = x.chunk(2, -1)
         return F.silu(x) * y

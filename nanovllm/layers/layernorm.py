@@ -2,27 +2,29 @@
 import torch
 from torch import nn
 
-from nanovllm.utils.compile import compile_on_cuda
-
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32; with a residual, returns (normed, x + residual)."""
+    """x / rms(x) * weight, computed in float32; with a residual, returns (normed, x + residual).
+
+    On CUDA a Triton kernel (nanovllm.kernels.fused_ops); on CPU the eager torch methods below,
+    which are also the kernels' reference.
+    """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
-    @compile_on_cuda
     def rms_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch path: normalise the last dim of x (any leading shape)."""
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return x.to(dtype) * self.weight
 
-    @compile_on_cuda
     def add_rms_forward(self, x: torch.Tensor,
                         residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch path: (RMSNorm(x + residual), x + residual), the sum taken in float32."""
         dtype = x.dtype
         x = x.float() + residual.float()
         residual = x.to(dtype)
@@ -30,6 +32,12 @@ class RMSNorm(nn.Module):
         return x.to(dtype) * self.weight, residual
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.is_cuda:
+            # Imported here: CPU-only runs never import Triton (as for the sampler's kernel).
+            from nanovllm.kernels.fused_ops import add_rms_norm, rms_norm
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)
+            return add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self.rms_forward(x)
         return self.add_rms_forward(x, residual)

@@ -45,12 +45,27 @@ class Qwen3Attention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))      # (N, H, D)
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))   # (N, Hkv, D)
+        q = q.view(-1, self.num_heads, self.head_dim)      # (N, H, D)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)   # (N, Hkv, D)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.norm_rope(positions, q, k)
         o = self.attn(q, k, v)
         return self.o_proj(o.flatten(1, -1))
+
+    def norm_rope(self, positions: torch.Tensor, q: torch.Tensor,
+                  k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head RMSNorm of q and k, then RoPE: one Triton kernel on CUDA, three ops on CPU."""
+        if q.is_cuda:
+            return self.fused_norm_rope(positions, q, k)
+        return self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
+
+    def fused_norm_rope(self, positions: torch.Tensor, q: torch.Tensor,
+                        k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm_rope as one Triton kernel (fewer launches per layer in the decode graph)."""
+        # Imported here: CPU-only runs never import Triton (as for the sampler's kernel).
+        from nanovllm.kernels.qk_norm_rope import qk_norm_rope
+        return qk_norm_rope(q, k, positions, self.q_norm.weight, self.k_norm.weight,
+                            self.rotary_emb.cos_sin_cache, self.q_norm.eps)
 
 
 class Qwen3MLP(nn.Module):

@@ -1,0 +1,66 @@
+"""Fused per-head q/k RMSNorm + neox RoPE: one kernel instead of q_norm, k_norm and rotary."""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, pos_ptr,
+                         cache_ptr, stride_qn, stride_qh, stride_kn, stride_kh, stride_cache,
+                         eps, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                         HEAD_DIM: tl.constexpr):
+    """Grid (N, Hq + Hkv): normalise and rotate one head of one token (q heads, then k)."""
+    tok = tl.program_id(0).to(tl.int64)  # int64 offsets, as in the other kernels: no overflow
+    head = tl.program_id(1)
+    if head < NUM_Q_HEADS:
+        src = q_ptr + tok * stride_qn + head * stride_qh
+        dst = q_out_ptr + (tok * NUM_Q_HEADS + head) * HEAD_DIM
+        w_ptr = q_w_ptr
+    else:
+        src = k_ptr + tok * stride_kn + (head - NUM_Q_HEADS) * stride_kh
+        dst = k_out_ptr + (tok * NUM_KV_HEADS + head - NUM_Q_HEADS) * HEAD_DIM
+        w_ptr = k_w_ptr
+    # Work on the two halves separately: neox RoPE pairs element i with i + D/2.
+    HALF: tl.constexpr = HEAD_DIM // 2
+    lo = tl.arange(0, HALF)
+    x1 = tl.load(src + lo).to(tl.float32)
+    x2 = tl.load(src + HALF + lo).to(tl.float32)
+    # RMSNorm.rms_forward: normalise in float32, round to the input dtype, then multiply by
+    # the weight in the input dtype. For bf16/fp16 the float32 product of two such values is
+    # exact, so rounding it once equals their own multiply (for float32 the casts are no-ops).
+    dtype = q_out_ptr.dtype.element_ty
+    rstd = tl.rsqrt(tl.sum(x1 * x1 + x2 * x2, axis=0) / HEAD_DIM + eps)
+    w1 = tl.load(w_ptr + lo).to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + lo).to(tl.float32)
+    x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+    x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    # apply_rotary_emb: float32 rotation with cos_sin_cache[pos] = cat(cos, sin).
+    row = cache_ptr + tl.load(pos_ptr + tok).to(tl.int64) * stride_cache
+    cos = tl.load(row + lo)
+    sin = tl.load(row + HALF + lo)
+    tl.store(dst + lo, (x1 * cos - x2 * sin).to(dtype))
+    tl.store(dst + HALF + lo, (x2 * cos + x1 * sin).to(dtype))
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                 q_weight: torch.Tensor, k_weight: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE(RMSNorm(q)), RoPE(RMSNorm(k)) as new contiguous tensors; q [N, Hq, D], k [N, Hkv, D]."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert k.shape == (num_tokens, num_kv_heads, head_dim) and k.dtype == q.dtype
+    assert q.stride(-1) == 1 and k.stride(-1) == 1, "head_dim must be contiguous"
+    assert head_dim >= 2 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
+    assert q_weight.dtype == k_weight.dtype == q.dtype, "weights in the activation dtype"
+    assert q_weight.is_contiguous() and k_weight.is_contiguous()
+    assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.shape[-1] == head_dim
+    assert cos_sin_cache.stride(-1) == 1 and positions.shape == (num_tokens,)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens > 0:
+        _qk_norm_rope_kernel[(num_tokens, num_q_heads + num_kv_heads)](
+            q, k, q_out, k_out, q_weight, k_weight, positions, cos_sin_cache,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), eps,
+            NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim)
+    return q_out, k_out

@@ -1,0 +1,103 @@
+"""RMSNorm, add + RMSNorm, SiLU-and-mul (Triton) vs the layers' torch paths (TRITON_INTERPRET
+on CPU)."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
+
+import pytest  # noqa: E402
+
+from nanovllm.kernels.fused_ops import add_rms_norm, rms_norm, silu_and_mul  # noqa: E402
+from nanovllm.layers.activation import SiluAndMul  # noqa: E402
+from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EPS = 1e-6
+# (atol, rtol). The Triton 3.8 interpreter truncates float32 -> bf16 (hardware rounds to
+# nearest even), and the kernels round up to twice, so on CPU bf16 is off by an ulp or two.
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (3e-2, 3e-2)}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _input(rows: int, cols: int, dtype: torch.dtype, extra: int = 0) -> torch.Tensor:
+    """[rows, cols] with a per-column scale and shift; `extra` > 0 makes it a strided view."""
+    x = torch.randn(rows, cols + extra, device=DEVICE) * 3
+    x = (x + torch.randn(cols + extra, device=DEVICE)).to(dtype)
+    return x[:, extra:]  # row stride cols + extra when extra > 0
+
+
+def _norm(hidden: int, dtype: torch.dtype, eps: float = EPS) -> RMSNorm:
+    """An RMSNorm with a random weight in the activation dtype (as the model builds it)."""
+    norm = RMSNorm(hidden, eps=eps).to(device=DEVICE, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.5)
+    return norm
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    assert got.dtype == ref.dtype and got.shape == ref.shape and got.is_contiguous()
+    atol, rtol = TOL[ref.dtype]
+    torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 96, 1024])  # 96: not a power of two (masked block)
+@pytest.mark.parametrize("num_tokens", [1, 7])
+@torch.no_grad()
+def test_rms_norm(num_tokens: int, hidden: int, dtype: torch.dtype) -> None:
+    """rms_norm and add_rms_norm, on strided rows, equal RMSNorm's torch methods."""
+    torch.manual_seed(hidden + num_tokens)
+    norm = _norm(hidden, dtype)
+    x, residual = _input(num_tokens, hidden, dtype, extra=8), _input(num_tokens, hidden, dtype)
+    x_before, res_before = x.clone(), residual.clone()
+    _close(rms_norm(x, norm.weight, EPS), norm.rms_forward(x))
+    normed, new_residual = add_rms_norm(x, residual, norm.weight, EPS)
+    normed_ref, residual_ref = norm.add_rms_forward(x, residual)
+    _close(normed, normed_ref)
+    _close(new_residual, residual_ref)
+    assert torch.equal(x, x_before) and torch.equal(residual, res_before)  # inputs untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@torch.no_grad()
+def test_rms_norm_heads(dtype: torch.dtype) -> None:
+    """[N, heads, D] views of a wider row (as q_norm once took): normalised per head."""
+    torch.manual_seed(0)
+    norm = _norm(32, dtype)
+    q = _input(5, 4 * 32, dtype, extra=64).view(5, 4, 32)  # not flattenable: reshape copies
+    _close(rms_norm(q, norm.weight, EPS), norm.rms_forward(q))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [48, 3072])  # 3072: Qwen3-0.6B's intermediate_size, 3 tiles
+@pytest.mark.parametrize("num_tokens", [1, 7])
+@torch.no_grad()
+def test_silu_and_mul(num_tokens: int, d: int, dtype: torch.dtype) -> None:
+    """silu_and_mul on strided rows equals SiluAndMul's torch path."""
+    torch.manual_seed(d + num_tokens)
+    x = _input(num_tokens, 2 * d, dtype, extra=16)
+    _close(silu_and_mul(x), SiluAndMul.torch_forward(x))
+
+
+def test_empty_batch() -> None:
+    """Zero tokens: empty outputs, no launch."""
+    x, weight = torch.empty(0, 64, device=DEVICE), torch.ones(64, device=DEVICE)
+    assert rms_norm(x, weight, EPS).shape == (0, 64)
+    assert [t.shape for t in add_rms_norm(x, x, weight, EPS)] == [(0, 64), (0, 64)]
+    assert silu_and_mul(x).shape == (0, 32)
+
+
+@torch.no_grad()
+def test_module_paths() -> None:
+    """The modules' forward (the kernels on CUDA, the torch code on CPU) and the kernels agree,
+    with the module's own weight and eps (large enough that a dropped or wrong eps shows)."""
+    torch.manual_seed(0)
+    norm = _norm(96, torch.float32, eps=0.5)
+    x, residual = _input(3, 96, torch.float32), _input(3, 96, torch.float32)
+    _close(norm(x), rms_norm(x, norm.weight, norm.eps))
+    for got, ref in zip(norm(x, residual), add_rms_norm(x, residual, norm.weight, norm.eps)):
+        _close(got, ref)
+    _close(SiluAndMul()(x), silu_and_mul(x))

@@ -1,0 +1,107 @@
+"""Fused q/k RMSNorm + RoPE (Triton) vs the package's eager torch ops (TRITON_INTERPRET on CPU)."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
+
+import pytest  # noqa: E402
+from transformers import Qwen3Config  # noqa: E402
+
+from nanovllm.kernels.qk_norm_rope import qk_norm_rope  # noqa: E402
+from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
+from nanovllm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
+from nanovllm.models.qwen3 import Qwen3Attention  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+MAX_POS, EPS = 4096, 1e-6
+# (atol, rtol). The Triton 3.8 interpreter truncates float32 -> bf16 (hardware rounds to
+# nearest even), and the kernel rounds three times, so on CPU bf16 is off by a few ulps.
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (3e-2, 3e-2)}
+
+
+def _qk_views(num_tokens: int, heads: int, kv_heads: int, head_dim: int,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k as the non-contiguous views Qwen3Attention takes of the fused qkv output."""
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    # Scale and shift per column so the rms differs from head to head.
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, device=DEVICE) * 3
+    qkv = (qkv + torch.randn(q_size + 2 * kv_size, device=DEVICE)).to(dtype)
+    q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    return q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim)
+
+
+def _norm(head_dim: int, dtype: torch.dtype) -> RMSNorm:
+    """An RMSNorm with a random weight in the activation dtype (as the model builds it)."""
+    norm = RMSNorm(head_dim, eps=EPS).to(device=DEVICE, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.5)
+    return norm
+
+
+def _reference(norm_q: RMSNorm, norm_k: RMSNorm, rope: RotaryEmbedding, positions, q, k):
+    """The torch path, eager even on CUDA (rms_forward is the torch code; __wrapped__ skips
+    RoPE's compile_on_cuda)."""
+    with torch.no_grad():
+        q = norm_q.rms_forward(q)
+        k = norm_k.rms_forward(k)
+        return RotaryEmbedding.forward.__wrapped__(rope, positions, q, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2)])
+@pytest.mark.parametrize("num_tokens", [1, 19])
+def test_matches_torch(num_tokens: int, heads: int, kv_heads: int, head_dim: int,
+                       dtype: torch.dtype) -> None:
+    """Strided q/k views, GQA and MHA, random positions: equal to norm, norm, RoPE in torch."""
+    torch.manual_seed(head_dim + num_tokens)
+    q, k = _qk_views(num_tokens, heads, kv_heads, head_dim, dtype)
+    # Views into qkv rows (with one token torch reports a contiguous view, stride and all).
+    assert k.storage_offset() == heads * head_dim
+    assert num_tokens == 1 or q.stride(0) == k.stride(0) == (heads + 2 * kv_heads) * head_dim
+    norm_q, norm_k = _norm(head_dim, dtype), _norm(head_dim, dtype)
+    rope = RotaryEmbedding(head_dim, MAX_POS, 1e6).to(DEVICE)
+    positions = torch.randint(0, MAX_POS, (num_tokens,), device=DEVICE)
+    q_ref, k_ref = _reference(norm_q, norm_k, rope, positions, q, k)
+    q_before, k_before = q.clone(), k.clone()
+    q_out, k_out = qk_norm_rope(q, k, positions, norm_q.weight, norm_k.weight,
+                                rope.cos_sin_cache, EPS)
+    assert q_out.is_contiguous() and k_out.is_contiguous()
+    assert q_out.dtype == k_out.dtype == dtype
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(q_out, q_ref, atol=atol, rtol=rtol)
+    torch.testing.assert_close(k_out, k_ref, atol=atol, rtol=rtol)
+    assert torch.equal(q, q_before) and torch.equal(k, k_before)  # inputs untouched
+
+
+def test_empty_batch() -> None:
+    """Zero tokens: empty outputs, no launch."""
+    q, k = _qk_views(0, 4, 2, 16, torch.float32)
+    rope = RotaryEmbedding(16, MAX_POS, 1e6).to(DEVICE)
+    weight = torch.ones(16, device=DEVICE)
+    positions = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    q_out, k_out = qk_norm_rope(q, k, positions, weight, weight, rope.cos_sin_cache, EPS)
+    assert q_out.shape == (0, 4, 16) and k_out.shape == (0, 2, 16)
+
+
+def test_attention_module_paths() -> None:
+    """Qwen3Attention's fused path (its own weights, eps, cache) matches its torch path."""
+    torch.manual_seed(0)
+    config = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=32, max_position_embeddings=512,
+                         rms_norm_eps=0.5)  # large enough that a dropped or wrong eps shows
+    attn = Qwen3Attention(config).to(DEVICE)
+    with torch.no_grad():
+        attn.q_norm.weight.normal_(1.0, 0.5)
+        attn.k_norm.weight.normal_(1.0, 0.5)
+    q, k = _qk_views(5, 4, 2, 32, torch.float32)
+    positions = torch.randint(0, 512, (5,), device=DEVICE)
+    q_ref, k_ref = _reference(attn.q_norm, attn.k_norm, attn.rotary_emb, positions, q, k)
+    with torch.no_grad():
+        routed = attn.norm_rope(positions, q, k)  # the kernel on CUDA, the torch ops on CPU
+        fused = attn.fused_norm_rope(positions, q, k)
+    for got, ref in zip((*routed, *fused), (q_ref, k_ref, q_ref, k_ref)):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
