@@ -62,6 +62,7 @@ ab-vs-base)
   timeout 170 python -m pytest -q -p no:cacheprovider -s -m gpu tests 2>&1 \
     | grep -vE "DEBUG|Writing|Loading" > $OUT/gpu_tests.log
   grep -E "passed|failed|argmax|relative error|^FAILED" $OUT/gpu_tests.log
-  timeout 40 python -m pytest -q -p no:cacheprovider tests/kernels/test_sample.py 2>&1 | tail -1
+  timeout 60 python -m pytest -q -p no:cacheprovider tests/kernels/test_sample.py \
+    $(ls tests/kernels/test_qk_norm_rope.py tests/kernels/test_fused_ops.py 2>/dev/null) 2>&1 | tail -1
   ;;
 esac
