@@ -102,8 +102,7 @@ class Scheduler:
         """
         dropped = {seq.seq_id for seq in seqs}
         for _, seq in self.uncommitted:  # a step was cut between advance and commit
-            if seq.last_token < 0:
-                seq.pop_token()
+            if seq.pop_placeholder():
                 if seq.is_finished and seq.finish_reason == "length":
                     seq.status, seq.finish_reason = SequenceStatus.RUNNING, None
                     self.running.append(seq)  # finished by its placeholder: not really

@@ -86,12 +86,15 @@ class Sequence:
         """Replace the placeholder that `append_token` got while the token was being sampled."""
         self.token_ids[-1] = self.last_token = token_id
 
-    def pop_token(self) -> None:
-        """Undo the last append_token (an aborted step's placeholder; abort then resets the
-        cache state)."""
-        self.token_ids.pop()
-        self.num_tokens -= 1
+    def pop_placeholder(self) -> bool:
+        """Undo an aborted step's append_token of a placeholder, even one cut short between
+        its lines (abort then resets the cache state). Returns whether there was one."""
+        had = self.token_ids[-1] < 0
+        if had:
+            self.token_ids.pop()
+        self.num_tokens = len(self.token_ids)
         self.last_token = self.token_ids[-1]
+        return had
 
     def __getstate__(self) -> tuple:
         # What a tensor-parallel worker needs to build its step inputs, and no more: the
