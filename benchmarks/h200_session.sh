@@ -4,6 +4,7 @@
 #   NANOVLLM_COMMIT=<hash> bash benchmarks/h200_session.sh startup-and-scenarios
 #   NANOVLLM_COMMIT=<hash> bash benchmarks/h200_session.sh ab-vs-base   (needs .ab_base/, below)
 #   NANOVLLM_COMMIT=<hash> bash benchmarks/h200_session.sh tp-x2        (kind nvidia-h200-x2)
+#   bash benchmarks/h200_session.sh startup-probe   (first on a fresh machine: import costs)
 # ab-vs-base compares this tree with a worktree of a baseline commit: `git worktree add
 # .ab_base <commit>; echo <commit> > .ab_base/.commit`, then carry [".device", ".ab_base"].
 # Run with carry [".device"]; logs and JSON land in $OUT.
@@ -53,12 +54,31 @@ backends-and-eager)
   timeout 150 python bench.py --random-weights --enforce-eager --json $OUT/eager.json 2>&1 \
     | grep -E "^(run|median)"
   ;;
+startup-probe)
+  # Where import time goes on a fresh machine: torch alone, then nanovllm (top-level modules
+  # by cumulative time), then CUDA initialisation.
+  for mod in torch nanovllm; do
+    python -X importtime -c "import $mod" 2> $OUT/importtime_$mod.txt
+    echo "import $mod: $(tail -1 $OUT/importtime_$mod.txt | awk -F'|' '{printf "%.2f s", $2 / 1e6}')"
+  done
+  python - $OUT/importtime_nanovllm.txt <<'PY'
+import sys
+rows = [line.split("|") for line in open(sys.argv[1]) if line.startswith("import time:")][1:]
+top = [(name.rstrip(), int(cum) / 1e6) for _, cum, name in rows if int(cum) > 2e5]
+print(" ".join(f"{name.strip()}@{(len(name) - len(name.lstrip())) // 2} {s:.2f}" for name, s in top))
+PY
+  python -c "import time, torch; t = time.perf_counter(); torch.zeros(1, device='cuda');
+print(f'CUDA init {time.perf_counter() - t:.2f} s')"
+  ;;
 ab-vs-base)
   # Empty compile caches: the first run (this tree, flash-attn) gives the cold start-up, the
   # second round's the warm one. Then GPU tests, then the new kernel tests.
   export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d)
   benchmarks/h200_ab.sh 3 "" "@.ab_base" "--attention-backend triton" 2>&1 \
     | tee $OUT/ab.log | tail -5
+  # What the cold runs compiled (both trees): variants per Triton kernel, C launchers.
+  echo "Triton variants: $(find $TRITON_CACHE_DIR -name '*.cubin' -printf '%f\n' | sort | uniq -c \
+    | tr -s ' \n' ' ') | .so files: $(find $TRITON_CACHE_DIR -name '*.so' | wc -l)"
   timeout 170 python -m pytest -q -p no:cacheprovider -s -m gpu tests 2>&1 \
     | grep -vE "DEBUG|Writing|Loading" > $OUT/gpu_tests.log
   grep -E "passed|failed|argmax|relative error|^FAILED" $OUT/gpu_tests.log

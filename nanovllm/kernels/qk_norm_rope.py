@@ -1,4 +1,4 @@
-"""Fused per-head q/k RMSNorm + neox RoPE: one kernel instead of q_norm, k_norm and rotary."""
+"""Fused per-head q/k RMSNorm + neox RoPE (+ the K/V cache write): one kernel instead of four."""
 
 import torch
 import triton
@@ -8,9 +8,11 @@ import triton.language as tl
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, pos_ptr,
                          cache_ptr, stride_qn, stride_qh, stride_kn, stride_kh, stride_cache,
-                         eps, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                         HEAD_DIM: tl.constexpr):
-    """Grid (N, Hq + Hkv): normalise and rotate one head of one token (q heads, then k)."""
+                         eps, v_ptr, stride_vn, stride_vh, k_cache_ptr, v_cache_ptr, slot_ptr,
+                         NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, STORE_KV: tl.constexpr):
+    """Grid (N, Hq + Hkv): normalise and rotate one head of one token (q heads, then k); with
+    STORE_KV a k head's program also writes its rotated k and its v to the token's cache slot."""
     tok = tl.program_id(0).to(tl.int64)  # int64 offsets, as in the other kernels: no overflow
     head = tl.program_id(1)
     if head < NUM_Q_HEADS:
@@ -39,14 +41,32 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, p
     row = cache_ptr + tl.load(pos_ptr + tok).to(tl.int64) * stride_cache
     cos = tl.load(row + lo)
     sin = tl.load(row + HALF + lo)
-    tl.store(dst + lo, (x1 * cos - x2 * sin).to(dtype))
-    tl.store(dst + HALF + lo, (x2 * cos + x1 * sin).to(dtype))
+    y1 = (x1 * cos - x2 * sin).to(dtype)
+    y2 = (x2 * cos + x1 * sin).to(dtype)
+    tl.store(dst + lo, y1)
+    tl.store(dst + HALF + lo, y2)
+    if STORE_KV:
+        # store_kvcache fused in: saves a launch per layer. slot < 0 marks a padding row.
+        slot = tl.load(slot_ptr + tok).to(tl.int64)
+        if (head >= NUM_Q_HEADS) & (slot >= 0):
+            kv_head = head - NUM_Q_HEADS
+            # The cache is contiguous [num_slots, Hkv, D]; int64, it can exceed 2^31 elements.
+            offs = (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM
+            tl.store(k_cache_ptr + offs + lo, y1)
+            tl.store(k_cache_ptr + offs + HALF + lo, y2)
+            v_src = v_ptr + tok * stride_vn + kv_head * stride_vh
+            tl.store(v_cache_ptr + offs + lo, tl.load(v_src + lo))
+            tl.store(v_cache_ptr + offs + HALF + lo, tl.load(v_src + HALF + lo))
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                  q_weight: torch.Tensor, k_weight: torch.Tensor, cos_sin_cache: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE(RMSNorm(q)), RoPE(RMSNorm(k)) as new contiguous tensors; q [N, Hq, D], k [N, Hkv, D]."""
+                 eps: float, kv_store: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE(RMSNorm(q)), RoPE(RMSNorm(k)) as new contiguous tensors; q [N, Hq, D], k [N, Hkv, D].
+
+    kv_store = (v, k_cache, v_cache, slot_mapping) also does store_kvcache's work: the rotated
+    k and v [N, Hkv, D] go to caches [num_blocks, block_size, Hkv, D]; a slot < 0 skips.
+    """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert k.shape == (num_tokens, num_kv_heads, head_dim) and k.dtype == q.dtype
@@ -58,9 +78,20 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     assert cos_sin_cache.stride(-1) == 1 and positions.shape == (num_tokens,)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if kv_store is None:  # unused pointers: any tensor will do
+        v, k_cache, v_cache, slot_mapping = k, k_out, k_out, positions
+    else:
+        v, k_cache, v_cache, slot_mapping = kv_store
+        assert v.shape == k.shape and v.stride(-1) == 1 and v.dtype == k.dtype
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        assert k_cache.dtype == v_cache.dtype == k.dtype
+        assert k_cache.shape[-2:] == (num_kv_heads, head_dim) and v_cache.shape == k_cache.shape
+        assert slot_mapping.shape == (num_tokens,)
     if num_tokens > 0:
         _qk_norm_rope_kernel[(num_tokens, num_q_heads + num_kv_heads)](
             q, k, q_out, k_out, q_weight, k_weight, positions, cos_sin_cache,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), eps,
-            NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim)
+            v, v.stride(0), v.stride(1), k_cache, v_cache, slot_mapping,
+            NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+            STORE_KV=kv_store is not None)
     return q_out, k_out

@@ -108,11 +108,20 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.tensor([])
         self.backend = None  # set with the KV cache by the ModelRunner
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def kv_store_args(self, v: torch.Tensor) -> tuple | None:
+        """(v, k_cache, v_cache, slot_mapping) when this step writes the cache, else None."""
+        slot_mapping = get_context().slot_mapping
+        if self.k_cache.numel() and slot_mapping is not None:
+            return v, self.k_cache, self.v_cache, slot_mapping
+        return None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                store_kv: bool = True) -> torch.Tensor:
+        """store_kv=False: the caller has written this step's K/V already (fused kernel)."""
         ctx = get_context()
         k_cache, v_cache, backend = self.k_cache, self.v_cache, self.backend
-        if k_cache.numel() and ctx.slot_mapping is not None:
-            backend.store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
+        if store_kv and (kv_store := self.kv_store_args(v)):
+            backend.store_kvcache(k, *kv_store)
         if ctx.is_prefill:
             return backend.prefill(q, k, v, k_cache, v_cache, ctx, self.scale)
         return backend.decode(q, k_cache, v_cache, ctx, self.scale)

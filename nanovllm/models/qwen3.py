@@ -48,24 +48,23 @@ class Qwen3Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)      # (N, H, D)
         k = k.view(-1, self.num_kv_heads, self.head_dim)   # (N, Hkv, D)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.norm_rope(positions, q, k)
-        o = self.attn(q, k, v)
+        if q.is_cuda:
+            q, k = self.fused_norm_rope(positions, q, k, v)  # writes the K/V cache too
+            o = self.attn(q, k, v, store_kv=False)
+        else:
+            q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
+            o = self.attn(q, k, v)
         return self.o_proj(o.flatten(1, -1))
 
-    def norm_rope(self, positions: torch.Tensor, q: torch.Tensor,
-                  k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head RMSNorm of q and k, then RoPE: one Triton kernel on CUDA, three ops on CPU."""
-        if q.is_cuda:
-            return self.fused_norm_rope(positions, q, k)
-        return self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
-
-    def fused_norm_rope(self, positions: torch.Tensor, q: torch.Tensor,
-                        k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """norm_rope as one Triton kernel (fewer launches per layer in the decode graph)."""
+    def fused_norm_rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q/k norm, RoPE and the K/V cache write as one Triton kernel (one launch instead of
+        four per layer in the decode graph)."""
         # Imported here: CPU-only runs never import Triton (as for the sampler's kernel).
         from nanovllm.kernels.qk_norm_rope import qk_norm_rope
+        kv_store = self.attn.kv_store_args(v)
         return qk_norm_rope(q, k, positions, self.q_norm.weight, self.k_norm.weight,
-                            self.rotary_emb.cos_sin_cache, self.q_norm.eps)
+                            self.rotary_emb.cos_sin_cache, self.q_norm.eps, kv_store)
 
 
 class Qwen3MLP(nn.Module):

@@ -11,9 +11,11 @@ import pytest  # noqa: E402
 from transformers import Qwen3Config  # noqa: E402
 
 from nanovllm.kernels.qk_norm_rope import qk_norm_rope  # noqa: E402
+from nanovllm.kernels.store_kvcache import store_kvcache_torch  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
 from nanovllm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 from nanovllm.models.qwen3 import Qwen3Attention  # noqa: E402
+from nanovllm.utils.context import Context, forward_context  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MAX_POS, EPS = 4096, 1e-6
@@ -22,15 +24,25 @@ MAX_POS, EPS = 4096, 1e-6
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (3e-2, 3e-2)}
 
 
-def _qk_views(num_tokens: int, heads: int, kv_heads: int, head_dim: int,
-              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, k as the non-contiguous views Qwen3Attention takes of the fused qkv output."""
+def _qkv_views(num_tokens: int, heads: int, kv_heads: int, head_dim: int,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as the non-contiguous views Qwen3Attention takes of the fused qkv output."""
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     # Scale and shift per column so the rms differs from head to head.
     qkv = torch.randn(num_tokens, q_size + 2 * kv_size, device=DEVICE) * 3
     qkv = (qkv + torch.randn(q_size + 2 * kv_size, device=DEVICE)).to(dtype)
-    q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    return q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    return q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim)
+
+
+def _kv_cache(kv_heads: int, head_dim: int, dtype: torch.dtype, num_tokens: int):
+    """Random caches [4 blocks, 8 slots, Hkv, D] and a slot mapping: distinct random slots
+    across blocks, the last token a padding row (-1)."""
+    k_cache = torch.randn(4, 8, kv_heads, head_dim, device=DEVICE).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    slots = torch.randperm(32, device=DEVICE)[:num_tokens]
+    slots[-1] = -1
+    return k_cache, v_cache, slots
 
 
 def _norm(head_dim: int, dtype: torch.dtype) -> RMSNorm:
@@ -53,12 +65,13 @@ def _reference(norm_q: RMSNorm, norm_k: RMSNorm, rope: RotaryEmbedding, position
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2)])
-@pytest.mark.parametrize("num_tokens", [1, 19])
-def test_matches_torch(num_tokens: int, heads: int, kv_heads: int, head_dim: int,
+@pytest.mark.parametrize("num_tokens,store", [(1, False), (19, False), (2, True), (19, True)])
+def test_matches_torch(num_tokens: int, store: bool, heads: int, kv_heads: int, head_dim: int,
                        dtype: torch.dtype) -> None:
-    """Strided q/k views, GQA and MHA, random positions: equal to norm, norm, RoPE in torch."""
+    """Strided q/k/v views, GQA and MHA, random positions: equal to norm, norm, RoPE in torch;
+    with store, the caches equal store_kvcache_torch's (padding slot skipped)."""
     torch.manual_seed(head_dim + num_tokens)
-    q, k = _qk_views(num_tokens, heads, kv_heads, head_dim, dtype)
+    q, k, v = _qkv_views(num_tokens, heads, kv_heads, head_dim, dtype)
     # Views into qkv rows (with one token torch reports a contiguous view, stride and all).
     assert k.storage_offset() == heads * head_dim
     assert num_tokens == 1 or q.stride(0) == k.stride(0) == (heads + 2 * kv_heads) * head_dim
@@ -67,19 +80,28 @@ def test_matches_torch(num_tokens: int, heads: int, kv_heads: int, head_dim: int
     positions = torch.randint(0, MAX_POS, (num_tokens,), device=DEVICE)
     q_ref, k_ref = _reference(norm_q, norm_k, rope, positions, q, k)
     q_before, k_before = q.clone(), k.clone()
+    kv_store = _kv_cache(kv_heads, head_dim, dtype, num_tokens) if store else None
+    if store:
+        k_ref_cache, v_ref_cache, slots = (t.clone() for t in kv_store)
+        store_kvcache_torch(k_ref, v, k_ref_cache, v_ref_cache, slots)
+        kv_store = (v, *kv_store)
     q_out, k_out = qk_norm_rope(q, k, positions, norm_q.weight, norm_k.weight,
-                                rope.cos_sin_cache, EPS)
+                                rope.cos_sin_cache, EPS, kv_store)
     assert q_out.is_contiguous() and k_out.is_contiguous()
     assert q_out.dtype == k_out.dtype == dtype
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(q_out, q_ref, atol=atol, rtol=rtol)
     torch.testing.assert_close(k_out, k_ref, atol=atol, rtol=rtol)
     assert torch.equal(q, q_before) and torch.equal(k, k_before)  # inputs untouched
+    if store:
+        # The cache holds exactly k_out (the kernel's own rounding), v bit for bit.
+        store_kvcache_torch(k_out, v, k_ref_cache, v_ref_cache, slots)
+        assert torch.equal(kv_store[1], k_ref_cache) and torch.equal(kv_store[2], v_ref_cache)
 
 
 def test_empty_batch() -> None:
     """Zero tokens: empty outputs, no launch."""
-    q, k = _qk_views(0, 4, 2, 16, torch.float32)
+    q, k, v = _qkv_views(0, 4, 2, 16, torch.float32)
     rope = RotaryEmbedding(16, MAX_POS, 1e6).to(DEVICE)
     weight = torch.ones(16, device=DEVICE)
     positions = torch.empty(0, dtype=torch.int64, device=DEVICE)
@@ -87,8 +109,9 @@ def test_empty_batch() -> None:
     assert q_out.shape == (0, 4, 16) and k_out.shape == (0, 2, 16)
 
 
-def test_attention_module_paths() -> None:
-    """Qwen3Attention's fused path (its own weights, eps, cache) matches its torch path."""
+def test_attention_module_fused_path() -> None:
+    """Qwen3Attention.fused_norm_rope (its own weights, eps, cache, the step's slot mapping)
+    matches its torch ops, and writes K/V only once the cache exists."""
     torch.manual_seed(0)
     config = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=32, max_position_embeddings=512,
@@ -97,11 +120,16 @@ def test_attention_module_paths() -> None:
     with torch.no_grad():
         attn.q_norm.weight.normal_(1.0, 0.5)
         attn.k_norm.weight.normal_(1.0, 0.5)
-    q, k = _qk_views(5, 4, 2, 32, torch.float32)
+    q, k, v = _qkv_views(5, 4, 2, 32, torch.float32)
     positions = torch.randint(0, 512, (5,), device=DEVICE)
     q_ref, k_ref = _reference(attn.q_norm, attn.k_norm, attn.rotary_emb, positions, q, k)
     with torch.no_grad():
-        routed = attn.norm_rope(positions, q, k)  # the kernel on CUDA, the torch ops on CPU
-        fused = attn.fused_norm_rope(positions, q, k)
-    for got, ref in zip((*routed, *fused), (q_ref, k_ref, q_ref, k_ref)):
-        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        k_cache, v_cache, slots = _kv_cache(2, 32, torch.float32, 5)
+        with forward_context(Context(slot_mapping=slots)):
+            assert attn.attn.kv_store_args(v) is None  # warm-up: no cache yet
+            attn.attn.k_cache, attn.attn.v_cache = k_cache.clone(), v_cache.clone()
+            q_out, k_out = attn.fused_norm_rope(positions, q, k, v)
+    torch.testing.assert_close(q_out, q_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_out, k_ref, atol=1e-5, rtol=1e-5)
+    store_kvcache_torch(k_out, v, k_cache, v_cache, slots)
+    assert torch.equal(attn.attn.k_cache, k_cache) and torch.equal(attn.attn.v_cache, v_cache)
