@@ -5,6 +5,7 @@
 #   NANOVLLM_COMMIT=<hash> bash benchmarks/h200_session.sh ab-vs-base   (needs .ab_base/, below)
 #   NANOVLLM_COMMIT=<hash> bash benchmarks/h200_session.sh tp-x2        (kind nvidia-h200-x2)
 #   bash benchmarks/h200_session.sh startup-probe   (first on a fresh machine: import costs)
+#   NANOVLLM_COMMIT=<hash> bash benchmarks/h200_session.sh cold-and-ab
 # ab-vs-base compares this tree with a worktree of a baseline commit: `git worktree add
 # .ab_base <commit>; echo <commit> > .ab_base/.commit`, then carry [".device", ".ab_base"].
 # Run with carry [".device"]; logs and JSON land in $OUT.
@@ -69,6 +70,20 @@ print(" ".join(f"{name.strip()}@{(len(name) - len(name.lstrip())) // 2} {s:.2f}"
 PY
   python -c "import time, torch; t = time.perf_counter(); torch.zeros(1, device='cuda');
 print(f'CUDA init {time.perf_counter() - t:.2f} s')"
+  ;;
+cold-and-ab)
+  # Start-up per backend with its own empty Triton/Inductor caches (run startup-probe first on
+  # a fresh machine), then flash-attn vs Triton alternated with warm caches, then GPU tests.
+  for backend in flash-attn triton; do
+    TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout 150 python bench.py \
+      --random-weights --attention-backend $backend --json $OUT/cold_$backend.json 2>&1 \
+      | grep -E "^median" | sed "s/^/[cold $backend] /"
+  done
+  benchmarks/h200_ab.sh 3 "" "--attention-backend triton" 2>&1 | tee $OUT/ab.log | tail -3
+  timeout 170 python -m pytest -q -p no:cacheprovider -s -m gpu tests 2>&1 \
+    | grep -vE "DEBUG|Writing|Loading" > $OUT/gpu_tests.log
+  grep -E "passed|failed|argmax|relative error|^FAILED" $OUT/gpu_tests.log
+  timeout 90 python -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tail -1
   ;;
 ab-vs-base)
   # Empty compile caches: the first run (this tree, flash-attn) gives the cold start-up, the

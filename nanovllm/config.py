@@ -3,10 +3,16 @@ import os
 from dataclasses import dataclass, field, fields
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+# Qwen3Config's defaults for the fields the model reads, for a config.json that leaves them out.
+QWEN3_DEFAULTS = dict(head_dim=128, hidden_act="silu", max_position_embeddings=32768,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
+                      num_key_value_heads=32)  # 32 when absent, as Qwen3Config; null: MHA
+REQUIRED_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers",
+                   "num_attention_heads", "vocab_size")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -83,7 +89,7 @@ def config_from_kwargs(model: str, kwargs: dict) -> Config:
 
 
 def load_hf_config(model: str) -> PretrainedConfig:
-    """Read config.json through AutoConfig, with errors that name the problem."""
+    """Check the model directory and read its config.json, with errors that name the problem."""
     if not os.path.isdir(model):
         raise ValueError(f"model directory {model!r} does not exist")
     if not os.path.isfile(os.path.join(model, "config.json")):
@@ -94,14 +100,31 @@ def load_hf_config(model: str) -> PretrainedConfig:
         # transformers would silently build an empty tokenizer instead
         raise ValueError(f"model directory {model!r} has no tokenizer: expected one of "
                          f"{list(TOKENIZER_FILES)}")
-    try:
-        hf_config = AutoConfig.from_pretrained(model)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read config.json of {model!r}: {e}") from e
+    hf_config = read_config_json(model)
     archs = getattr(hf_config, "architectures", None) or []
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise ValueError(f"unsupported architecture {archs} in {model!r}; "
                          f"supported: {list(SUPPORTED_ARCHITECTURES)}")
+    return hf_config
+
+
+def read_config_json(model: str) -> PretrainedConfig:
+    """config.json through transformers' base PretrainedConfig (both formats: `dtype` or
+    `torch_dtype`, `rope_parameters` or `rope_theta`), Qwen3Config's defaults filled in.
+
+    Not AutoConfig: importing Qwen3Config imports transformers' modeling and generation stack
+    for its docstring (7 s on the H200, where sklearn and accelerate are installed).
+    """
+    try:
+        config_dict, _ = PretrainedConfig.get_config_dict(model)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read config.json of {model!r}: {e}") from e
+    missing = [name for name in REQUIRED_FIELDS if config_dict.get(name) is None]
+    if missing:
+        raise ValueError(f"config.json of {model!r} lacks {missing}")
+    hf_config = PretrainedConfig.from_dict({**QWEN3_DEFAULTS, **config_dict})
+    if getattr(hf_config, "num_key_value_heads", None) is None:  # as Qwen3Config: MHA
+        hf_config.num_key_value_heads = hf_config.num_attention_heads
     return hf_config
 
 

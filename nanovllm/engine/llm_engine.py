@@ -4,7 +4,6 @@ from contextlib import nullcontext
 from time import perf_counter
 
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nanovllm.config import config_from_kwargs
 from nanovllm.engine.model_runner import ModelRunner, SampledIds
@@ -15,6 +14,7 @@ from nanovllm.engine.stop_strings import StopStringChecker
 from nanovllm.engine.validation import RequestLimits, validate_request, validate_requests
 from nanovllm.engine.worker import WorkerGroup
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.tokenizer import load_tokenizer
 
 
 class LLMEngine:
@@ -248,14 +248,6 @@ class LLMEngine:
         return {"text": text, "token_ids": token_ids,
                 "finish_reason": seq.finish_reason,
                 "metrics": {"ttft_s": ttft, "latency_s": latency}}
-
-
-def load_tokenizer(model: str) -> PreTrainedTokenizerBase:
-    """AutoTokenizer, with an error that names the directory."""
-    try:
-        return AutoTokenizer.from_pretrained(model)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot load a tokenizer from {model!r}: {e}") from e
 
 
 def _release(workers: WorkerGroup | None, runner: ModelRunner) -> None:

@@ -250,7 +250,7 @@ class ModelRunner:
                                          dtype=self.config.torch_dtype, device=self.device)
         pool = None
         for bs in reversed(self.graph_bs):
-            buf = torch.zeros(bs * (4 + self.max_num_blocks), dtype=torch.int32,
+            buf = torch.zeros(DecodeInputs.size(bs, self.max_num_blocks), dtype=torch.int32,
                               device=self.device)
             input_ids, positions, context = DecodeInputs.unpack(buf, bs, self.max_num_blocks)
             context.slot_mapping.fill_(-1)  # capture runs write nothing into the KV cache

@@ -60,23 +60,31 @@ class DecodeInputs:
 
     Layout for `rows` sequences (the batch padded up to a CUDA-graph size) and `width` blocks:
         [input_ids | positions | slot_mapping | context_lens | block_tables (rows x width)]
-    Padding rows have slot -1 (write nothing) and context length 0 (attend to nothing).
+    Padding rows have slot -1 (write nothing) and context length 0 (attend to nothing). Each of
+    the first four sections takes a multiple of 4 entries, so every section starts 16-byte
+    aligned whatever `rows` is: Triton specialises kernels on pointer alignment, and would
+    otherwise compile new variants for some graph sizes.
     """
 
     def __init__(self, max_rows: int, max_width: int, block_size: int, pin: bool):
-        size = max_rows * (4 + max_width)
+        size = self.size(max_rows, max_width)
         # Two staging buffers, alternated: the pipelined engine packs step n+1 while step n may
         # still be queued, but it has waited for step n-1, whose copy read the other buffer.
         self.staging = [torch.empty(size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self.turn = 0
         self.block_size = block_size
 
+    @staticmethod
+    def size(rows: int, width: int) -> int:
+        """Entries of a packed buffer for `rows` sequences and `width` blocks each."""
+        return 4 * _aligned(rows) + rows * width
+
     def pack(self, seqs: list[Sequence], rows: int, width: int) -> torch.Tensor:
-        """Fill a pinned host buffer for `seqs`; returns it (rows * (4 + width) int32)."""
-        n = len(seqs)
+        """Fill a pinned host buffer for `seqs`; returns it (size(rows, width) int32)."""
+        n, seg = len(seqs), _aligned(rows)
         self.turn ^= 1
-        buf = self.staging[self.turn][:rows * (4 + width)]
-        ids, pos, slots, ctx, tables = np.split(buf.numpy(), [rows, 2 * rows, 3 * rows, 4 * rows])
+        buf = self.staging[self.turn][:self.size(rows, width)]
+        ids, pos, slots, ctx, tables = np.split(buf.numpy(), [seg, 2 * seg, 3 * seg, 4 * seg])
         # np.fromiter over generators: this runs every decode step, for every sequence.
         ids[:n] = np.fromiter((seq.last_token for seq in seqs), np.int32, n)
         ctx[:n] = np.fromiter((seq.num_tokens for seq in seqs), np.int32, n)
@@ -96,7 +104,14 @@ class DecodeInputs:
     def unpack(buf: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor,
                                                                  Context]:
         """Views of a packed (device) buffer: input_ids, positions and the decode Context."""
-        ids, pos, slots, ctx, tables = buf.split([rows] * 4 + [rows * width])
+        seg = _aligned(rows)
+        ids, pos, slots, ctx = (part[:rows] for part in buf[:4 * seg].split(seg))
+        tables = buf[4 * seg:]
         context = Context(is_prefill=False, slot_mapping=slots, context_lens=ctx,
                           block_tables=tables.view(rows, width))
         return ids, pos, context
+
+
+def _aligned(rows: int) -> int:
+    """rows rounded up to a multiple of 4 int32 entries (16 bytes)."""
+    return -(-rows // 4) * 4

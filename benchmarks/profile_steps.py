@@ -1,0 +1,60 @@
+"""GPU time per kernel for the standard workload's prefill steps and for decode steps (H200).
+
+python -m benchmarks.profile_steps [--model DIR] [--attention-backend B]: prints, for a
+prefill-only pass (every prompt, max_tokens=1) and for 32 decode steps at batch 256, the
+kernels by total GPU time, then the wall time of each phase.
+"""
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.runs import sync
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.checkpoint import qwen3_0_6b_random
+from benchmarks.workloads import max_token_id, standard
+
+
+def table(prof, title: str, rows: int = 18) -> None:
+    """Kernels by summed GPU time, with their share."""
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in events)
+    print(f"== {title}: {total / 1e3:.1f} ms of GPU time in {len(events)} kernel names")
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:rows]:
+        print(f"{e.device_time_total / 1e3:9.2f} ms {100 * e.device_time_total / total:5.1f}% "
+              f"x{e.count:<6d} {e.key[:90]}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=None)
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--num-seqs", type=int, default=256)
+    args = p.parse_args()
+    path = args.model or qwen3_0_6b_random()
+    llm = LLM(path, attention_backend=args.attention_backend)
+    prompts, _ = standard(args.num_seqs, (100, 1024), (100, 1024), max_token_id(path), seed=0)
+    one = SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True)
+    llm.generate(prompts[:8], one, use_tqdm=False)  # warm-up
+    for title, params in ((f"prefill ({args.num_seqs} prompts, 1 token)", one),
+                          (f"prefill + 32 decode steps at batch {args.num_seqs}",
+                           SamplingParams(temperature=0.6, max_tokens=33, ignore_eos=True))):
+        llm.reset_prefix_cache()
+        sync()
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        sync()
+        wall = time.perf_counter() - t0
+        llm.reset_prefix_cache()
+        cuda = torch.cuda.is_available()
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            llm.generate(prompts, params, use_tqdm=False)
+            sync()
+        table(prof, f"{title}, wall {wall * 1e3:.0f} ms unprofiled")
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
