@@ -163,13 +163,14 @@ def _check_shapes(
         assert keys.is_contiguous() and values.is_contiguous(), "KV cache must be contiguous"
 
 
-@triton.jit
+# num_splits is a plain argument, not specialised: the split count depends on the batch size,
+# and a constant would compile a variant per CUDA-graph size (seconds of cold start-up).
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, context_lens_ptr, block_tables_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr, stride_qb, stride_qh, stride_bt, qk_scale,
+    part_m_ptr, part_l_ptr, part_acc_ptr, stride_qb, stride_qh, stride_bt, qk_scale, num_splits,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
 ):
     """Grid (B, Hkv, splits): all GROUP query heads of one kv head over one slice of the keys."""
     seq = tl.program_id(0)
@@ -177,7 +178,7 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq)
     # Spread each sequence evenly over all splits, in whole key tiles (tiles never cross pages).
-    split_len = (ctx + NUM_SPLITS * BLOCK_N - 1) // (NUM_SPLITS * BLOCK_N) * BLOCK_N
+    split_len = (ctx + num_splits * BLOCK_N - 1) // (num_splits * BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)
     offs_g = tl.arange(0, GROUP_P2)
@@ -202,25 +203,24 @@ def _decode_split_kernel(
                     mask=in_split[:, None], other=0.0)
         m_i, l_i, acc = _softmax_step(q, k_t, v, in_split[None, :], m_i, l_i, acc, qk_scale)
     # Partials [B, H, splits(, D)]; an empty split stores m=-inf, l=0, acc=0.
-    part = ((seq * NUM_KV_HEADS + kv_head) * GROUP + offs_g) * NUM_SPLITS + split
+    part = ((seq * NUM_KV_HEADS + kv_head) * GROUP + offs_g) * num_splits + split
     tl.store(part_m_ptr + part, m_i, mask=g_mask)
     tl.store(part_l_ptr + part, l_i, mask=g_mask)
     tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
-    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ob, stride_oh,
-    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ob, stride_oh, num_splits,
+    NUM_HEADS: tl.constexpr, SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     """Grid (B, H): merge the per-split softmax partials of one query head."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_P2)
     offs_d = tl.arange(0, HEAD_DIM)
-    s_mask = splits < NUM_SPLITS
-    part = (seq * NUM_HEADS + head) * NUM_SPLITS + splits
+    s_mask = splits < num_splits
+    part = (seq * NUM_HEADS + head) * num_splits + splits
     m = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
     l_sum = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
@@ -267,14 +267,13 @@ def decode_attention_triton(
                            device=q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, context_lens, block_tables, part_m, part_l, part_acc,
-        q.stride(0), q.stride(1), block_tables.stride(0), scale * _LOG2E,
+        q.stride(0), q.stride(1), block_tables.stride(0), scale * _LOG2E, num_splits,
         GROUP=group, GROUP_P2=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         num_warps=4,
     )
     _decode_reduce_kernel[(batch, num_heads)](
-        part_m, part_l, part_acc, out, out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
-        SPLITS_P2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+        part_m, part_l, part_acc, out, out.stride(0), out.stride(1), num_splits,
+        NUM_HEADS=num_heads, SPLITS_P2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
     )
     return out

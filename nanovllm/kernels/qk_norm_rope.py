@@ -6,57 +6,69 @@ import triton.language as tl
 
 
 @triton.jit
-def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, pos_ptr,
-                         cache_ptr, stride_qn, stride_qh, stride_kn, stride_kh, stride_cache,
-                         eps, v_ptr, stride_vn, stride_vh, k_cache_ptr, v_cache_ptr, slot_ptr,
-                         NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, STORE_KV: tl.constexpr):
-    """Grid (N, Hq + Hkv): normalise and rotate one head of one token (q heads, then k); with
-    STORE_KV a k head's program also writes its rotated k and its v to the token's cache slot."""
-    tok = tl.program_id(0).to(tl.int64)  # int64 offsets, as in the other kernels: no overflow
-    head = tl.program_id(1)
-    if head < NUM_Q_HEADS:
-        src = q_ptr + tok * stride_qn + head * stride_qh
-        dst = q_out_ptr + (tok * NUM_Q_HEADS + head) * HEAD_DIM
-        w_ptr = q_w_ptr
-    else:
-        src = k_ptr + tok * stride_kn + (head - NUM_Q_HEADS) * stride_kh
-        dst = k_out_ptr + (tok * NUM_KV_HEADS + head - NUM_Q_HEADS) * HEAD_DIM
-        w_ptr = k_w_ptr
+def _norm_rope(src, stride_h, w_ptr, cos, sin, eps, dtype, HEADS: tl.constexpr,
+               HEADS_P2: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """RoPE(RMSNorm(x)) of one token's heads [HEADS, D] as two halves [HEADS_P2, D/2]."""
     # Work on the two halves separately: neox RoPE pairs element i with i + D/2.
     HALF: tl.constexpr = HEAD_DIM // 2
-    lo = tl.arange(0, HALF)
-    x1 = tl.load(src + lo).to(tl.float32)
-    x2 = tl.load(src + HALF + lo).to(tl.float32)
+    heads = tl.arange(0, HEADS_P2)[:, None]
+    lo = tl.arange(0, HALF)[None, :]
+    mask = heads < HEADS
+    x1 = tl.load(src + heads * stride_h + lo, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + heads * stride_h + HALF + lo, mask=mask, other=0.0).to(tl.float32)
     # RMSNorm.rms_forward: normalise in float32, round to the input dtype, then multiply by
     # the weight in the input dtype. For bf16/fp16 the float32 product of two such values is
     # exact, so rounding it once equals their own multiply (for float32 the casts are no-ops).
-    dtype = q_out_ptr.dtype.element_ty
-    rstd = tl.rsqrt(tl.sum(x1 * x1 + x2 * x2, axis=0) / HEAD_DIM + eps)
+    rstd = tl.rsqrt(tl.sum(x1 * x1 + x2 * x2, axis=1) / HEAD_DIM + eps)[:, None]
     w1 = tl.load(w_ptr + lo).to(tl.float32)
     w2 = tl.load(w_ptr + HALF + lo).to(tl.float32)
     x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
     x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     # apply_rotary_emb: float32 rotation with cos_sin_cache[pos] = cat(cos, sin).
+    return (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, pos_ptr,
+                         cache_ptr, stride_qn, stride_qh, stride_kn, stride_kh, stride_cache,
+                         eps, v_ptr, stride_vn, stride_vh, k_cache_ptr, v_cache_ptr, slot_ptr,
+                         NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                         Q_HEADS_P2: tl.constexpr, KV_HEADS_P2: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, STORE_KV: tl.constexpr):
+    """Grid (N,): normalise and rotate every q and k head of one token (one program per token,
+    not per head: prefill launches ~16k programs, not ~400k); with STORE_KV also write the
+    rotated k and the v to the token's cache slot."""
+    tok = tl.program_id(0).to(tl.int64)  # int64 offsets, as in the other kernels: no overflow
+    HALF: tl.constexpr = HEAD_DIM // 2
+    lo = tl.arange(0, HALF)[None, :]
+    dtype = q_out_ptr.dtype.element_ty
     row = cache_ptr + tl.load(pos_ptr + tok).to(tl.int64) * stride_cache
     cos = tl.load(row + lo)
     sin = tl.load(row + HALF + lo)
-    y1 = (x1 * cos - x2 * sin).to(dtype)
-    y2 = (x2 * cos + x1 * sin).to(dtype)
-    tl.store(dst + lo, y1)
-    tl.store(dst + HALF + lo, y2)
+    q1, q2 = _norm_rope(q_ptr + tok * stride_qn, stride_qh, q_w_ptr, cos, sin, eps, dtype,
+                        NUM_Q_HEADS, Q_HEADS_P2, HEAD_DIM)
+    heads = tl.arange(0, Q_HEADS_P2)[:, None]
+    dst = q_out_ptr + (tok * NUM_Q_HEADS + heads) * HEAD_DIM + lo
+    tl.store(dst, q1, mask=heads < NUM_Q_HEADS)
+    tl.store(dst + HALF, q2, mask=heads < NUM_Q_HEADS)
+    k1, k2 = _norm_rope(k_ptr + tok * stride_kn, stride_kh, k_w_ptr, cos, sin, eps, dtype,
+                        NUM_KV_HEADS, KV_HEADS_P2, HEAD_DIM)
+    heads = tl.arange(0, KV_HEADS_P2)[:, None]
+    mask = heads < NUM_KV_HEADS
+    dst = k_out_ptr + (tok * NUM_KV_HEADS + heads) * HEAD_DIM + lo
+    tl.store(dst, k1, mask=mask)
+    tl.store(dst + HALF, k2, mask=mask)
     if STORE_KV:
         # store_kvcache fused in: saves a launch per layer. slot < 0 marks a padding row.
         slot = tl.load(slot_ptr + tok).to(tl.int64)
-        if (head >= NUM_Q_HEADS) & (slot >= 0):
-            kv_head = head - NUM_Q_HEADS
+        if slot >= 0:
             # The cache is contiguous [num_slots, Hkv, D]; int64, it can exceed 2^31 elements.
-            offs = (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM
-            tl.store(k_cache_ptr + offs + lo, y1)
-            tl.store(k_cache_ptr + offs + HALF + lo, y2)
-            v_src = v_ptr + tok * stride_vn + kv_head * stride_vh
-            tl.store(v_cache_ptr + offs + lo, tl.load(v_src + lo))
-            tl.store(v_cache_ptr + offs + HALF + lo, tl.load(v_src + HALF + lo))
+            offs = (slot * NUM_KV_HEADS + heads) * HEAD_DIM + lo
+            tl.store(k_cache_ptr + offs, k1, mask=mask)
+            tl.store(k_cache_ptr + offs + HALF, k2, mask=mask)
+            v_src = v_ptr + tok * stride_vn + heads * stride_vh + lo
+            tl.store(v_cache_ptr + offs, tl.load(v_src, mask=mask), mask=mask)
+            tl.store(v_cache_ptr + offs + HALF, tl.load(v_src + HALF, mask=mask), mask=mask)
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
@@ -88,10 +100,12 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         assert k_cache.shape[-2:] == (num_kv_heads, head_dim) and v_cache.shape == k_cache.shape
         assert slot_mapping.shape == (num_tokens,)
     if num_tokens > 0:
-        _qk_norm_rope_kernel[(num_tokens, num_q_heads + num_kv_heads)](
+        _qk_norm_rope_kernel[(num_tokens,)](
             q, k, q_out, k_out, q_weight, k_weight, positions, cos_sin_cache,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), eps,
             v, v.stride(0), v.stride(1), k_cache, v_cache, slot_mapping,
-            NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+            NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
+            Q_HEADS_P2=triton.next_power_of_2(num_q_heads),
+            KV_HEADS_P2=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
             STORE_KV=kv_store is not None)
     return q_out, k_out

@@ -64,7 +64,7 @@ def _reference(norm_q: RMSNorm, norm_k: RMSNorm, rope: RotaryEmbedding, position
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2)])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2), (6, 3)])  # 6, 3: padded heads
 @pytest.mark.parametrize("num_tokens,store", [(1, False), (19, False), (2, True), (19, True)])
 def test_matches_torch(num_tokens: int, store: bool, heads: int, kv_heads: int, head_dim: int,
                        dtype: torch.dtype) -> None:
