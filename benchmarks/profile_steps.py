@@ -11,10 +11,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.runs import sync
-
+from benchmarks.workloads import max_token_id, standard
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.checkpoint import qwen3_0_6b_random
-from benchmarks.workloads import max_token_id, standard
 
 
 def table(prof, title: str, rows: int = 18) -> None:

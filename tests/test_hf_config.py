@@ -54,7 +54,8 @@ def test_defaults_are_qwen3_config_defaults(tiny_model, tmp_path) -> None:
         for name in QWEN3_DEFAULTS:
             config.pop(name, None)
     _assert_as_auto(_write(tiny_model, str(tmp_path / "bare"), strip))
-    null_kv = _write(tiny_model, str(tmp_path / "mha"), lambda c: c.update(num_key_value_heads=None))
+    null_kv = _write(tiny_model, str(tmp_path / "mha"),
+                     lambda config: config.update(num_key_value_heads=None))
     _assert_as_auto(null_kv)  # null: one KV head per attention head
 
 

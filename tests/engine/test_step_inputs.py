@@ -1,6 +1,5 @@
 """DecodeInputs: what pack() writes, unpack() reads back, every section 16-byte aligned."""
 import pytest
-import torch
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import DecodeInputs

@@ -32,7 +32,8 @@ def _qkv_views(num_tokens: int, heads: int, kv_heads: int, head_dim: int,
     qkv = torch.randn(num_tokens, q_size + 2 * kv_size, device=DEVICE) * 3
     qkv = (qkv + torch.randn(q_size + 2 * kv_size, device=DEVICE)).to(dtype)
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    return q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim)
+    kv_shape = (-1, kv_heads, head_dim)
+    return q.view(-1, heads, head_dim), k.view(kv_shape), v.view(kv_shape)
 
 
 def _kv_cache(kv_heads: int, head_dim: int, dtype: torch.dtype, num_tokens: int):
