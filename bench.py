@@ -54,9 +54,10 @@ def resolve_model(args: argparse.Namespace) -> str:
                          "Qwen3-0.6B-shaped one (speed with ignore_eos does not depend on weights)")
     # Built in a child process: transformers' model classes then never load here, so the timed
     # start-up pays for what LLM() imports and nothing more.
-    build = functools.partial(build_checkpoint, tempfile.mkdtemp(prefix="nanovllm-tiny-"))
+    build = (functools.partial(build_checkpoint, tempfile.mkdtemp(prefix="nanovllm-tiny-"))
+             if args.tiny else qwen3_0_6b_random)
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(build if args.tiny else qwen3_0_6b_random).result()
+        return pool.submit(build).result()
 
 
 def main() -> None:

@@ -40,9 +40,9 @@ def test_older_format(tiny_model, tmp_path) -> None:
     """rope_theta and torch_dtype (transformers 4 files) read as AutoConfig reads them."""
     def older(config):
         config["rope_theta"] = 123456.0
-        del config["rope_parameters"]
+        config.pop("rope_parameters", None)
         config["torch_dtype"] = "bfloat16"
-        del config["dtype"]
+        config.pop("dtype", None)
     path = _write(tiny_model, str(tmp_path / "old"), older)
     _assert_as_auto(path)
     assert rope_theta(read_config_json(path)) == 123456.0

@@ -47,7 +47,7 @@ def test_matches_auto_tokenizer(tiny_model, tmp_path, name) -> None:
     names fall back to AutoTokenizer itself, which then decides."""
     path = _with_class(tiny_model, str(tmp_path / "tok"), name)
     direct = name in ("Qwen2Tokenizer", "Qwen2TokenizerFast", "PreTrainedTokenizerFast")
-    assert (tokenizer_class(path) is not AutoTokenizer) == direct
+    assert (tokenizer_class(path) is not None) == direct
     try:
         auto = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError):  # AutoTokenizer's own error, in our message
@@ -70,3 +70,15 @@ def test_llm_start_does_not_import_model_stack(tiny_model) -> None:
     out = subprocess.run([sys.executable, "-c", code, tiny_model], capture_output=True,
                          text=True, timeout=300, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
+
+
+def test_failing_named_class_falls_back_to_auto_tokenizer(tiny_model, monkeypatch) -> None:
+    """A named class that cannot load the files (a slow class without its vocab files, say)
+    leaves the choice to AutoTokenizer."""
+    class Unloadable:
+        @staticmethod
+        def from_pretrained(path):
+            raise OSError("no vocab.txt")
+
+    monkeypatch.setattr("nanovllm.utils.tokenizer.tokenizer_class", lambda model: Unloadable)
+    _assert_same(load_tokenizer(tiny_model), AutoTokenizer.from_pretrained(tiny_model))

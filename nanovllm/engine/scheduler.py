@@ -102,10 +102,11 @@ class Scheduler:
         """
         dropped = {seq.seq_id for seq in seqs}
         for _, seq in self.uncommitted:  # a step was cut between advance and commit
-            if seq.pop_placeholder():
-                if seq.is_finished and seq.finish_reason == "length":
-                    seq.status, seq.finish_reason = SequenceStatus.RUNNING, None
-                    self.running.append(seq)  # finished by its placeholder: not really
+            if seq.pop_placeholder() and seq.finish_reason == "length":
+                # Finished by its placeholder (finish() itself may have been cut): not really.
+                seq.status, seq.finish_reason = SequenceStatus.RUNNING, None
+                if seq not in self.running and seq not in self.waiting:
+                    self.running.append(seq)
         self.uncommitted = []
         survivors = [seq for seq in (*self.running, *self.waiting)
                      if seq.seq_id not in dropped and not seq.is_finished]

@@ -5,17 +5,27 @@ import os
 import transformers
 from transformers import PreTrainedTokenizerBase
 
+_ERRORS = (OSError, ValueError, ImportError, TypeError)
+
 
 def load_tokenizer(model: str) -> PreTrainedTokenizerBase:
     """The checkpoint's tokenizer, with an error that names the directory."""
     try:
-        return tokenizer_class(model).from_pretrained(model)
-    except (OSError, ValueError) as e:
+        cls = tokenizer_class(model)
+        if cls is not None:
+            try:
+                return cls.from_pretrained(model)
+            except _ERRORS:
+                pass  # AutoTokenizer may still find a way, or it says what is wrong
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(model)
+    except _ERRORS as e:
         raise ValueError(f"cannot load a tokenizer from {model!r}: {e}") from e
 
 
-def tokenizer_class(model: str) -> type:
-    """The class tokenizer_config.json names (what AutoTokenizer resolves), else AutoTokenizer.
+def tokenizer_class(model: str) -> type | None:
+    """The class AutoTokenizer resolves from the name in tokenizer_config.json (the fast
+    variant first, as AutoTokenizer does), or None when AutoTokenizer must decide.
 
     AutoTokenizer's module imports transformers' modeling and generation stack (and sklearn,
     accelerate, sympy where installed): 7 of the 12 s `import nanovllm` took on the H200.
@@ -24,10 +34,12 @@ def tokenizer_class(model: str) -> type:
     try:
         with open(os.path.join(model, "tokenizer_config.json")) as f:
             name = json.load(f).get("tokenizer_class")
-        cls = getattr(transformers, name)
+    except (OSError, ValueError, AttributeError):  # no file, bad JSON, not an object
+        return None
+    if not isinstance(name, str):
+        return None
+    for candidate in (name,) if name.endswith("Fast") else (name + "Fast", name):
+        cls = getattr(transformers, candidate, None)
         if isinstance(cls, type) and issubclass(cls, PreTrainedTokenizerBase):
             return cls
-    except (OSError, ValueError, TypeError, AttributeError):
-        pass  # no such file or field, or a class this transformers lacks: let AutoTokenizer say
-    from transformers import AutoTokenizer
-    return AutoTokenizer
+    return None
