@@ -13,12 +13,15 @@ source .device/env.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+gpu_tests() {  # the GPU-marked tests within $1 seconds: log to $OUT, print the summary lines
+  timeout "$1" python -m pytest -q -p no:cacheprovider -s -m gpu tests 2>&1 \
+    | grep -vE "DEBUG|Writing|Loading" > $OUT/gpu_tests.log
+  grep -E "passed|failed|argmax|relative error|^FAILED" $OUT/gpu_tests.log
+}
 case "${1:-tests-and-ab}" in
 tests-and-ab)
   # GPU parity (both backends, eager and graphs), sampler and graphs-vs-eager sampling checks.
-  timeout 240 python -m pytest -q -p no:cacheprovider -s -m gpu tests 2>&1 \
-    | grep -vE "DEBUG|Writing|Loading" > $OUT/gpu_tests.log
-  grep -E "passed|failed|argmax|relative error|^FAILED" $OUT/gpu_tests.log
+  gpu_tests 240
   timeout 90 python -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tail -1
   # Standard bench, flash-attn vs Triton alternated A B A B A B (one process per run).
   benchmarks/h200_ab.sh 3 "" "--attention-backend triton" 2>&1 | tee $OUT/ab.log | tail -4
@@ -80,9 +83,7 @@ cold-and-ab)
       | grep -E "^median" | sed "s/^/[cold $backend] /"
   done
   benchmarks/h200_ab.sh 3 "" "--attention-backend triton" 2>&1 | tee $OUT/ab.log | tail -3
-  timeout 170 python -m pytest -q -p no:cacheprovider -s -m gpu tests 2>&1 \
-    | grep -vE "DEBUG|Writing|Loading" > $OUT/gpu_tests.log
-  grep -E "passed|failed|argmax|relative error|^FAILED" $OUT/gpu_tests.log
+  gpu_tests 170
   timeout 90 python -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tail -1
   ;;
 ab-vs-base)
@@ -94,9 +95,7 @@ ab-vs-base)
   # What the cold runs compiled (both trees): variants per Triton kernel, C launchers.
   echo "Triton variants: $(find $TRITON_CACHE_DIR -name '*.cubin' -printf '%f\n' | sort | uniq -c \
     | tr -s ' \n' ' ') | .so files: $(find $TRITON_CACHE_DIR -name '*.so' | wc -l)"
-  timeout 170 python -m pytest -q -p no:cacheprovider -s -m gpu tests 2>&1 \
-    | grep -vE "DEBUG|Writing|Loading" > $OUT/gpu_tests.log
-  grep -E "passed|failed|argmax|relative error|^FAILED" $OUT/gpu_tests.log
+  gpu_tests 170
   timeout 60 python -m pytest -q -p no:cacheprovider tests/kernels/test_sample.py \
     $(ls tests/kernels/test_qk_norm_rope.py tests/kernels/test_fused_ops.py 2>/dev/null) 2>&1 | tail -1
   ;;

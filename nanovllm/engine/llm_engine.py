@@ -95,9 +95,7 @@ class LLMEngine:
         t0 = perf_counter()
         pending, self.pending = self.pending, None
         advanced = self.scheduler.advance(pending[0]) if pending else []
-        seqs, is_prefill = self.scheduler.schedule()
-        num_tokens = self._count_tokens(seqs, is_prefill)
-        kv_blocks_in_use = len(self.scheduler.block_manager.used_block_ids)
+        seqs, is_prefill, num_tokens, kv_blocks_in_use = self._schedule()
         if seqs:
             previous = pending[1].device if pending and not is_prefill else None
             self.pending = (seqs, self.model_runner.launch(seqs, is_prefill, previous))
@@ -114,9 +112,7 @@ class LLMEngine:
     def _step_lockstep(self) -> tuple[list[Sequence], int]:
         """Schedule, run on every rank, and postprocess before returning."""
         t0 = perf_counter()
-        seqs, is_prefill = self.scheduler.schedule()
-        num_tokens = self._count_tokens(seqs, is_prefill)
-        kv_blocks_in_use = len(self.scheduler.block_manager.used_block_ids)
+        seqs, is_prefill, num_tokens, kv_blocks_in_use = self._schedule()
         if self.workers is None:
             token_ids = self.model_runner.run(seqs, is_prefill)
         else:
@@ -127,12 +123,16 @@ class LLMEngine:
                              kv_blocks_in_use)
         return finished, num_tokens
 
-    @staticmethod
-    def _count_tokens(seqs: list[Sequence], is_prefill: bool) -> int:
-        """+ tokens a prefill computes, - sequences a decode extends (read before postprocess)."""
+    def _schedule(self) -> tuple[list[Sequence], bool, int, int]:
+        """The next batch, whether it is prefill, its token count (+ tokens a prefill computes,
+        - sequences a decode extends) and the KV blocks in use once it is scheduled (the step's
+        peak: finishing sequences free blocks later)."""
+        seqs, is_prefill = self.scheduler.schedule()
         if is_prefill:
-            return sum(len(seq) - seq.num_cached_tokens for seq in seqs)
-        return -len(seqs)
+            num_tokens = sum(len(seq) - seq.num_cached_tokens for seq in seqs)
+        else:
+            num_tokens = -len(seqs)
+        return seqs, is_prefill, num_tokens, len(self.scheduler.block_manager.used_block_ids)
 
     def _check_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
         """Finish sequences whose text now contains a stop string; returns the newly finished.

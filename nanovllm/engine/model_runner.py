@@ -236,10 +236,7 @@ class ModelRunner:
 
         A decode step reads every weight whatever its batch, so padding a batch up to the next
         size costs little, and fewer graphs start faster (upstream captures every 16th). No
-        graph of 1 (unless max_num_seqs is 1): a lone sequence runs in the graph of 2, so the
-        compiled ops never saw a dimension of size 1, for which torch.compile would compile
-        them all again (the model's small ops are Triton kernels now, so this reason is gone;
-        a graph of 1 is untried). Each
+        graph of 1 (unless max_num_seqs is 1): a lone sequence runs in the graph of 2. Each
         graph reads its own packed input buffer (see DecodeInputs) and all write their hidden
         states into one shared output buffer; graphs share one memory pool.
         """

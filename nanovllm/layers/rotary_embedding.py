@@ -2,8 +2,6 @@
 import torch
 from torch import nn
 
-from nanovllm.utils.compile import compile_on_cuda
-
 
 def rope_theta(hf_config) -> float:
     """rope_theta from either config format (transformers 5 `rope_parameters` or older)."""
@@ -26,7 +24,8 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to q and k at the given positions."""
+    """Applies RoPE to q and k at the given positions (the CPU path; on CUDA the model uses the
+    fused q/k kernel, which reads cos_sin_cache)."""
 
     def __init__(self, head_dim: int, max_position: int, base: float):
         super().__init__()
@@ -36,7 +35,6 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).unsqueeze(1)  # (P, 1, D)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    @compile_on_cuda
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
