@@ -186,10 +186,12 @@ class WorkerGroup:
         self.channel.write("shutdown", ())
         for wakeup in self.wakeups:
             wakeup.release()
+        # Leave the group before joining: with NCCL each rank's exit from the group waits for
+        # the others', so joining first would always wait out the timeout.
+        if dist.is_initialized():
+            dist.destroy_process_group()  # also breaks a worker out of a stuck gloo collective
         for process in started:
             process.join(join_timeout_s)
-        if dist.is_initialized():
-            dist.destroy_process_group()  # also breaks a worker out of a stuck collective
         for process in started:
             if process.is_alive():
                 process.kill()
