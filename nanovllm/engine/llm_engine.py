@@ -35,6 +35,8 @@ class LLMEngine:
             if self.workers is not None:
                 self.workers.shutdown()
             raise
+        if self.workers is not None:
+            self.workers.runner = self.model_runner
         eos = self.tokenizer.eos_token_id
         if eos is None:
             eos = getattr(config.hf_config, "eos_token_id", None)
@@ -251,11 +253,10 @@ class LLMEngine:
 
 
 def _release(workers: WorkerGroup | None, runner: ModelRunner) -> None:
-    """Free rank 0's model, KV pool and graphs, then stop the workers. In this order: NCCL's
-    communicator is not destroyed (the process group's exit waits) while CUDA graphs that
-    captured its collectives exist (measured on two H200s: shutdown hung)."""
+    """Stop the workers (which frees rank 0's runner first, see WorkerGroup.runner), then free
+    rank 0's model, KV pool and graphs (again harmless)."""
     try:
-        runner.shutdown()
-    finally:
         if workers is not None:
             workers.shutdown()
+    finally:
+        runner.shutdown()

@@ -101,6 +101,9 @@ class WorkerGroup:
                                "process (another tensor-parallel engine?); shut it down first")
         self.device, self.world_size = config.device, config.tensor_parallel_size
         self.closed = False
+        # Rank 0's runner (the engine sets it): freed before leaving the group, because NCCL's
+        # exit waits while CUDA graphs that captured its collectives exist (hung on two H200s).
+        self.runner: ModelRunner | None = None
         # Port 0: the OS picks a free port, so engines on one machine never collide.
         self.store = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True,
                                    timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
@@ -186,6 +189,8 @@ class WorkerGroup:
         self.channel.write("shutdown", ())
         for wakeup in self.wakeups:
             wakeup.release()
+        if self.runner is not None:
+            self.runner.shutdown()
         # Leave the group before joining: with NCCL each rank's exit from the group waits for
         # the others', so joining first would always wait out the timeout.
         if dist.is_initialized():
