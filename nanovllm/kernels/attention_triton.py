@@ -28,16 +28,16 @@ def _locate_tile(cu_q_ptr, num_seqs, BLOCK_M: tl.constexpr, SEQS_P2: tl.constexp
 
 
 @triton.jit
-def _softmax_step(q, k_t, v, visible, m_i, l_i, acc, qk_scale):
+def _softmax_step(q, k_t, v, visible, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
     """One online-softmax update of (m_i, l_i, acc) with a key tile k_t [D, N], v [N, D]."""
-    qk = tl.dot(q, k_t) * qk_scale
+    qk = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
     qk = tl.where(visible, qk, float("-inf"))
     # Every processed tile has >= 1 visible key per row, so m_new is finite.
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
 
@@ -50,6 +50,7 @@ def _prefill_kernel(
     stride_bt, qk_scale, num_seqs,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEQS_P2: tl.constexpr, PAGED: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Grid (query tiles, H): causal attention of one [BLOCK_M, D] query tile of one head."""
     head = tl.program_id(1)
@@ -88,10 +89,16 @@ def _prefill_kernel(
         v = tl.load(v_ptr + rows[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :],
                     mask=in_seq[:, None], other=0.0)
         visible = (k_pos[None, :] <= q_pos[:, None]) & in_seq[None, :]
-        m_i, l_i, acc = _softmax_step(q, k_t, v, visible, m_i, l_i, acc, qk_scale)
+        m_i, l_i, acc = _softmax_step(q, k_t, v, visible, m_i, l_i, acc, qk_scale, PRECISION)
     acc = acc / l_i[:, None]
     o_ptrs = out_ptr + q_rows[:, None] * stride_on + head * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision: IEEE for float32 (Triton's default, TF32, keeps 10 mantissa
+    bits: a float32 run would differ from the torch reference at near-ties); native otherwise."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _prefill_config(head_dim: int, block_size: int, elem_size: int) -> tuple[int, int, int, int]:
@@ -140,7 +147,7 @@ def prefill_attention_triton(
         q.stride(0), q.stride(1), *strides, out.stride(0), out.stride(1),
         block_tables.stride(0) if paged else 0, scale * _LOG2E, num_seqs,
         GROUP=num_heads // keys.shape[-2], HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged,
+        BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PRECISION=dot_precision(q.dtype),
         # At least 64: the warm-up's small batches compile the variant that typical prefill
         # batches (<= 64 sequences) use, instead of one per power of two inside a timed run.
         SEQS_P2=max(64, triton.next_power_of_2(num_seqs)),
@@ -171,6 +178,7 @@ def _decode_split_kernel(
     part_m_ptr, part_l_ptr, part_acc_ptr, stride_qb, stride_qh, stride_bt, qk_scale, num_splits,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Grid (B, Hkv, splits): all GROUP query heads of one kv head over one slice of the keys."""
     seq = tl.program_id(0)
@@ -201,7 +209,8 @@ def _decode_split_kernel(
                       mask=in_split[None, :], other=0.0)
         v = tl.load(v_cache_ptr + cache_offs[:, None] + offs_d[None, :],
                     mask=in_split[:, None], other=0.0)
-        m_i, l_i, acc = _softmax_step(q, k_t, v, in_split[None, :], m_i, l_i, acc, qk_scale)
+        m_i, l_i, acc = _softmax_step(q, k_t, v, in_split[None, :], m_i, l_i, acc, qk_scale,
+                                      PRECISION)
     # Partials [B, H, splits(, D)]; an empty split stores m=-inf, l=0, acc=0.
     part = ((seq * NUM_KV_HEADS + kv_head) * GROUP + offs_g) * num_splits + split
     tl.store(part_m_ptr + part, m_i, mask=g_mask)
@@ -270,7 +279,7 @@ def decode_attention_triton(
         q.stride(0), q.stride(1), block_tables.stride(0), scale * _LOG2E, num_splits,
         GROUP=group, GROUP_P2=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        num_warps=4,
+        PRECISION=dot_precision(q.dtype), num_warps=4,
     )
     _decode_reduce_kernel[(batch, num_heads)](
         part_m, part_l, part_acc, out, out.stride(0), out.stride(1), num_splits,
