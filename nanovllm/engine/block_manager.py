@@ -109,11 +109,6 @@ class BlockManager:
         seq.num_cached_tokens = 0
         seq.block_table.clear()
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached block (all blocks must be free)."""
-        assert not self.used_block_ids, "reset_prefix_cache while sequences hold blocks"
-        self.reset()
-
     def reset(self) -> None:
         """Free every block and forget every cached prefix; callers drop all block tables."""
         for block in self.blocks:

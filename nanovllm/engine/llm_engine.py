@@ -36,10 +36,7 @@ class InFlightStep:
 
 class LLMEngine:
     """Owns the scheduler and the model runner(s); `generate` runs requests to completion.
-
-    Test hooks (private): `_pipelined = False` runs lockstep; `_launch` is the one call that
-    sends a step to the model, to make it fail.
-    """
+    Private test hooks: `_pipelined = False` runs lockstep; `_launch` sends every step."""
 
     def __init__(self, model: str, **kwargs):
         attention_backend = kwargs.pop("attention_backend", "auto")
@@ -99,14 +96,9 @@ class LLMEngine:
         return outputs + [self._output(seq) for seq in finished], num_tokens
 
     def _step(self) -> tuple[list[Sequence], int]:
-        """Advance the in-flight step, launch the next, then commit the in-flight one's ids;
-        returns the sequences that finished and the step's token count.
-
-        Pipelined, a step is launched before the previous step's sampled ids are read, so the
-        host's bookkeeping overlaps the GPU and sequences finish one step after their last
-        token. Lockstep (tensor parallelism, whose workers need host ids), the launched step is
-        committed at once.
-        """
+        """Advance the in-flight step, launch the next, commit the in-flight one's ids (so the
+        host's bookkeeping overlaps the GPU); lockstep (tensor parallelism: workers need host
+        ids), commit the launched step at once. Returns (finished sequences, token count)."""
         if self.model_runner is None:
             raise RuntimeError("the engine is shut down")
         if not self._has_work():
@@ -138,8 +130,7 @@ class LLMEngine:
 
     def _launch(self, seqs: list[Sequence], is_prefill: bool,
                 previous: InFlightStep | None = None) -> SampledIds:
-        """Enqueue a step on rank 0; a decode step reads pending tokens from `previous`. With
-        tensor parallelism every rank runs the step to its end."""
+        """Enqueue a step (with workers: run it on every rank); pending tokens from `previous`."""
         if self.workers is not None:
             return SampledIds(torch.tensor(self.workers.execute("run", seqs, is_prefill)))
         if previous is None or is_prefill:
@@ -148,8 +139,7 @@ class LLMEngine:
                                         previous.source_rows(seqs))
 
     def _commit(self, step: InFlightStep, in_flight: list[Sequence] = ()) -> list[Sequence]:
-        """Read an advanced step's ids (the host's one sync per step) and commit them; returns
-        the sequences that finished."""
+        """Read an advanced step's ids (the one host sync per step); returns the finished."""
         finished = self.scheduler.commit(step.advanced, step.sampled.tolist(), in_flight)
         return finished + self._check_stop_strings([seq for _, seq in step.advanced])
 
@@ -165,10 +155,8 @@ class LLMEngine:
         return seqs, is_prefill, num_tokens, self.scheduler.num_used_blocks
 
     def _check_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Finish sequences whose text now contains a stop string; returns the newly finished.
-
-        A match on the step that also ended a sequence (EOS, length) turns its reason to "stop".
-        """
+        """Finish sequences whose text now contains a stop string (the reason "stop" wins over
+        EOS or length on the same step); returns the newly finished."""
         newly_finished = []
         for seq in seqs:
             if not seq.sampling_params.stop:  # the common path decodes nothing

@@ -164,17 +164,13 @@ class ModelRunner:
         Sequence i with source_rows[i] = r >= 0 takes its input id from row r of
         `previous_ids`, the sampled ids of the step still in flight, on the device.
         """
-        rows = self.graph_size(len(seqs))
-        if rows is not None:
-            host = self.decode_inputs.pack(seqs, rows, self.max_num_blocks, source_rows)
-            buf = self.graph_inputs[rows].copy_(host, non_blocking=True)
-            input_ids, positions, src, context = DecodeInputs.unpack(buf, rows,
-                                                                     self.max_num_blocks)
-        else:
-            rows, width = len(seqs), max(len(seq.block_table) for seq in seqs)
-            host = self.decode_inputs.pack(seqs, rows, width, source_rows)
-            input_ids, positions, src, context = DecodeInputs.unpack(
-                host.to(self.device, non_blocking=True), rows, width)
+        graph_rows = self.graph_size(len(seqs))
+        rows, width = ((graph_rows, self.max_num_blocks) if graph_rows is not None
+                       else (len(seqs), max(len(seq.block_table) for seq in seqs)))
+        host = self.decode_inputs.pack(seqs, rows, width, source_rows)
+        buf = (self.graph_inputs[rows].copy_(host, non_blocking=True) if graph_rows is not None
+               else host.to(self.device, non_blocking=True))
+        input_ids, positions, src, context = DecodeInputs.unpack(buf, rows, width)
         if previous_ids is not None:
             carried = previous_ids[src.clamp(min=0)].int()
             input_ids.copy_(torch.where(src >= 0, carried, input_ids))

@@ -39,7 +39,9 @@ class Scheduler:
         self.block_manager.reset_stats()
 
     def reset_prefix_cache(self) -> None:
-        self.block_manager.reset_prefix_cache()
+        """Forget every cached block (all blocks must be free)."""
+        assert not self.num_used_blocks, "reset_prefix_cache while sequences hold blocks"
+        self.block_manager.reset()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -175,9 +177,8 @@ class Scheduler:
         return finished
 
     def finish(self, seq: Sequence, reason: str, now: float | None = None) -> None:
-        """Retire a running (or, pipelined, just preempted) sequence: free its blocks and record
-        why it stopped. A sequence finished earlier in the same step (at its length limit)
-        only takes the new reason: a stop in its last token wins."""
+        """Retire a running (or, pipelined, just preempted) sequence: free its blocks, record why
+        it stopped. One already finished on this step (length) takes the new reason."""
         if seq.is_finished:
             seq.finish_reason = reason
             return

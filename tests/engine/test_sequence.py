@@ -48,7 +48,7 @@ def test_recompute_after_preemption_sends_prompt_and_completion():
         bm.may_append(seq)
     assert worker_copy(seq).token_ids == [11]
     bm.deallocate(seq)  # preempted: its KV is gone and must be recomputed
-    bm.reset_prefix_cache()  # and no prefix-cache hit either
+    bm.reset()  # and no prefix-cache hit either
     bm.allocate(seq)
     assert seq.num_completion_tokens == 2  # upstream sends only the last token here
     assert worker_copy(seq).uncached_token_ids == [1, 2, 3, 4, 5, 10, 11]
