@@ -28,8 +28,7 @@ class InFlightStep:
     advanced: list[tuple[int, Sequence]] = field(default_factory=list)
 
     def source_rows(self, seqs: list[Sequence]) -> list[int]:
-        """For each of `seqs`, its row of this step's sampled ids if its pending token is
-        there, else -1."""
+        """Per sequence of `seqs`: the row of this step's ids holding its pending token, or -1."""
         rows = {seq.seq_id: row for row, seq in self.advanced}
         return [rows.get(seq.seq_id, -1) for seq in seqs]
 
