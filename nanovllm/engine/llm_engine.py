@@ -160,9 +160,9 @@ class LLMEngine:
         for seq in seqs:
             if not seq.sampling_params.stop:  # the common path decodes nothing
                 continue
-            cut = self.stop_checker.check(seq)
-            if cut is not None:
-                seq.text = self.stop_checker.text(seq)[:cut]
+            text = self.stop_checker.check(seq)
+            if text is not None:
+                seq.text = text
                 if not seq.is_finished:
                     newly_finished.append(seq)
                 self.scheduler.finish(seq, "stop")
