@@ -21,16 +21,15 @@ class LLMEngine:
     """Owns the scheduler and the model runner(s); `generate` runs requests to completion."""
 
     def __init__(self, model: str, **kwargs):
-        attention_backend = kwargs.pop("attention_backend", "auto")
         self.config = config = config_from_kwargs(model, kwargs)
         # The tokenizer first: a bad directory then fails before any model or worker exists.
         self.tokenizer = load_tokenizer(config.model)
         # Ranks 1..N-1 first: rank 0's runner agrees on the KV pool size with them.
-        self.workers = (WorkerGroup(config, attention_backend)
+        self.workers = (WorkerGroup(config)
                         if config.tensor_parallel_size > 1 else None)
         try:
             with self.workers.guard() if self.workers else nullcontext():
-                self.model_runner = ModelRunner(config, 0, attention_backend)
+                self.model_runner = ModelRunner(config, 0)
         except BaseException:
             if self.workers is not None:
                 self.workers.shutdown()
