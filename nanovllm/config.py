@@ -127,7 +127,10 @@ def read_config_json(model: str) -> PretrainedConfig:
     # popped: the base class would try (and fail) to standardise them itself
     for key in ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor"):
         config_dict.pop(key, None)
-    hf_config = PretrainedConfig.from_dict(config_dict)
+    try:
+        hf_config = PretrainedConfig.from_dict(config_dict)
+    except Exception as e:  # transformers' own validators raise several types: name the file
+        raise ValueError(f"invalid config.json of {model!r}: {e}") from e
     hf_config.rope_parameters = rope
     decoder_spec(hf_config)  # raises now, before anything is loaded, on what we lack
     return hf_config

@@ -94,8 +94,8 @@ def _yarn_inv_freq(params: dict, dim: int, max_position: int) -> tuple[torch.Ten
         high += 0.001  # as transformers: no division by zero
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
-    extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolation
+    kept = 1 - ramp  # the share of each frequency left unscaled (rounded as in transformers)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - kept) + (1.0 / pos_freqs) * kept
     return inv_freq, float(attention_factor)
 
 
