@@ -50,6 +50,23 @@ def test_sliding_window_changes_the_tokens(family_checkpoints):
     assert hf_greedy(hf, long_prompt, NUM_TOKENS) != windowed
 
 
+@pytest.mark.parametrize("name", ["mistral_window", "qwen2_window"])
+def test_sliding_window_over_a_cached_prefix(family_checkpoints, name):
+    """A prompt sharing two cached blocks with an earlier one: prefill attends over the paged
+    cache within the window, then decode does."""
+    path, long_prompt = family_checkpoints[name], prompts()[3]
+    second = long_prompt[:512] + [7, 8, 9, 10, 11]
+    llm = LLM(path, num_kvcache_blocks=32)
+    try:
+        llm.generate([long_prompt], GREEDY, use_tqdm=False)
+        llm.reset_stats()
+        ours = llm.generate([second], GREEDY, use_tqdm=False)[0]["token_ids"]
+        assert llm.stats()["cache_hit_blocks"] == 2
+    finally:
+        llm.shutdown()
+    assert ours == hf_tokens(path, [second])[0]
+
+
 @pytest.mark.parametrize("name", [
     "mistral_window",
     pytest.param("qwen2_yarn", marks=pytest.mark.slow),
