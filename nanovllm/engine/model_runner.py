@@ -52,7 +52,6 @@ class ModelRunner:
         self.world_size = config.tensor_parallel_size
         self.block_size = config.kvcache_block_size
         self.device = torch.device(f"cuda:{rank}" if config.device == "cuda" else "cpu")
-        self.use_cuda_graph = config.device == "cuda" and not config.enforce_eager
         if tp_rank_and_size() != (rank, self.world_size):
             # The layers shard themselves by the torch.distributed group they find.
             raise RuntimeError(f"rank {rank} of tensor_parallel_size={self.world_size} needs a "
@@ -77,6 +76,8 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = select_backend(config.device, config.torch_dtype, config.attention_backend)
         bind_backend(self.model, self.backend)
+        self.use_cuda_graph = (config.device == "cuda" and not config.enforce_eager
+                               and self.backend.cuda_graphs)
         self.sampler = Sampler()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_inputs: dict[int, torch.Tensor] = {}

@@ -22,6 +22,7 @@ class TorchBackend:
     """Plain torch: runs anywhere; the reference the kernels are tested against."""
 
     name = "torch"
+    cuda_graphs = False  # decode reads context lengths on the host: it cannot be captured
 
     def __init__(self, fused_ops: bool = False) -> None:
         from nanovllm.kernels import attention_torch, store_kvcache
@@ -65,6 +66,7 @@ class TritonBackend(TorchBackend):
     """Our own Triton kernels: for GPUs without flash-attn."""
 
     name = "triton"
+    cuda_graphs = True
 
     def __init__(self, fused_ops: bool = False) -> None:
         from nanovllm.kernels import attention_triton, store_kvcache
@@ -78,6 +80,7 @@ class FlashAttnBackend(TorchBackend):
     """flash-attn: varlen prefill (paged when a prefix is cached) and paged decode."""
 
     name = "flash-attn"
+    cuda_graphs = True
 
     def __init__(self, fused_ops: bool = True) -> None:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -141,8 +144,10 @@ def select_backend(device: str, dtype: torch.dtype, name: str = "auto") -> Torch
     fused_ops = device == "cuda" and name != "torch"
     backend = {"flash-attn": FlashAttnBackend, "triton": TritonBackend,
                "torch": TorchBackend}[name](fused_ops)
-    logger.info("kernels: attention %s; q/k norm + RoPE + K/V write, RMSNorm, SiLU-and-mul: %s",
-                name, "fused Triton kernels" if fused_ops else "torch")
+    logger.info("kernels: attention %s; q/k norm + RoPE + K/V write, RMSNorm, SiLU-and-mul: %s%s",
+                name, "fused Triton kernels" if fused_ops else "torch",
+                "; no CUDA graphs (eager decode)" if device == "cuda" and not backend.cuda_graphs
+                else "")
     return backend
 
 

@@ -21,14 +21,16 @@ def cached_prefix_batch() -> list[list[int]]:
 
 
 @pytest.mark.parametrize("backend, eager", [("triton", True), ("triton", False),
-                                            ("torch", True)],
-                         ids=["triton-eager", "triton-graphs", "torch-eager"])
+                                            ("torch", False)],
+                         ids=["triton-eager", "triton-graphs", "torch"])
 @pytest.mark.parametrize("name", list(FAMILY_CHECKPOINTS))
 def test_float32_greedy_matches_transformers(family_checkpoints, name, backend, eager):
     path, batch = family_checkpoints[name], cached_prefix_batch()
     llm = LLM(path, attention_backend=backend, enforce_eager=eager, dtype="float32",
               max_num_seqs=16, max_model_len=1024, num_kvcache_blocks=64)
     try:
+        # the torch backend's decode reads lengths on the host: never captured in a graph
+        assert llm.model_runner.use_cuda_graph == (backend == "triton" and not eager)
         first = llm.generate(batch[:4], GREEDY, use_tqdm=False)
         llm.reset_stats()
         second = llm.generate(batch[4:], GREEDY, use_tqdm=False)
