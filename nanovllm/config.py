@@ -5,12 +5,12 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import PretrainedConfig
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+from nanovllm.layers.backends import check_attention_backend
+from nanovllm.layers.rotary_embedding import rope_parameters
+from nanovllm.models.registry import architecture, decoder_spec, with_family_defaults
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-# Qwen3Config's defaults for the fields the model reads, for a config.json that leaves them out.
-QWEN3_DEFAULTS = dict(head_dim=128, hidden_act="silu", max_position_embeddings=32768,
-                      rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
-                      num_key_value_heads=32)  # 32 when absent, as Qwen3Config; null: MHA
+LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights from config.json alone (benchmarks)
 REQUIRED_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers",
                    "num_attention_heads", "vocab_size")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -31,13 +31,15 @@ class Config:
     num_kvcache_blocks: int = -1
     device: str = "auto"
     dtype: str = "auto"
+    attention_backend: str = "auto"
+    load_format: str = "auto"
     hf_config: PretrainedConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
         self.model = os.path.expanduser(str(self.model))
         self._check_ranges()
-        self.hf_config = load_hf_config(self.model)
+        self.hf_config = load_hf_config(self.model, self.load_format)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         if self.max_num_batched_tokens < self.max_model_len:
             # A prompt may be up to max_model_len - 1 tokens and is prefilled in one step.
@@ -47,6 +49,7 @@ class Config:
         self.device = resolve_device(self.device)
         check_tensor_parallel(self.tensor_parallel_size, self.device, self.hf_config)
         self.torch_dtype = resolve_dtype(self.dtype, self.device, self.hf_config)
+        check_attention_backend(self.attention_backend, self.device, self.torch_dtype)
 
     def _check_ranges(self) -> None:
         def check(name: str, ok: bool, allowed: str) -> None:
@@ -77,6 +80,7 @@ class Config:
         check("device", self.device in ("auto", "cpu", "cuda"), "'auto', 'cpu' or 'cuda'")
         check("dtype", self.dtype in ("auto", *_DTYPES), f"'auto' or one of {sorted(_DTYPES)}")
         check("enforce_eager", isinstance(self.enforce_eager, bool), "a bool")
+        check("load_format", self.load_format in LOAD_FORMATS, f"one of {list(LOAD_FORMATS)}")
 
 
 def config_from_kwargs(model: str, kwargs: dict) -> Config:
@@ -88,29 +92,25 @@ def config_from_kwargs(model: str, kwargs: dict) -> Config:
     return Config(model, **kwargs)
 
 
-def load_hf_config(model: str) -> PretrainedConfig:
+def load_hf_config(model: str, load_format: str = "auto") -> PretrainedConfig:
     """Check the model directory and read its config.json, with errors that name the problem."""
     if not os.path.isdir(model):
         raise ValueError(f"model directory {model!r} does not exist")
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise ValueError(f"model directory {model!r} has no config.json")
-    if not any(f.endswith(".safetensors") for f in os.listdir(model)):
+    if load_format == "auto" and not any(f.endswith(".safetensors") for f in os.listdir(model)):
         raise ValueError(f"model directory {model!r} has no *.safetensors weights")
     if not any(os.path.isfile(os.path.join(model, f)) for f in TOKENIZER_FILES):
         # transformers would silently build an empty tokenizer instead
         raise ValueError(f"model directory {model!r} has no tokenizer: expected one of "
                          f"{list(TOKENIZER_FILES)}")
-    hf_config = read_config_json(model)
-    archs = getattr(hf_config, "architectures", None) or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ValueError(f"unsupported architecture {archs} in {model!r}; "
-                         f"supported: {list(SUPPORTED_ARCHITECTURES)}")
-    return hf_config
+    return read_config_json(model)
 
 
 def read_config_json(model: str) -> PretrainedConfig:
     """config.json through transformers' base PretrainedConfig (both formats: `dtype` or
-    `torch_dtype`, `rope_parameters` or `rope_theta`), Qwen3Config's defaults filled in.
+    `torch_dtype`, `rope_parameters` or `rope_theta`/`rope_scaling`), the family's defaults
+    filled in, `rope_parameters` in one flat format, checked for fields we do not implement.
 
     Not AutoConfig: importing Qwen3Config imports transformers' modeling and generation stack
     for its docstring (7 s on the H200, where sklearn and accelerate are installed).
@@ -122,9 +122,17 @@ def read_config_json(model: str) -> PretrainedConfig:
     missing = [name for name in REQUIRED_FIELDS if config_dict.get(name) is None]
     if missing:
         raise ValueError(f"config.json of {model!r} lacks {missing}")
-    hf_config = PretrainedConfig.from_dict({**QWEN3_DEFAULTS, **config_dict})
-    if getattr(hf_config, "num_key_value_heads", None) is None:  # as Qwen3Config: MHA
-        hf_config.num_key_value_heads = hf_config.num_attention_heads
+    config_dict = with_family_defaults(config_dict, architecture(config_dict, model))
+    rope = rope_parameters(config_dict)
+    # popped: the base class would try (and fail) to standardise them itself
+    for key in ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor"):
+        config_dict.pop(key, None)
+    try:
+        hf_config = PretrainedConfig.from_dict(config_dict)
+    except Exception as e:  # transformers' own validators raise several types: name the file
+        raise ValueError(f"invalid config.json of {model!r}: {e}") from e
+    hf_config.rope_parameters = rope
+    decoder_spec(hf_config)  # raises now, before anything is loaded, on what we lack
     return hf_config
 
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanovllm import LLM
+from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 
@@ -26,10 +26,10 @@ def copy_checkpoint(src: str, dst: str, drop: tuple[str, ...] = (),
     return dst
 
 
-def llama_config(src: str) -> str:
+def gpt2_config(src: str) -> str:
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
-    config.update(architectures=["LlamaForCausalLM"], model_type="llama")
+    config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
     return json.dumps(config)
 
 
@@ -51,8 +51,9 @@ def assert_fails_cleanly(model: str, kwargs: dict, exc: type, message: str) -> N
     ("no_weights", r"model directory '.*' has no \*.safetensors weights"),
     ("no_tokenizer", r"model directory '.*' has no tokenizer: expected one of \['tokenizer.json'"),
     ("bad_json", r"cannot read config.json of '.*'"),
-    ("llama", r"unsupported architecture \['LlamaForCausalLM'\] in '.*'; "
-              r"supported: \['Qwen3ForCausalLM'\]"),
+    ("gpt2", r"unsupported architecture \['GPT2LMHeadModel'\] in '.*'; supported: "
+             r"\['Qwen3ForCausalLM', 'Qwen2ForCausalLM', 'LlamaForCausalLM', "
+             r"'MistralForCausalLM'\]"),
 ])
 def test_bad_model_directory(tiny_model, tmp_path, kind, message):
     dst = str(tmp_path / kind)
@@ -62,7 +63,7 @@ def test_bad_model_directory(tiny_model, tmp_path, kind, message):
         "no_weights": lambda: copy_checkpoint(tiny_model, dst, drop=(".safetensors",)),
         "no_tokenizer": lambda: copy_checkpoint(tiny_model, dst, drop=("tokenizer.json",)),
         "bad_json": lambda: copy_checkpoint(tiny_model, dst, config_text="{not json"),
-        "llama": lambda: copy_checkpoint(tiny_model, dst, config_text=llama_config(tiny_model)),
+        "gpt2": lambda: copy_checkpoint(tiny_model, dst, config_text=gpt2_config(tiny_model)),
     }[kind]()
     assert_fails_cleanly(model, {}, ValueError, message)
 
@@ -93,9 +94,22 @@ def test_bad_model_directory(tiny_model, tmp_path, kind, message):
     (dict(device="tpu"), r"device='tpu' is invalid"),
     (dict(dtype="int8"), r"dtype='int8' is invalid: expected 'auto' or one of"),
     (dict(enforce_eager=1), r"enforce_eager=1 is invalid: expected a bool"),
+    (dict(load_format="pt"), r"load_format='pt' is invalid: expected one of \['auto', 'dummy'\]"),
+    (dict(attention_backend="bogus"), r"attention_backend='bogus' is invalid: expected one of "
+                                      r"\['auto', 'flash-attn', 'triton', 'torch'\]"),
 ])
 def test_bad_keyword(tiny_model, kwargs, message):
     assert_fails_cleanly(tiny_model, kwargs, ValueError, message)
+
+
+def test_dummy_weights_need_no_safetensors(tiny_model, tmp_path):
+    """load_format='dummy': config.json and a tokenizer are enough."""
+    path = copy_checkpoint(tiny_model, str(tmp_path / "dummy"), drop=(".safetensors",))
+    llm = LLM(path, load_format="dummy", num_kvcache_blocks=4)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0]["token_ids"]) == 3
+    llm.shutdown()
 
 
 def test_prompts_always_fit_one_prefill_step(tiny_model):

@@ -38,16 +38,15 @@ class LLMEngine:
     Private test hooks: `_pipelined = False` runs lockstep; `_launch` sends every step."""
 
     def __init__(self, model: str, **kwargs):
-        attention_backend = kwargs.pop("attention_backend", "auto")
         self.config = config = config_from_kwargs(model, kwargs)
         # The tokenizer first: a bad directory then fails before any model or worker exists.
         self.tokenizer = load_tokenizer(config.model)
         self.workers = None
         if config.tensor_parallel_size > 1:
-            self.workers = WorkerGroup(config, attention_backend)
+            self.workers = WorkerGroup(config)
             self.model_runner = self.workers.runner
         else:
-            self.model_runner = ModelRunner(config, 0, attention_backend)
+            self.model_runner = ModelRunner(config, 0)
         eos = self.tokenizer.eos_token_id
         if eos is None:
             eos = getattr(config.hf_config, "eos_token_id", None)

@@ -51,8 +51,8 @@ def init_process_group(device: str, store: dist.Store, rank: int, world_size: in
                             world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
 
 
-def worker_main(config: Config, rank: int, port: int, channel_name: str, wakeup: Semaphore,
-                attention_backend: str) -> None:
+def worker_main(config: Config, rank: int, port: int, channel_name: str,
+                wakeup: Semaphore) -> None:
     """Entry point of a spawned rank: join the group, build the shard, serve commands."""
     # Ctrl-C in a terminal reaches the whole process group; rank 0 alone handles it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -66,7 +66,7 @@ def worker_main(config: Config, rank: int, port: int, channel_name: str, wakeup:
     init_process_group(config.device, store, rank, world_size)
     runner = None
     try:
-        runner = ModelRunner(config, rank, attention_backend)
+        runner = ModelRunner(config, rank)
         worker_loop(runner, channel, wakeup)
     finally:
         if runner is not None:
@@ -96,7 +96,7 @@ class WorkerGroup:
     """All ranks of one engine: spawns ranks 1..N-1, builds rank 0's runner in this process,
     runs every command on all of them and notices deaths."""
 
-    def __init__(self, config: Config, attention_backend: str = "auto"):
+    def __init__(self, config: Config):
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed process group already exists in this "
                                "process (another tensor-parallel engine?); shut it down first")
@@ -115,8 +115,7 @@ class WorkerGroup:
         self.wakeups = [ctx.Semaphore(0) for _ in range(1, self.world_size)]
         self.processes = [
             ctx.Process(target=worker_main, name=f"nanovllm-tp{rank}",
-                        args=(config, rank, self.store.port, self.channel.name, wakeup,
-                              attention_backend))
+                        args=(config, rank, self.store.port, self.channel.name, wakeup))
             for rank, wakeup in enumerate(self.wakeups, start=1)]
         self.saved_num_threads = torch.get_num_threads()
         if self.device == "cpu":
@@ -127,7 +126,7 @@ class WorkerGroup:
             self._wait_until_joined()
             init_process_group(self.device, self.store, 0, self.world_size)
             with self.guard():  # agrees on the KV pool size with the workers' runners
-                self.runner = ModelRunner(config, 0, attention_backend)
+                self.runner = ModelRunner(config, 0)
         except BaseException:
             self.shutdown()
             raise

@@ -15,9 +15,11 @@ def load_model(model: nn.Module, path: str) -> None:
     """Copy every tensor of every *.safetensors file into the matching parameter.
 
     `packed_modules_mapping` maps a checkpoint name fragment (q_proj) to our fused
-    parameter (qkv_proj) and the shard it fills (q).
+    parameter (qkv_proj) and the shard it fills (q); `renamed_modules` maps a checkpoint name
+    fragment to where that module lives in our model.
     """
     packed = getattr(model, "packed_modules_mapping", {})
+    renamed = getattr(model, "renamed_modules", {})
     params = dict(model.named_parameters())
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
@@ -25,7 +27,10 @@ def load_model(model: nn.Module, path: str) -> None:
     for file in files:
         with safe_open(file, "pt", "cpu") as f:
             for name in f.keys():
-                _load_one(params, packed, name, f.get_tensor(name))
+                ours = name
+                for fragment, replacement in renamed.items():
+                    ours = ours.replace(fragment, replacement)
+                _load_one(params, packed, ours, f.get_tensor(name))
 
 
 def _load_one(params: dict, packed: dict, name: str, weight: torch.Tensor) -> None:
@@ -40,3 +45,14 @@ def _load_one(params: dict, packed: dict, name: str, weight: torch.Tensor) -> No
         raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
     param = params[name]
     getattr(param, "weight_loader", default_weight_loader)(param, weight)
+
+
+@torch.no_grad()
+def load_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights in [-1e-3, 1e-3] (vLLM's load_format="dummy"): for benchmarks, where
+    speed does not depend on the values; norm weights stay 1 so activations keep their scale."""
+    device = next(model.parameters()).device  # drawn where the weights live: 8B values
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if not name.endswith("norm.weight"):
+            param.uniform_(-1e-3, 1e-3, generator=generator)
