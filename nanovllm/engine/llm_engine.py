@@ -5,7 +5,7 @@ from time import perf_counter
 
 from tqdm.auto import tqdm
 
-from nanovllm.config import config_from_kwargs
+from nanovllm.config import check_attention_backend, config_from_kwargs
 from nanovllm.engine.model_runner import ModelRunner, SampledIds
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
@@ -21,7 +21,7 @@ class LLMEngine:
     """Owns the scheduler and the model runner(s); `generate` runs requests to completion."""
 
     def __init__(self, model: str, **kwargs):
-        attention_backend = kwargs.pop("attention_backend", "auto")
+        attention_backend = check_attention_backend(kwargs.pop("attention_backend", "auto"))
         self.config = config = config_from_kwargs(model, kwargs)
         # The tokenizer first: a bad directory then fails before any model or worker exists.
         self.tokenizer = load_tokenizer(config.model)
@@ -194,9 +194,6 @@ class LLMEngine:
         any exception (Ctrl-C included) this call's requests are aborted and the engine stays
         usable.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts, list)
-                                        and isinstance(prompts[0], int)):
-            prompts = [prompts]  # one prompt: a string or a list of token ids
         if sampling_params is None:
             sampling_params = SamplingParams()
         requests = validate_requests(prompts, sampling_params, self.request_limits(),
@@ -205,7 +202,7 @@ class LLMEngine:
         seqs = [Sequence(token_ids, sp, block_size) for token_ids, sp in requests]
         own = {seq.seq_id for seq in seqs}  # requests queued by add_request are not ours
         outputs: dict[int, Sequence] = {}
-        pbar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True,
+        pbar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True,
                     disable=not use_tqdm)
         prefill_tps = decode_tps = 0.0
         try:
