@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from nanovllm import LLM, SamplingParams
 
-MAX_MODEL_LEN = 32
+MAX_MODEL_LEN = 16
 VOCAB = 512  # the tiny checkpoint's
 # What a refusal may say: the field, the request index, or the shape of the call.
 ERROR = re.compile(r"^(request \d+: |prompts must be |got \d+ SamplingParams for |"
@@ -70,7 +70,7 @@ PROMPTS = st.one_of(
 @pytest.fixture(scope="module")
 def llm(tiny_model):
     engine = LLM(tiny_model, num_kvcache_blocks=2, max_model_len=MAX_MODEL_LEN,
-                 max_num_batched_tokens=64)
+                 max_num_batched_tokens=16)
     yield engine
     engine.shutdown()
 
