@@ -175,6 +175,7 @@ def soak(llm: LLM, *, calls: int | None = None, minutes: float | None = None, se
     prefixes = [[rng.randrange(vocab) for _ in range(block)] for _ in range(3)]
     report, start = SoakReport(), time.perf_counter()
     preemptions = cache_hit_blocks = 0
+    next_log_s = 0.0
     while True:
         elapsed = time.perf_counter() - start
         if (calls is not None and report.calls >= calls) or (minutes is not None
@@ -191,7 +192,9 @@ def soak(llm: LLM, *, calls: int | None = None, minutes: float | None = None, se
         report.python_objects.append(len(gc.get_objects()))
         if torch.cuda.is_available() and llm.config.device == "cuda":
             report.gpu_allocated_mib.append(torch.cuda.memory_allocated() / 2**20)
-        if log and report.calls % max(1, (calls or 100) // 10) == 0:
+        if log and (report.calls % max(1, (calls or 0) // 10) == 0 if calls
+                    else elapsed >= next_log_s):
+            next_log_s = elapsed + 30.0
             log(f"{elapsed:7.1f} s  calls {report.calls}  requests {report.requests}  "
                 f"rss {report.host_rss_mib[-1]:.1f} MiB")
     report.preemptions, report.cache_hit_blocks = preemptions, cache_hit_blocks
