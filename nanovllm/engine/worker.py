@@ -166,8 +166,8 @@ class WorkerGroup:
         with self.lock:
             if not self.closed:
                 self.worker_died.set()
-                logger.error("tensor-parallel worker died: %s; aborting the communicator",
-                             ", ".join(self.dead_workers()))
+                logger.error("tensor-parallel worker died (%s); aborting the communicator",
+                             ", ".join(self.dead_workers()) or "its process ended")
                 abort_communicator(self.device)
 
     def dead_workers(self) -> list[str]:
