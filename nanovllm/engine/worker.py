@@ -165,10 +165,10 @@ class WorkerGroup:
                 return
         with self.lock:
             if not self.closed:
-                self.worker_died.set()
                 logger.error("tensor-parallel worker died (%s); aborting the communicator",
                              ", ".join(self.dead_workers()) or "its process ended")
                 abort_communicator(self.device)
+                self.worker_died.set()
 
     def dead_workers(self) -> list[str]:
         """'rank R (pid P) exit code C' for each worker that has exited."""

@@ -21,16 +21,18 @@ def test_watchdog_aborts_the_communicator_when_a_worker_dies(tiny_model, monkeyp
     monkeypatch.setattr(worker, "abort_communicator",
                         lambda device: aborted.append((device, time.monotonic())))
     llm = LLM(tiny_model, tensor_parallel_size=2, num_kvcache_blocks=16)
-    shm, victim = llm.workers.channel.name, llm.workers.processes[0]
-    llm.generate(prompts(), SamplingParams(max_tokens=2), use_tqdm=False)
-    os.kill(victim.pid, signal.SIGKILL)
-    killed = time.monotonic()
-    assert llm.workers.worker_died.wait(timeout=5)
-    assert aborted and aborted[0][0] == "cpu" and aborted[0][1] - killed < 2
-    with pytest.raises(worker.WorkerDiedError, match=r"rank 1 \(pid \d+\) exit code -9"):
-        llm.generate(prompts(), GREEDY, use_tqdm=False)
-    assert_nothing_left(shm)
-    llm.shutdown()
+    try:
+        shm, victim = llm.workers.channel.name, llm.workers.processes[0]
+        llm.generate(prompts(), SamplingParams(max_tokens=2), use_tqdm=False)
+        os.kill(victim.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        assert llm.workers.worker_died.wait(timeout=5)  # set once the abort has returned
+        assert aborted and aborted[0][0] == "cpu" and aborted[0][1] - killed < 2
+        with pytest.raises(worker.WorkerDiedError, match=r"rank 1 \(pid \d+\) exit code -9"):
+            llm.generate(prompts(), GREEDY, use_tqdm=False)
+        assert_nothing_left(shm)
+    finally:
+        llm.shutdown()
 
 
 def test_no_abort_on_a_clean_shutdown(tiny_model, monkeypatch):
@@ -60,11 +62,14 @@ def test_dead_cuda_worker_raises_within_seconds(tiny_model, monkeypatch, kill_at
         return ModelRunner.run(runner, seqs, is_prefill)
 
     monkeypatch.setitem(worker.WORKER_COMMANDS, "run", run_after_killing)  # rank 0 only
-    with pytest.raises(RuntimeError, match="worker died: rank 1"):
-        llm.generate(prompts(), GREEDY, use_tqdm=False)
-    seconds = time.monotonic() - killed[0]
-    print(f"\ndead worker at step {kill_at_step}: rank 0 raised {seconds:.2f} s after the kill")
-    assert seconds < 30, seconds
-    assert_nothing_left(shm)
-    assert process_gone(victim.pid)
-    llm.shutdown()
+    try:
+        with pytest.raises(RuntimeError, match="worker died: rank 1"):
+            llm.generate(prompts(), GREEDY, use_tqdm=False)
+        seconds = time.monotonic() - killed[0]
+        print(f"\ndead worker at step {kill_at_step}: rank 0 raised {seconds:.2f} s after the "
+              f"kill")
+        assert seconds < 30, seconds
+        assert_nothing_left(shm)
+        assert process_gone(victim.pid)
+    finally:
+        llm.shutdown()
