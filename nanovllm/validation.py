@@ -25,10 +25,7 @@ def is_real(value: object) -> bool:
 
 def describe(value: object, width: int = 60) -> str:
     """repr (shortened) and type name, for error messages."""
-    text = repr(value)
-    if len(text) > width:
-        text = text[:width - 3] + "..."
-    return f"{text} ({type(value).__name__})"
+    return f"{_short_repr(value, width)} ({type(value).__name__})"
 
 
 def invalid(name: str, value: object, allowed: str) -> ValueError:
