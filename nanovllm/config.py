@@ -5,9 +5,10 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import PretrainedConfig
 
-from nanovllm.layers.backends import check_attention_backend
+from nanovllm.layers.backends import BACKENDS, check_attention_backend
 from nanovllm.layers.rotary_embedding import rope_parameters
 from nanovllm.models.registry import architecture, decoder_spec, with_family_defaults
+from nanovllm.validation import INT32_MAX, check, check_int, check_real, is_int
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights from config.json alone (benchmarks)
@@ -52,35 +53,33 @@ class Config:
         check_attention_backend(self.attention_backend, self.device, self.torch_dtype)
 
     def _check_ranges(self) -> None:
-        def check(name: str, ok: bool, allowed: str) -> None:
-            if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: expected {allowed}")
-
-        # Type first, so that a wrong type is reported here and not as a failed comparison.
-        def is_int(name: str) -> bool:
+        # Counts and sizes become int32 tensor sizes and indices on the device.
+        self.max_num_batched_tokens = check_int("max_num_batched_tokens",
+                                                self.max_num_batched_tokens, 1)
+        self.max_num_seqs = check_int("max_num_seqs", self.max_num_seqs, 1)
+        self.max_model_len = check_int("max_model_len", self.max_model_len, 2)
+        self.gpu_memory_utilization = check_real(
+            "gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0,
+            "a number in (0, 1]", low_open=True)
+        self.tensor_parallel_size = check_int("tensor_parallel_size", self.tensor_parallel_size,
+                                              1, 8)
+        block_size = self.kvcache_block_size
+        check("kvcache_block_size", block_size, is_int(block_size) and 0 < block_size <= 2**20
+              and block_size % 256 == 0, "a positive multiple of 256 up to 2**20")
+        blocks = self.num_kvcache_blocks
+        check("num_kvcache_blocks", blocks, is_int(blocks) and (blocks == -1 or 0 < blocks
+                                                                 <= INT32_MAX),
+              f"-1 (auto) or an int in [1, {INT32_MAX}]")
+        for name, allowed in (("device", ("auto", "cpu", "cuda")), ("dtype", ("auto", *_DTYPES))):
             value = getattr(self, name)
-            return isinstance(value, int) and not isinstance(value, bool)
-
-        check("max_num_batched_tokens", is_int("max_num_batched_tokens")
-              and self.max_num_batched_tokens >= 1, "an int >= 1")
-        check("max_num_seqs", is_int("max_num_seqs") and self.max_num_seqs >= 1, "an int >= 1")
-        check("max_model_len", is_int("max_model_len") and self.max_model_len >= 2, "an int >= 2")
-        utilization = self.gpu_memory_utilization
-        check("gpu_memory_utilization", isinstance(utilization, int | float)
-              and not isinstance(utilization, bool) and 0 < utilization <= 1,
-              "a float in (0, 1]")
-        check("tensor_parallel_size", is_int("tensor_parallel_size")
-              and 1 <= self.tensor_parallel_size <= 8, "an int in 1..8")
-        check("kvcache_block_size", is_int("kvcache_block_size")
-              and self.kvcache_block_size > 0 and self.kvcache_block_size % 256 == 0,
-              "a positive multiple of 256")
-        check("num_kvcache_blocks", is_int("num_kvcache_blocks")
-              and (self.num_kvcache_blocks == -1 or self.num_kvcache_blocks > 0),
-              "-1 (auto) or a positive int")
-        check("device", self.device in ("auto", "cpu", "cuda"), "'auto', 'cpu' or 'cuda'")
-        check("dtype", self.dtype in ("auto", *_DTYPES), f"'auto' or one of {sorted(_DTYPES)}")
-        check("enforce_eager", isinstance(self.enforce_eager, bool), "a bool")
-        check("load_format", self.load_format in LOAD_FORMATS, f"one of {list(LOAD_FORMATS)}")
+            check(name, value, isinstance(value, str) and value in allowed,
+                  f"one of {list(allowed)}")
+        check("enforce_eager", self.enforce_eager, isinstance(self.enforce_eager, bool), "a bool")
+        check("load_format", self.load_format, self.load_format in LOAD_FORMATS,
+              f"one of {list(LOAD_FORMATS)}")
+        backend = self.attention_backend
+        check("attention_backend", backend, isinstance(backend, str)
+              and backend in ("auto", *BACKENDS), f"one of {['auto', *BACKENDS]}")
 
 
 def config_from_kwargs(model: str, kwargs: dict) -> Config:
@@ -88,7 +87,8 @@ def config_from_kwargs(model: str, kwargs: dict) -> Config:
     names = {f.name for f in fields(Config) if f.init}
     unknown = sorted(set(kwargs) - names)
     if unknown:
-        raise ValueError(f"unknown argument(s) {unknown}; LLM accepts {sorted(names - {'model'})}")
+        raise ValueError(f"unknown argument(s) {unknown}; LLM accepts "
+                         f"{sorted(names - {'model'} | {'attention_backend'})}")
     return Config(model, **kwargs)
 
 

@@ -1,8 +1,7 @@
 """The public facade."""
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.validation import Conversation, as_conversation_list
 from nanovllm.sampling_params import SamplingParams
-
-Conversation = list[dict[str, str]]
 
 
 class LLM(LLMEngine):
@@ -15,8 +14,7 @@ class LLM(LLMEngine):
 
         A conversation is a list of {"role", "content"} dicts; returns what generate() does.
         """
-        if messages and isinstance(messages[0], dict):
-            messages = [messages]
+        messages = as_conversation_list(messages)
         if self.tokenizer.chat_template is None:
             raise ValueError(f"the tokenizer of {self.config.model!r} has no chat template")
         # The template's text already holds any special tokens: encode it without adding more.

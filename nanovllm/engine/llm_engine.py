@@ -206,9 +206,6 @@ class LLMEngine:
         changes nothing. On any exception (Ctrl-C included) this call's requests are aborted
         and the engine stays usable.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts, list)
-                                        and isinstance(prompts[0], int)):
-            prompts = [prompts]  # one prompt: a string or a list of token ids
         if sampling_params is None:
             sampling_params = SamplingParams()
         requests = validate_requests(prompts, sampling_params, self.request_limits(),
@@ -217,7 +214,7 @@ class LLMEngine:
         seqs = [Sequence(token_ids, sp, block_size) for token_ids, sp in requests]
         own = {seq.seq_id for seq in seqs}  # requests queued by add_request are not ours
         outputs: dict[int, Sequence] = {}
-        pbar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True,
+        pbar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True,
                     disable=not use_tqdm)
         prefill_tps = decode_tps = 0.0
         try:

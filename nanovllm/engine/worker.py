@@ -6,13 +6,16 @@ own semaphore; each worker's loop reads the command, builds its own step inputs 
 sequences and joins the step's collectives (gloo on CPU, NCCL on CUDA). Tensors move only
 through those collectives.
 """
+import logging
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from multiprocessing.connection import wait
 from multiprocessing.synchronize import Semaphore
 
 import torch
@@ -21,6 +24,8 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.shm_channel import CommandChannel
+
+logger = logging.getLogger(__name__)
 
 # A collective that waits longer than this for a peer fails instead of hanging forever; gloo
 # fails at once when a peer's socket closes, so this only bounds a peer that is stuck.
@@ -41,6 +46,14 @@ def cpu_threads_per_rank(world_size: int) -> int:
     """Split this machine's cores between ranks: oversubscribed ranks crawl at every collective."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, (cores or 1) // world_size)
+
+
+def abort_communicator(device: str) -> None:
+    """Abort NCCL's communicator, so that a rank blocked on a dead peer's collective returns
+    now, not after COLLECTIVE_TIMEOUT (NCCL does not notice a dead peer on one host). gloo
+    needs nothing: its sockets fail as soon as the peer's process is gone."""
+    if device == "cuda" and dist.is_initialized():
+        dist.distributed_c10d._abort_process_group()
 
 
 def init_process_group(device: str, store: dist.Store, rank: int, world_size: int) -> None:
@@ -120,11 +133,15 @@ class WorkerGroup:
         self.saved_num_threads = torch.get_num_threads()
         if self.device == "cpu":
             torch.set_num_threads(cpu_threads_per_rank(self.world_size))
+        self.worker_died = threading.Event()  # set by the watchdog
+        self.lock = threading.Lock()  # orders the watchdog's abort against shutdown
         try:
             for process in self.processes:
                 process.start()
             self._wait_until_joined()
             init_process_group(self.device, self.store, 0, self.world_size)
+            threading.Thread(target=self._watchdog, name="nanovllm-tp-watchdog",
+                             daemon=True).start()
             with self.guard():  # agrees on the KV pool size with the workers' runners
                 self.runner = ModelRunner(config, 0)
         except BaseException:
@@ -141,6 +158,19 @@ class WorkerGroup:
                 raise RuntimeError(f"tensor-parallel workers did not start within "
                                    f"{STARTUP_TIMEOUT_S:.0f} s")
             time.sleep(0.05)
+
+    def _watchdog(self) -> None:
+        """Wait for any worker's exit; then, unless shutting down, abort the communicator."""
+        sentinels = [p.sentinel for p in self.processes]
+        while not wait(sentinels, timeout=PARENT_POLL_S):
+            if self.closed:
+                return
+        with self.lock:
+            if not self.closed:
+                logger.error("tensor-parallel worker died (%s); aborting the communicator",
+                             ", ".join(self.dead_workers()) or "its process ended")
+                abort_communicator(self.device)
+                self.worker_died.set()
 
     def dead_workers(self) -> list[str]:
         """'rank R (pid P) exit code C' for each worker that has exited."""
@@ -180,13 +210,16 @@ class WorkerGroup:
             self.channel.write(method, args)
             for wakeup in self.wakeups:
                 wakeup.release()
-            return WORKER_COMMANDS[method](self.runner, *args)
+            result = WORKER_COMMANDS[method](self.runner, *args)
+        self.check_alive()  # an aborted collective may return garbage instead of raising
+        return result
 
     def shutdown(self, join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
         """Tell workers to exit, join (or kill) them, unlink the segment, leave the group."""
-        if self.closed:
-            return
-        self.closed = True
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
         started = [p for p in self.processes if p.pid is not None]
         self.channel.write("shutdown", ())
         for wakeup in self.wakeups:
