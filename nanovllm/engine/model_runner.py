@@ -15,6 +15,7 @@ from nanovllm.models.qwen3 import Qwen3ForCausalLM
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import Context, forward_context
 from nanovllm.utils.loader import load_model
+from nanovllm.utils.precision import check_float32_matmuls
 
 logger = logging.getLogger(__name__)
 CPU_KV_POOL_BYTES = 2 << 30  # CPU KV pool of all ranks together when num_kvcache_blocks is -1
@@ -73,6 +74,7 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = select_attention_backend(config.device, config.torch_dtype,
                                                 attention_backend)
+        check_float32_matmuls(config.device, config.torch_dtype)
         for layer in self.attn_layers:
             layer.backend = self.backend
         self.sampler = Sampler()
