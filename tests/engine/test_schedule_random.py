@@ -4,7 +4,7 @@ engine with a large pool, and greedy rows transformers' (float32 targets: exact)
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from nanovllm import SamplingParams
@@ -58,6 +58,9 @@ def test_random_schedules_match_a_large_pool_and_transformers(target, tiny_model
 
     @settings(max_examples=examples, deadline=None, derandomize=True, database=None)
     @given(reqs=st.lists(REQUEST, min_size=1, max_size=6), extra_blocks=st.integers(0, 3))
+    @example(reqs=[dict(shared=100, tail=145, max_tokens=20, sampling=s, seed=i)  # preempts:
+                   for i, s in enumerate(["greedy", "seeded", "greedy", "top_p"])],  # a 2nd
+             extra_blocks=0)  # block each while decoding, in a pool of 2
     def check(reqs: list[dict], extra_blocks: int) -> None:
         requests = [build(r) for r in reqs]
         prompts, params = [p for p, _ in requests], [sp for _, sp in requests]
