@@ -23,10 +23,10 @@ case "${1:-tests-and-ab}" in
 gpu-suite)
   # Every GPU-marked test (behaviour suite per target, float32 regression, random schedules,
   # parity), with per-test durations, then bf16 argmax agreement per backend and mode.
-  timeout 330 python -m pytest -q -p no:cacheprovider -m gpu -rfEs --durations=15 tests 2>&1 \
+  timeout 360 python -m pytest -q -s -p no:cacheprovider -m gpu -rfEs --durations=15 tests 2>&1 \
     | grep -vE "DEBUG|Writing|Loading" > $OUT/gpu_suite.log
   grep -E "passed|failed|^(FAILED|ERROR|SKIPPED)|near-tie|TF32 attention" $OUT/gpu_suite.log
-  timeout 240 python -m benchmarks.bf16_agreement --json $OUT/bf16_agreement.json 2>&1 \
+  timeout 200 python -m benchmarks.bf16_agreement --json $OUT/bf16_agreement.json 2>&1 \
     | grep -vE "Writing|Loading" | tee $OUT/bf16_agreement.log | tail -10
   ;;
 tests-and-ab)

@@ -15,7 +15,7 @@ MAX_MODEL_LEN = 1024
 LARGE_POOL = 64
 PREFIX = [random.Random(0).randrange(1, 500) for _ in range(2 * BLOCK + 44)]
 EXAMPLES = {"cpu-torch-float32": 4}  # CI on CPU; the GPU targets take GPU_EXAMPLES
-GPU_EXAMPLES = 30
+GPU_EXAMPLES = 20
 
 REQUEST = st.fixed_dictionaries({
     "shared": st.sampled_from([0, 0, 100, BLOCK, BLOCK + 30, 2 * BLOCK]),  # prefix tokens
