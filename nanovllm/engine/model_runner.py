@@ -16,6 +16,7 @@ from nanovllm.models.registry import build_model
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import Context, forward_context
 from nanovllm.utils.loader import load_dummy_weights, load_model
+from nanovllm.utils.precision import check_float32_matmuls
 
 logger = logging.getLogger(__name__)
 CPU_KV_POOL_BYTES = 2 << 30  # CPU KV pool of all ranks together when num_kvcache_blocks is -1
@@ -76,6 +77,7 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = select_backend(config.device, config.torch_dtype, config.attention_backend)
         bind_backend(self.model, self.backend)
+        check_float32_matmuls(config.device, config.torch_dtype)
         self.use_cuda_graph = (config.device == "cuda" and not config.enforce_eager
                                and self.backend.cuda_graphs)
         self.sampler = Sampler()
