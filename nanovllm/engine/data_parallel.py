@@ -175,7 +175,7 @@ class DataParallelLLM:
     def _fail(self, r: int, error: Exception) -> None:
         """Stop every replica and raise an error naming replica `r`."""
         where = (f" (pid {self.replica_info[r]['pid']} on {self.replica_info[r]['host']})"
-                 if getattr(self, "info", None) else "")
+                 if getattr(self, "replica_info", None) else "")
         self._stop(graceful=False)
         cause = str(error).strip().splitlines()
         raise RuntimeError(f"data-parallel replica {r} of {self.data_parallel_size}{where} "
