@@ -10,7 +10,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 DEFAULT_MODEL = "~/huggingface/Qwen3-0.6B"
-SCENARIO_NAMES = ("throughput", "graphs", "prefix-cache", "kv-pressure", "tp")
+SCENARIO_NAMES = ("throughput", "graphs", "prefix-cache", "kv-pressure", "tp", "dp")
 
 
 def parse_args() -> argparse.Namespace:
@@ -28,6 +28,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-output-len", type=int)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
+    p.add_argument("--data-parallel-size", "--dp", type=int,
+                   help="replicas for the dp scenario (default: the GPUs present / --tp)")
     p.add_argument("--attention-backend", default="auto",
                    choices=["auto", "flash-attn", "triton", "torch"])
     p.add_argument("--max-model-len", type=int, default=4096)

@@ -18,7 +18,8 @@ def run_bench(tmp_path: Path, *extra: str) -> dict:
                            "--json", str(out), *extra], cwd=ROOT, env=env, text=True,
                           capture_output=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for title in ("graphs:", "prefix-cache:", "kv-pressure:", "tp: skipped", "median output"):
+    for title in ("graphs:", "prefix-cache:", "kv-pressure:", "tp: skipped", "dp: skipped",
+                  "median output"):
         assert title in proc.stdout, proc.stdout
     return json.loads(out.read_text())
 
@@ -38,7 +39,8 @@ def test_every_scenario_on_cpu(tmp_path):
     png = tmp_path / "timeline.png"
     data = run_bench(tmp_path, *(["--plot", str(png)] if plot else []))
     scenarios = data["scenarios"]
-    assert list(scenarios) == ["throughput", "graphs", "prefix-cache", "kv-pressure", "tp"]
+    assert list(scenarios) == ["throughput", "graphs", "prefix-cache", "kv-pressure", "tp",
+                              "dp"]
     for name in ("graphs", "prefix-cache", "kv-pressure"):
         check_environment(scenarios[name])
 
@@ -73,4 +75,5 @@ def test_every_scenario_on_cpu(tmp_path):
     assert small["output_tokens"] == free["output_tokens"]
 
     assert "CUDA" in scenarios["tp"]["skipped"]
+    assert "--dp N" in scenarios["dp"]["skipped"]  # no GPUs and no --dp: DP needs 2 replicas
     assert not plot or png.stat().st_size > 0
