@@ -102,7 +102,9 @@ class DataParallelLLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts, list)
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
-        requests = validate_requests(prompts, sampling_params or SamplingParams(),
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        requests = validate_requests(prompts, sampling_params,
                                      self.limits, self.tokenizer.encode)
         token_ids = [ids for ids, _ in requests]
         placement = place_requests(token_ids, [p.max_tokens for _, p in requests],
@@ -177,10 +179,9 @@ class DataParallelLLM:
         where = (f" (pid {self.replica_info[r]['pid']} on {self.replica_info[r]['host']})"
                  if getattr(self, "replica_info", None) else "")
         self._stop(graceful=False)
-        cause = str(error).strip().splitlines()
         raise RuntimeError(f"data-parallel replica {r} of {self.data_parallel_size}{where} "
-                           f"failed: {cause[0] if cause else type(error).__name__}; the other "
-                           "replicas were stopped and the LLM is shut down") from error
+                           f"failed: {describe_failure(error)}; the other replicas were "
+                           "stopped and the LLM is shut down") from error
 
     def _stop(self, graceful: bool) -> None:
         state = self._finalizer.detach()
@@ -230,6 +231,18 @@ def release(ray, replicas: list, owns_connection: bool, graceful: bool = True) -
     replicas.clear()
     if owns_connection:
         ray.shutdown()
+
+
+def describe_failure(error: Exception) -> str:
+    """One line: the exception raised inside the replica (its traceback's last line), or why
+    its process died."""
+    import ray
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    raised = isinstance(error, ray.exceptions.RayTaskError) or getattr(
+        error, "actor_init_failed", False)
+    return lines[-1] if raised else lines[0]
 
 
 def merge_stats(per_replica: list[dict]) -> dict:
