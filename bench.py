@@ -12,7 +12,7 @@ from concurrent.futures import ProcessPoolExecutor
 from benchmarks.shapes import SHAPES, write_shape
 
 DEFAULT_MODEL = "~/huggingface/Qwen3-0.6B"
-SCENARIO_NAMES = ("throughput", "graphs", "prefix-cache", "kv-pressure", "tp")
+SCENARIO_NAMES = ("throughput", "graphs", "prefix-cache", "kv-pressure", "tp", "dp")
 
 
 def parse_args() -> argparse.Namespace:
@@ -37,6 +37,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-pipeline", action="store_true",
                    help="lockstep engine: read each step's sampled ids before the next is launched")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
+    p.add_argument("--data-parallel-size", "--dp", type=int,
+                   help="replicas for the dp scenario (default: the GPUs present / --tp)")
     p.add_argument("--attention-backend", default="auto",
                    choices=["auto", "flash-attn", "triton", "torch"])
     p.add_argument("--max-model-len", type=int, default=4096)
