@@ -66,10 +66,11 @@ class AsyncLLM:
         if request_id in self._handles:
             raise ValueError(f"request_id={request_id!r} is already in use")
         loop = asyncio.get_running_loop()
-        if self._loop is None:
+        if self._loop is not loop:
+            if self._streams:
+                raise RuntimeError("AsyncLLM serves one event loop at a time; requests of "
+                                   "another loop are still open")
             self._loop = loop
-        elif self._loop is not loop:
-            raise RuntimeError("AsyncLLM serves one event loop; this call runs in another")
         handle = next(self._next_handle)
         stream = self._streams[handle] = _Stream(
             IncrementalDetokenizer(self.tokenizer, params.stop_strings))
