@@ -44,18 +44,17 @@ class ResponseFormat:
 
     async def sse(self, first: RequestOutput, outputs: AsyncIterator[RequestOutput],
                   include_usage: bool) -> AsyncIterator[str]:
-        """The stream: a chunk per output with text or a finish reason, then `data: [DONE]`.
-        Closing it (the client left) closes `outputs`, which aborts the request."""
+        """The stream: a chunk per output (its text may be empty while a character or a
+        possible stop string is held back, as in vLLM), then `data: [DONE]`. Closing it (the
+        client left) closes `outputs`, which aborts the request."""
         last = first
         if self.chat:
             yield sse(self.chunk("", role=True))
         async with aclosing(outputs):
             try:
-                if first.new_text or first.finish_reason:
-                    yield sse(self.chunk(first.new_text, first.finish_reason))
+                yield sse(self.chunk(first.new_text, first.finish_reason))
                 async for last in outputs:
-                    if last.new_text or last.finish_reason:
-                        yield sse(self.chunk(last.new_text, last.finish_reason))
+                    yield sse(self.chunk(last.new_text, last.finish_reason))
             except RuntimeError as e:  # the engine failed this request; the server goes on
                 yield sse({"error": {"message": str(e), "type": "internal_error",
                                      "param": None, "code": 500}})

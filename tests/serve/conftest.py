@@ -21,7 +21,9 @@ def start_server(model: str, log_path: Path, *args: str) -> tuple[subprocess.Pop
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    # One thread: the tiny model's ops are small, and threads only contend on a shared box.
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "nanovllm.serve", model, "--port", str(port),
                              "--device", "cpu", *args], cwd=REPO, env=env, stdout=log,
