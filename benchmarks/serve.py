@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.runs import machine_env
 from benchmarks.serve_client import run_rate, summarize
 from benchmarks.workloads import max_token_id, sizes, standard
 
@@ -176,7 +177,8 @@ def main() -> None:
     finally:
         stop_server(proc)
     print_table(rows, ceiling)
-    result = dict(offline=ceiling, rates=rows, num_requests=len(prompts),
+    result = dict(environment=machine_env(args), offline=ceiling, rates=rows,
+                  num_requests=len(prompts),
                   slo=dict(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot), engine=options,
                   command="python -m benchmarks.serve " + " ".join(sys.argv[1:]))
     if args.json:

@@ -24,4 +24,3 @@ def test_serving_benchmark_smoke(tmp_path):
         assert row["completed"] == result["num_requests"] and row["failed"] == 0
         assert row["output_tok_s"] > 0 and 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
         assert 0 <= row["goodput_req_s"] <= row["request_s"]
-    assert result["rates"]["inf"]["output_tok_s"] <= 1.5 * result["offline"]["output_tok_s"]
