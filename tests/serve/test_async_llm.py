@@ -93,3 +93,24 @@ def test_bad_requests_raise_before_queueing(llm):
     asyncio.run(run())
     blocks = llm.engine.scheduler.block_manager
     assert llm.engine.is_finished() and blocks.num_free_blocks == len(blocks.blocks)
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(llm, monkeypatch):
+    runner = llm.engine.model_runner
+    launch = runner.launch
+
+    def fail_once(*args, **kwargs):
+        monkeypatch.setattr(runner, "launch", launch)
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(runner, "launch", fail_once)
+
+    async def run():
+        with pytest.raises(RuntimeError, match="engine step failed.*out of memory"):
+            await collect(llm, [1, 2, 3], GREEDY, "doomed")
+        return await collect(llm, [1, 2, 3], GREEDY, "next")
+
+    text, token_ids, reason = asyncio.run(run())
+    assert len(token_ids) == GREEDY.max_tokens and reason == "length"
+    blocks = llm.engine.scheduler.block_manager
+    assert llm.engine.is_finished() and blocks.num_free_blocks == len(blocks.blocks)
