@@ -147,6 +147,16 @@ def test_disconnect_mid_stream_aborts_the_request(client):
     assert values["nanovllm:kv_cache_usage_perc"] == 0
 
 
+def test_disconnect_before_a_full_answer_aborts_the_request(server, client):
+    body = completion("hello", max_tokens=3000, ignore_eos=True)
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{server[0]}/v1/completions", json=body, timeout=1,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    values = wait_until_idle(client, timeout=5)
+    assert values["nanovllm:num_requests_running"] == 0
+    assert values["nanovllm:kv_cache_usage_perc"] == 0
+
+
 async def one_client(http: httpx.AsyncClient, rng: random.Random) -> int:
     """Stream one request; leave after a few chunks (a long request, which only an abort ends
     in time), or read a short one to the end."""
