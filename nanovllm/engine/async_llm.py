@@ -55,6 +55,11 @@ class AsyncLLM:
         self._thread = EngineThread(self.engine, self._publish)
 
     @property
+    def is_running(self) -> bool:
+        """Whether the engine thread is stepping (False after shutdown or a crash)."""
+        return self._thread.is_alive()
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.config.max_model_len
 

@@ -59,6 +59,9 @@ class EngineThread:
         """Abort a request before the next step; `done` is called (in this thread) after."""
         self._commands.put(("abort", handle, done))
 
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
     def shutdown(self) -> None:
         """Fail the requests still running, stop the loop and wait for it; safe to call twice."""
         if self._thread.is_alive():

@@ -23,6 +23,10 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Fas
     app = FastAPI(title="nanovllm", lifespan=lifespan)
     add_error_handlers(app)
     serving = OpenAIServing(llm, model_name)
+
+    async def health() -> Response:
+        return Response(status_code=200 if llm.is_running else 503)
+
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", serving.prometheus_metrics, methods=["GET"])
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorizer(api_key))])
@@ -31,10 +35,6 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Fas
     v1.add_api_route("/chat/completions", serving.chat_completions, methods=["POST"])
     app.include_router(v1)
     return app
-
-
-async def health() -> Response:
-    return Response(status_code=200)
 
 
 def authorizer(api_key: str | None) -> Callable:
