@@ -262,6 +262,30 @@ class LLMEngine:
                 "finish_reason": seq.finish_reason,
                 "metrics": {"ttft_s": ttft, "latency_s": latency}}
 
+    # ---- Online serving: what AsyncLLM needs beyond add_request/step ---------------------
+
+    def abort_request(self, request_id: int) -> bool:
+        """Finish one waiting or running request now and free its KV blocks; returns False when
+        it is unknown or already finished. A token of it still in flight is dropped."""
+        for seq in (*self.scheduler.running, *self.scheduler.waiting):
+            if seq.seq_id == request_id:
+                self.scheduler.finish(seq, "abort")
+                self.stop_checker.forget(seq)
+                return True
+        return False
+
+    def new_token_ids(self, num_read: dict[int, int]) -> dict[int, list[int]]:
+        """For each unfinished request in num_read (request id -> completion tokens already
+        read), its sampled completion tokens after those; requests with none are left out."""
+        new = {}
+        for seq in self.scheduler.running:
+            start = num_read.get(seq.seq_id)
+            if start is not None:
+                ids = seq.completion_token_ids[start:]  # a pending token is not in there yet
+                if ids:
+                    new[seq.seq_id] = ids
+        return new
+
 
 def _release(workers: WorkerGroup | None, runner: ModelRunner) -> None:
     """Stop the workers (which frees rank 0's runner first), then free rank 0's runner."""
