@@ -151,8 +151,10 @@ def check_tensor_parallel(tp_size: int, device: str, hf_config: PretrainedConfig
         raise ValueError(f"tensor_parallel_size={tp_size} exceeds the "
                          f"{torch.cuda.device_count()} visible CUDA GPU(s)")
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size",
-                 "vocab_size"):
-        value = getattr(hf_config, name)
+                 "moe_intermediate_size", "vocab_size"):
+        value = getattr(hf_config, name, None)
+        if value is None:  # moe_intermediate_size: mixture-of-experts models only
+            continue
         if value % tp_size:
             raise ValueError(f"tensor_parallel_size={tp_size} does not divide {name}={value}; "
                              f"choose a divisor of {value}")

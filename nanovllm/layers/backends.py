@@ -1,9 +1,11 @@
 """Every kernel choice in one place: the attention backend and the fused ops that go with it.
 
 A backend has one interface: `rope_and_store` (q/k norm, RoPE and the K/V cache write),
-`prefill` and `decode`. "torch" runs anywhere and is the reference, on CUDA too; "triton" and
-"flash-attn" also fuse q/k norm + RoPE + K/V write into one kernel and run RMSNorm and SiLU-and-mul
-as Triton kernels on CUDA. Kernel modules are imported lazily: CPU runs never import Triton.
+`prefill`, `decode`, and `fused_moe` for mixture-of-experts layers. "torch" runs anywhere and is
+the reference, on CUDA too (experts as a loop over experts); "triton" and "flash-attn" also fuse
+q/k norm + RoPE + K/V write into one kernel, run RMSNorm and SiLU-and-mul as Triton kernels on
+CUDA, and run experts with the fused Triton MoE kernel. Kernel modules are imported lazily: CPU
+runs never import Triton.
 """
 import importlib.util
 import logging
@@ -25,8 +27,9 @@ class TorchBackend:
     cuda_graphs = False  # decode reads context lengths on the host: it cannot be captured
 
     def __init__(self, fused_ops: bool = False) -> None:
-        from nanovllm.kernels import attention_torch, store_kvcache
+        from nanovllm.kernels import attention_torch, fused_moe_torch, store_kvcache
         self.fused_ops = fused_ops
+        self.fused_moe = fused_moe_torch.fused_moe_torch
         self.store_kvcache = store_kvcache.store_kvcache_torch
         self._prefill = attention_torch.prefill_attention_torch
         self._decode = attention_torch.decode_attention_torch
@@ -69,8 +72,9 @@ class TritonBackend(TorchBackend):
     cuda_graphs = True
 
     def __init__(self, fused_ops: bool = False) -> None:
-        from nanovllm.kernels import attention_triton, store_kvcache
+        from nanovllm.kernels import attention_triton, fused_moe, store_kvcache
         self.fused_ops = fused_ops
+        self.fused_moe = fused_moe.fused_moe
         self.store_kvcache = store_kvcache.store_kvcache
         self._prefill = attention_triton.prefill_attention_triton  # same signatures
         self._decode = attention_triton.decode_attention_triton
@@ -85,8 +89,10 @@ class FlashAttnBackend(TorchBackend):
     def __init__(self, fused_ops: bool = True) -> None:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
+        from nanovllm.kernels.fused_moe import fused_moe
         from nanovllm.kernels.store_kvcache import store_kvcache
         self.fused_ops = fused_ops
+        self.fused_moe = fused_moe
         self.store_kvcache = store_kvcache
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
@@ -144,8 +150,9 @@ def select_backend(device: str, dtype: torch.dtype, name: str = "auto") -> Torch
     fused_ops = device == "cuda" and name != "torch"
     backend = {"flash-attn": FlashAttnBackend, "triton": TritonBackend,
                "torch": TorchBackend}[name](fused_ops)
-    logger.info("kernels: attention %s; q/k norm + RoPE + K/V write, RMSNorm, SiLU-and-mul: %s%s",
-                name, "fused Triton kernels" if fused_ops else "torch",
+    logger.info("kernels: attention %s; q/k norm + RoPE + K/V write, RMSNorm, SiLU-and-mul: %s; "
+                "experts (MoE): %s%s", name, "fused Triton kernels" if fused_ops else "torch",
+                "torch loop" if name == "torch" else "fused Triton kernel",
                 "; no CUDA graphs (eager decode)" if device == "cuda" and not backend.cuda_graphs
                 else "")
     return backend

@@ -42,6 +42,13 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class ReplicatedLinear(LinearBase):
+    """The whole weight on every rank (a MoE router)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias, None)
+
+
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication."""
 

@@ -1,7 +1,8 @@
-"""The decoder shared by Qwen3, Qwen2, Llama and Mistral; parameter names follow HF checkpoints.
+"""The decoder shared by Qwen3, Qwen3-MoE, Qwen2, Llama and Mistral; parameter names follow HF
+checkpoints.
 
 The families differ only in the flags of a DecoderSpec (models/registry.py): biases, q/k norm,
-sliding windows and the RoPE variant.
+sliding windows, the RoPE variant and which layers are sparse mixtures of experts.
 """
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ from transformers import PretrainedConfig
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.layers.fused_moe import SparseMoeBlock, expert_weight_target
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import (
     MergedColumnParallelLinear,
@@ -21,6 +23,17 @@ from nanovllm.layers.linear import (
     tp_rank_and_size,
 )
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """Sparse layers' experts: a top-k router over num_experts gated MLPs."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert
+    norm_topk_prob: bool  # renormalise the top-k weights to sum to one
+    sparse_layers: tuple[bool, ...]  # per layer; False: a dense MLP of intermediate_size
 
 
 @dataclass(frozen=True)
@@ -34,6 +47,7 @@ class DecoderSpec:
     qk_norm: bool  # per-head RMSNorm of q and k before RoPE (Qwen3)
     sliding_windows: tuple[int | None, ...]  # per layer; None: full causal attention
     rope: dict  # layers.rotary_embedding.rope_parameters(): rope_type, rope_theta, ...
+    moe: MoeSpec | None = None
 
 
 class DecoderAttention(nn.Module):
@@ -90,7 +104,12 @@ class DecoderLayer(nn.Module):
                  layer_idx: int):
         super().__init__()
         self.self_attn = DecoderAttention(config, spec, rotary_emb, layer_idx)
-        self.mlp = DecoderMLP(config, spec)
+        moe = spec.moe
+        if moe is not None and moe.sparse_layers[layer_idx]:
+            self.mlp = SparseMoeBlock(config.hidden_size, moe.num_experts, moe.top_k,
+                                      moe.intermediate_size, moe.norm_topk_prob)
+        else:
+            self.mlp = DecoderMLP(config, spec)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -139,6 +158,8 @@ class DecoderForCausalLM(nn.Module):
     # checkpoint name fragment -> ours: the q/k norms live inside the Attention layer
     renamed_modules = {"self_attn.q_norm.": "self_attn.attn.q_norm.",
                        "self_attn.k_norm.": "self_attn.attn.k_norm."}
+    # checkpoint expert tensor -> (our stacked parameter, shard id, expert), checked first
+    expert_weight = staticmethod(expert_weight_target)
 
     def __init__(self, config: PretrainedConfig, spec: DecoderSpec):
         super().__init__()

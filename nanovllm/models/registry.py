@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanovllm.models.decoder import DecoderForCausalLM, DecoderSpec
+from nanovllm.models.decoder import DecoderForCausalLM, DecoderSpec, MoeSpec
 
 _COMMON = dict(hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False)
 _QWEN_WINDOW = dict(use_sliding_window=False, sliding_window=4096, max_window_layers=28)
@@ -33,6 +33,41 @@ def _qwen_windows(cfg: PretrainedConfig) -> tuple[int | None, ...]:
 def _qwen3(cfg: PretrainedConfig) -> dict:
     return dict(qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, mlp_bias=False,
                 qk_norm=True, sliding_windows=_qwen_windows(cfg))
+
+
+def num_experts(cfg: PretrainedConfig) -> int:
+    """`num_experts` (the released checkpoints) or `num_local_experts` (what transformers 5
+    writes); Qwen3MoeConfig's default 128 when neither is given."""
+    named = {k: getattr(cfg, k) for k in ("num_experts", "num_local_experts")
+             if getattr(cfg, k, None) is not None}
+    if len(set(named.values())) > 1:
+        raise ValueError(f"config.json's expert counts disagree: {named}")
+    return next(iter(named.values()), 128)
+
+
+def _moe_spec(cfg: PretrainedConfig) -> MoeSpec:
+    """Qwen3MoeDecoderLayer's rule: sparse unless in mlp_only_layers or off decoder_sparse_step."""
+    experts, top_k, step = num_experts(cfg), cfg.num_experts_per_tok, cfg.decoder_sparse_step
+    mlp_only = cfg.mlp_only_layers or []
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={experts}]")
+    if not isinstance(step, int) or step < 1:
+        raise ValueError(f"decoder_sparse_step={step!r} must be an int >= 1")
+    if any(not isinstance(i, int) or not 0 <= i < cfg.num_hidden_layers for i in mlp_only):
+        raise ValueError(f"mlp_only_layers={mlp_only} must hold layer indices in "
+                         f"[0, {cfg.num_hidden_layers})")
+    sparse = tuple(i not in mlp_only and (i + 1) % step == 0
+                   for i in range(cfg.num_hidden_layers))
+    return MoeSpec(num_experts=experts, top_k=top_k, intermediate_size=cfg.moe_intermediate_size,
+                   norm_topk_prob=bool(cfg.norm_topk_prob), sparse_layers=sparse)
+
+
+def _qwen3_moe(cfg: PretrainedConfig) -> dict:
+    # Qwen3MoeConfig has no layer_types: a window, when used, applies to every layer
+    window = cfg.sliding_window if cfg.use_sliding_window else None
+    return dict(qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, mlp_bias=False,
+                qk_norm=True, sliding_windows=(window,) * cfg.num_hidden_layers,
+                moe=_moe_spec(cfg))
 
 
 def _qwen2(cfg: PretrainedConfig) -> dict:
@@ -65,6 +100,11 @@ ARCHITECTURES: dict[str, Family] = {
     "Qwen3ForCausalLM": Family(dict(_COMMON, **_QWEN_WINDOW, head_dim=128, attention_bias=False,
                                     max_position_embeddings=32768, num_key_value_heads=32),
                                _qwen3),
+    "Qwen3MoeForCausalLM": Family(dict(_COMMON, use_sliding_window=False, sliding_window=4096,
+                                       attention_bias=False, max_position_embeddings=32768,
+                                       num_key_value_heads=4, decoder_sparse_step=1,
+                                       moe_intermediate_size=768, num_experts_per_tok=8,
+                                       norm_topk_prob=False, mlp_only_layers=[]), _qwen3_moe),
     "Qwen2ForCausalLM": Family(dict(_COMMON, **_QWEN_WINDOW, max_position_embeddings=32768,
                                     num_key_value_heads=32), _qwen2),
     "LlamaForCausalLM": Family(dict(_COMMON, attention_bias=False, mlp_bias=False,

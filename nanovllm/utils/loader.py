@@ -16,8 +16,10 @@ def load_model(model: nn.Module, path: str) -> None:
 
     `packed_modules_mapping` maps a checkpoint name fragment (q_proj) to our fused
     parameter (qkv_proj) and the shard it fills (q); `renamed_modules` maps a checkpoint name
-    fragment to where that module lives in our model.
+    fragment to where that module lives in our model; `expert_weight` maps a mixture-of-experts
+    checkpoint tensor to the stacked parameter, shard and expert it fills.
     """
+    expert_weight = getattr(model, "expert_weight", lambda name: None)
     packed = getattr(model, "packed_modules_mapping", {})
     renamed = getattr(model, "renamed_modules", {})
     params = dict(model.named_parameters())
@@ -30,6 +32,14 @@ def load_model(model: nn.Module, path: str) -> None:
                 ours = name
                 for fragment, replacement in renamed.items():
                     ours = ours.replace(fragment, replacement)
+                if target := expert_weight(ours):
+                    param_name, shard_id, expert_id = target
+                    if param_name not in params:
+                        raise ValueError(f"checkpoint tensor {name!r} has no matching "
+                                         f"parameter ({param_name!r})")
+                    param = params[param_name]
+                    param.weight_loader(param, f.get_tensor(name), shard_id, expert_id)
+                    continue
                 _load_one(params, packed, ours, f.get_tensor(name))
 
 

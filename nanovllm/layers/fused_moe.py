@@ -1,0 +1,103 @@
+"""Sparse mixture-of-experts block: a top-k router over stacked experts (Qwen3-MoE).
+
+Experts are stacked into two parameters, w13 [E, 2I, H] (gate rows, then up rows) and
+w2 [E, H, I]; with tensor parallelism each rank holds a slice of every expert's intermediate
+dimension I (as vLLM does), so each rank computes a partial sum that one all-reduce completes.
+The expert computation is the backend's `fused_moe` (layers.backends).
+"""
+import re
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.layers.linear import ReplicatedLinear, divide, tp_rank_and_size
+
+# checkpoint names: one tensor per expert, or (transformers' in-memory form) all stacked
+_PER_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_STACKED = re.compile(r"(.*\.experts)\.(gate_up|down)_proj$")
+_SHARD_IDS = {"gate": "w1", "up": "w3", "down": "w2", "gate_up": "w13"}
+
+
+def expert_weight_target(name: str) -> tuple[str, str, int | None] | None:
+    """(our parameter, shard id, expert or None for all) of a checkpoint expert tensor name."""
+    if m := _PER_EXPERT.match(name):
+        prefix, expert, proj = m.groups()
+        return f"{prefix}.{'w2' if proj == 'down' else 'w13'}_weight", _SHARD_IDS[proj], \
+            int(expert)
+    if m := _STACKED.match(name):
+        prefix, proj = m.groups()
+        return f"{prefix}.{'w2' if proj == 'down' else 'w13'}_weight", _SHARD_IDS[proj], None
+    return None
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int,
+                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, ids) [M, top_k]: float32 softmax over the experts, top k, renormalised to sum
+    to one when asked; weights in the logits' dtype (as transformers' Qwen3-MoE router)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+class FusedMoE(nn.Module):
+    """Stacked gated-SiLU experts; `backend` (set by layers.backends.bind_backend) runs them."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.num_experts = num_experts
+        self.intermediate_size = divide(intermediate_size, self.tp_size)  # this rank's slice
+        inter = self.intermediate_size
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, inter))
+        self.w13_weight.weight_loader = self.weight_loader
+        self.w2_weight.weight_loader = self.weight_loader
+        self.backend = None
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str,
+                      expert_id: int | None) -> None:
+        """One expert's w1 (gate), w3 (up) or w2 (down), or all experts' w13 or w2 at once."""
+        if expert_id is None:
+            for expert, weight in enumerate(loaded_weight):
+                if shard_id == "w13":
+                    gate, up = weight.chunk(2, dim=0)
+                    self.weight_loader(param, gate, "w1", expert)
+                    self.weight_loader(param, up, "w3", expert)
+                else:
+                    self.weight_loader(param, weight, shard_id, expert)
+            return
+        inter, start = self.intermediate_size, self.tp_rank * self.intermediate_size
+        if shard_id == "w2":  # [H, I]: this rank's input columns
+            param.data[expert_id].copy_(loaded_weight.narrow(1, start, inter))
+            return
+        offset = 0 if shard_id == "w1" else inter
+        target = param.data[expert_id].narrow(0, offset, inter)
+        target.copy_(loaded_weight.narrow(0, start, inter))
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+        out = self.backend.fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        if self.tp_size > 1:
+            dist.all_reduce(out)
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (a replicated linear) + top-k experts; no shared experts (Qwen3-MoE)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 norm_topk_prob: bool):
+        super().__init__()
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.gate = ReplicatedLinear(hidden_size, num_experts)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        router_logits = F.linear(x, self.gate.weight)  # [M, E]
+        weights, ids = select_experts(router_logits, self.top_k, self.norm_topk_prob)
+        return self.experts(x, weights, ids)
