@@ -33,6 +33,25 @@ FAMILY_CHECKPOINTS = {
     "mistral_window": ("Mistral", dict(sliding_window=64)),
 }
 
+# name -> Qwen3-MoE config fields: renormalised top-k with a dense layer (mlp_only_layers), raw
+# top-k with every layer sparse (decoder_sparse_step 1), and a dense odd layer via the step.
+MOE_CHECKPOINTS = {
+    "moe_norm_dense": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                           norm_topk_prob=True, mlp_only_layers=[1]),
+    "moe_raw_sparse": dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=48,
+                           norm_topk_prob=False, num_hidden_layers=3),
+    "moe_step2": dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                      norm_topk_prob=True, decoder_sparse_step=2, num_hidden_layers=3),
+}
+
+
+@pytest.fixture(scope="session")
+def moe_checkpoints(tmp_path_factory) -> dict[str, str]:
+    """Build every Qwen3-MoE checkpoint once; returns name -> directory."""
+    root = tmp_path_factory.mktemp("moe")
+    return {name: build_checkpoint(str(root / name), seed=20 + i, family="Qwen3Moe", **fields)
+            for i, (name, fields) in enumerate(MOE_CHECKPOINTS.items())}
+
 
 @pytest.fixture(scope="session")
 def family_checkpoints(tmp_path_factory) -> dict[str, str]:

@@ -51,8 +51,8 @@ def build_tokenizer(path: str, vocab_size: int = 400):
 
 def build_checkpoint(path: str, seed: int = 0, initializer_range: float = 0.5,
                      dtype: str = "float32", family: str = "Qwen3", **fields) -> str:
-    """Save a random <family>ForCausalLM (Qwen3, Qwen2, Llama, Mistral) plus tokenizer to
-    `path`; returns `path`.
+    """Save a random <family>ForCausalLM (Qwen3, Qwen3Moe, Qwen2, Llama, Mistral) plus
+    tokenizer to `path`; returns `path`.
 
     A large initializer_range keeps greedy decoding from repeating one token, so parity
     tests compare varied sequences. `fields` override TINY_SHAPE's and set any other field of

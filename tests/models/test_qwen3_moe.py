@@ -1,0 +1,88 @@
+"""Qwen3-MoE: greedy tokens equal transformers' (float32, CPU), alone and TP=2; config reading
+and both checkpoint forms of the experts."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from nanovllm.config import read_config_json
+from nanovllm.layers.fused_moe import expert_weight_target
+from nanovllm.models.registry import decoder_spec
+from tests.conftest import MOE_CHECKPOINTS
+from tests.models.test_families import generate, hf_tokens, prompts
+
+
+@pytest.mark.parametrize("name", list(MOE_CHECKPOINTS))
+def test_greedy_tokens_match_transformers(moe_checkpoints, name):
+    path, batch = moe_checkpoints[name], prompts()[:3]
+    ours = generate(path, batch)
+    assert ours == hf_tokens(path, batch)
+    assert len(set(ours[1])) > 3, "degenerate checkpoint: greedy repeats a token"
+
+
+@pytest.mark.parametrize("name", ["moe_norm_dense", "moe_raw_sparse"])
+def test_tensor_parallel_matches_transformers(moe_checkpoints, name):
+    """TP=2 over gloo: each rank holds half of every expert's intermediate dimension."""
+    path, batch = moe_checkpoints[name], prompts(seed=1)[:3]
+    assert generate(path, batch, tensor_parallel_size=2) == hf_tokens(path, batch)
+
+
+def test_sparse_layers_follow_transformers_rule(moe_checkpoints):
+    specs = {name: decoder_spec(read_config_json(path)).moe
+             for name, path in moe_checkpoints.items()}
+    assert specs["moe_norm_dense"].sparse_layers == (True, False)
+    assert specs["moe_raw_sparse"].sparse_layers == (True, True, True)
+    assert specs["moe_step2"].sparse_layers == (False, True, False)
+    assert (specs["moe_raw_sparse"].num_experts, specs["moe_raw_sparse"].top_k) == (16, 4)
+
+
+def _rewrite_config(src: str, dst: str, **changes) -> str:
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    config.update(changes)
+    config = {k: v for k, v in config.items() if v is not None}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    return dst
+
+
+def test_num_experts_read_from_either_name(moe_checkpoints, tmp_path):
+    src = moe_checkpoints["moe_norm_dense"]
+    released = _rewrite_config(src, str(tmp_path / "a"), num_local_experts=None, num_experts=8)
+    assert decoder_spec(read_config_json(released)).moe.num_experts == 8
+    clash = _rewrite_config(src, str(tmp_path / "b"), num_experts=4)
+    with pytest.raises(ValueError, match="expert counts disagree"):
+        read_config_json(clash)
+    too_many = _rewrite_config(src, str(tmp_path / "c"), num_experts_per_tok=9)
+    with pytest.raises(ValueError, match="num_experts_per_tok=9"):
+        read_config_json(too_many)
+
+
+def test_stacked_expert_checkpoint_gives_the_same_tokens(moe_checkpoints, tmp_path):
+    """transformers' in-memory form (experts.gate_up_proj [E, 2I, H], experts.down_proj
+    [E, H, I]) loads into the same parameters as one tensor per expert."""
+    src = moe_checkpoints["moe_norm_dense"]
+    dst = _rewrite_config(src, str(tmp_path / "stacked"))
+    tensors = load_file(os.path.join(dst, "model.safetensors"))
+    stacked, per_expert = {}, {}
+    for name, weight in tensors.items():
+        if (target := expert_weight_target(name)) is None:
+            stacked[name] = weight
+        else:
+            per_expert.setdefault((name.split(".experts.")[0], target[1]), {})[target[2]] = weight
+    for (prefix, shard), by_expert in per_expert.items():
+        experts = torch.stack([by_expert[e] for e in sorted(by_expert)])
+        if shard == "w2":
+            stacked[f"{prefix}.experts.down_proj"] = experts
+        elif shard == "w1":
+            up = torch.stack([w for _, w in sorted(per_expert[(prefix, "w3")].items())])
+            stacked[f"{prefix}.experts.gate_up_proj"] = torch.cat([experts, up], dim=1)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in stacked
+    assert not any(".experts.0." in name for name in stacked)
+    save_file(stacked, os.path.join(dst, "model.safetensors"))
+    batch = prompts()[:2]
+    assert generate(dst, batch) == generate(src, batch)
