@@ -6,6 +6,10 @@ live sequence's K/V once (only the window's K/V with a sliding window). Weights 
 exclude an untied input embedding (a lookup touches a few rows). All 256 requests fit at once
 on one H200 for these shapes, so every sequence is live from the first decode step.
 
+Mixture-of-experts shapes read only the experts a step routes to: with B tokens each picking
+K of E experts, E * (1 - (1 - K/E)^B) experts per sparse layer on average (uniform routing,
+which dummy weights give); the matmul bound counts the K experts of each token.
+
     python -m benchmarks.floor                       # every shape, H200 figures
     python -m benchmarks.floor llama-3.1-8b --bandwidth 4.27e12 --flops 793e12
 """
@@ -25,17 +29,52 @@ def workload(seed: int = 0) -> tuple[list[int], list[int]]:
     return [len(p) for p in prompts], [random.randint(100, 1024) for _ in range(256)]
 
 
+def sparse_layers(shape: dict) -> int:
+    """How many layers are mixtures of experts (Qwen3MoeDecoderLayer's rule); 0 if dense."""
+    if "moe_intermediate_size" not in shape:
+        return 0
+    step, mlp_only = shape.get("decoder_sparse_step", 1), shape.get("mlp_only_layers") or []
+    return sum(i not in mlp_only and (i + 1) % step == 0
+               for i in range(shape["num_hidden_layers"]))
+
+
+def expert_params(shape: dict) -> int:
+    """One expert's weights (gate, up, down)."""
+    return 3 * shape["hidden_size"] * shape.get("moe_intermediate_size", 0)
+
+
+def experts_touched(shape: dict, tokens: int) -> float:
+    """Expected experts per sparse layer that `tokens` tokens route to (uniform routing)."""
+    experts, top_k = shape.get("num_experts", 0), shape.get("num_experts_per_tok", 0)
+    return experts * (1 - (1 - top_k / experts) ** tokens) if experts else 0.0
+
+
+def step_params(shape: dict, tokens: int) -> float:
+    """Weights a decode step of `tokens` sequences reads: all but the experts none routed to."""
+    idle = shape.get("num_experts", 0) - experts_touched(shape, tokens)
+    return matmul_params(shape) - sparse_layers(shape) * idle * expert_params(shape)
+
+
+def active_params(shape: dict) -> int:
+    """Weights one token multiplies by: its top-k experts only in sparse layers."""
+    idle = shape.get("num_experts", 0) - shape.get("num_experts_per_tok", 0)
+    return matmul_params(shape) - sparse_layers(shape) * idle * expert_params(shape)
+
+
 def matmul_params(shape: dict) -> int:
-    """Weights every decode step reads: layers, final norm and LM head."""
+    """Every weight but an untied input embedding: layers, final norm and LM head."""
     hidden, heads = shape["hidden_size"], shape["num_attention_heads"]
     head_dim = shape.get("head_dim") or hidden // heads
     q, kv = heads * head_dim, shape["num_key_value_heads"] * head_dim
     attn = hidden * (q + 2 * kv) + q * hidden
     if shape["architectures"][0] == "Qwen2ForCausalLM":
         attn += q + 2 * kv  # q/k/v biases
-    mlp = 3 * hidden * shape["intermediate_size"]
-    norms = 2 * hidden + (2 * head_dim if shape["architectures"][0] == "Qwen3ForCausalLM" else 0)
-    return shape["num_hidden_layers"] * (attn + mlp + norms) + hidden + shape["vocab_size"] * hidden
+    layers, sparse = shape["num_hidden_layers"], sparse_layers(shape)
+    mlp = (layers - sparse) * 3 * hidden * shape["intermediate_size"]
+    mlp += sparse * shape.get("num_experts", 0) * (hidden + expert_params(shape))  # router too
+    qk_norm = shape["architectures"][0] in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+    norms = 2 * hidden + (2 * head_dim if qk_norm else 0)
+    return layers * (attn + norms) + mlp + hidden + shape["vocab_size"] * hidden
 
 
 def floor(shape: dict, bandwidth: float, flops: float) -> dict:
@@ -43,7 +82,7 @@ def floor(shape: dict, bandwidth: float, flops: float) -> dict:
     prompt_lens, outputs = workload()
     heads = shape["num_attention_heads"]
     head_dim = shape.get("head_dim") or shape["hidden_size"] // heads
-    layers, params = shape["num_hidden_layers"], matmul_params(shape)
+    layers, params = shape["num_hidden_layers"], active_params(shape)
     window = shape.get("sliding_window") if shape["architectures"][0] == "MistralForCausalLM" \
         else None
     kv_per_token = layers * 2 * shape["num_key_value_heads"] * head_dim * BYTES
@@ -55,12 +94,23 @@ def floor(shape: dict, bandwidth: float, flops: float) -> dict:
         if not live:
             break
         kv_tokens = sum(min(n + step, window or n + step) for n in live)
-        step_bytes = params * BYTES + kv_tokens * kv_per_token
+        step_bytes = step_params(shape, len(live)) * BYTES + kv_tokens * kv_per_token
         t_decode += max(step_bytes / bandwidth, 2 * params * len(live) / flops)
     t_prefill = prefill_flops / flops
     total = sum(outputs)
-    return dict(params=params, prefill_s=t_prefill, decode_s=t_decode,
+    return dict(params=step_params(shape, 256), prefill_s=t_prefill, decode_s=t_decode,
                 tok_s=total / (t_prefill + t_decode), output_tokens=total)
+
+
+def step_floor(shape: dict, batch: int, context_len: int, bandwidth: float) -> dict:
+    """Bandwidth bound of one decode step of `batch` sequences of `context_len` tokens each."""
+    heads = shape["num_attention_heads"]
+    head_dim = shape.get("head_dim") or shape["hidden_size"] // heads
+    kv_bytes = batch * context_len * shape["num_hidden_layers"] * 2 \
+        * shape["num_key_value_heads"] * head_dim * BYTES
+    weight_bytes = step_params(shape, batch) * BYTES
+    return dict(weight_gb=weight_bytes / 1e9, kv_gb=kv_bytes / 1e9,
+                ms=(weight_bytes + kv_bytes) / bandwidth * 1e3)
 
 
 def main() -> None:
@@ -69,6 +119,9 @@ def main() -> None:
     p.add_argument("shapes", nargs="*", metavar="SHAPE", help=f"default: all of {list(SHAPES)}")
     p.add_argument("--bandwidth", type=float, default=4.27e12, help="bytes/s (H200 copy)")
     p.add_argument("--flops", type=float, default=793e12, help="bf16 FLOP/s (H200 matmul)")
+    p.add_argument("--steps", type=int, nargs="*", metavar="BATCH",
+                   help="also print one decode step's floor at these batch sizes")
+    p.add_argument("--context", type=int, default=1024, help="tokens per sequence for --steps")
     args = p.parse_args()
     unknown = sorted(set(args.shapes) - set(SHAPES))
     if unknown:
@@ -79,6 +132,15 @@ def main() -> None:
         f = floor(SHAPES[name], args.bandwidth, args.flops)
         print(f"| {name} | {f['params'] * BYTES / 1e9:.2f} | {f['prefill_s']:.3f} | "
               f"{f['decode_s']:.3f} | {f['tok_s']:,.0f} |")
+    if args.steps:
+        print(f"\n| shape | batch | weights read (GB) | K/V read (GB) | step >= ms |"
+              f"  (context {args.context})")
+        print("|---|---|---|---|---|")
+        for name in args.shapes or list(SHAPES):
+            for batch in args.steps:
+                f = step_floor(SHAPES[name], batch, args.context, args.bandwidth)
+                print(f"| {name} | {batch} | {f['weight_gb']:.2f} | {f['kv_gb']:.2f} | "
+                      f"{f['ms']:.3f} |")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,13 @@ SHAPES: dict[str, dict] = {
         num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
         vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960,
         rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+        tie_word_embeddings=False, max_position_embeddings=40960, rope_theta=1000000.0,
+        rms_norm_eps=1e-6, use_sliding_window=False, sliding_window=None),
     "qwen2.5-7b": dict(
         architectures=["Qwen2ForCausalLM"], hidden_size=3584, intermediate_size=18944,
         num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
