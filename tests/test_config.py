@@ -52,8 +52,8 @@ def assert_fails_cleanly(model: str, kwargs: dict, exc: type, message: str) -> N
     ("no_tokenizer", r"model directory '.*' has no tokenizer: expected one of \['tokenizer.json'"),
     ("bad_json", r"cannot read config.json of '.*'"),
     ("gpt2", r"unsupported architecture \['GPT2LMHeadModel'\] in '.*'; supported: "
-             r"\['Qwen3ForCausalLM', 'Qwen2ForCausalLM', 'LlamaForCausalLM', "
-             r"'MistralForCausalLM'\]"),
+             r"\['Qwen3ForCausalLM', 'Qwen3MoeForCausalLM', 'Qwen2ForCausalLM', "
+             r"'LlamaForCausalLM', 'MistralForCausalLM'\]"),
 ])
 def test_bad_model_directory(tiny_model, tmp_path, kind, message):
     dst = str(tmp_path / kind)
