@@ -1,18 +1,24 @@
-"""Qwen3-MoE: greedy tokens equal transformers' (float32, CPU), alone and TP=2; config reading
-and both checkpoint forms of the experts."""
+"""Qwen3-MoE: greedy tokens equal transformers' (float32, CPU), alone, TP=2 and with the Triton
+backend interpreted; config reading and both checkpoint forms of the experts."""
 import json
 import os
 import shutil
 
-import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from nanovllm.config import read_config_json
-from nanovllm.layers.fused_moe import expert_weight_target
-from nanovllm.models.registry import decoder_spec
-from tests.conftest import MOE_CHECKPOINTS
-from tests.models.test_families import generate, hf_tokens, prompts
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
+
+import pytest  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.config import read_config_json  # noqa: E402
+from nanovllm.layers.fused_moe import expert_weight_target  # noqa: E402
+from nanovllm.models.registry import decoder_spec  # noqa: E402
+from tests.conftest import MOE_CHECKPOINTS  # noqa: E402
+from tests.models.test_families import generate, hf_tokens, prompts  # noqa: E402
+from tests.reference import hf_greedy, load_hf  # noqa: E402
 
 
 @pytest.mark.parametrize("name", list(MOE_CHECKPOINTS))
@@ -28,6 +34,21 @@ def test_tensor_parallel_matches_transformers(moe_checkpoints, name):
     """TP=2 over gloo: each rank holds half of every expert's intermediate dimension."""
     path, batch = moe_checkpoints[name], prompts(seed=1)[:3]
     assert generate(path, batch, tensor_parallel_size=2) == hf_tokens(path, batch)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU: the interpreter (tests/gpu on CUDA)")
+def test_triton_backend_runs_the_fused_kernel_in_the_model(moe_checkpoints):
+    """The Triton backend's experts (the fused MoE kernel, interpreted) inside the model."""
+    path, batch = moe_checkpoints["moe_raw_sparse"], [[5, 6, 7, 8, 9, 10, 11], prompts()[2]]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = LLM(path, attention_backend="triton", num_kvcache_blocks=8)
+    try:
+        assert llm.model_runner.backend.fused_moe.__module__ == "nanovllm.kernels.fused_moe"
+        ours = [o["token_ids"] for o in llm.generate(batch, greedy, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    hf = load_hf(path)
+    assert ours == [hf_greedy(hf, p, 6) for p in batch]
 
 
 def test_sparse_layers_follow_transformers_rule(moe_checkpoints):
