@@ -29,7 +29,9 @@ def main() -> None:
     path = write_shape(args.shape, tempfile.mkdtemp(prefix=f"nanovllm-{args.shape}-"))
     llm = LLM(path, load_format="dummy", attention_backend=args.attention_backend,
               max_num_seqs=max(args.batches), max_model_len=args.input_len + args.output_len)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    # sampled, as the standard workload: random tokens keep the routing spread over the experts
+    # (greedy tokens from dummy weights can repeat, routing every sequence to the same experts)
+    params = SamplingParams(temperature=0.6, max_tokens=args.output_len, ignore_eos=True)
     rng, rows = random.Random(0), []
     try:
         llm.generate([[1] * args.input_len], params, use_tqdm=False)  # warm-up
