@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.config import read_config_json  # noqa: E402
+from nanovllm.config import check_tensor_parallel, read_config_json  # noqa: E402
 from nanovllm.layers.fused_moe import expert_weight_target  # noqa: E402
 from nanovllm.models.registry import decoder_spec  # noqa: E402
 from tests.conftest import MOE_CHECKPOINTS  # noqa: E402
@@ -81,6 +81,16 @@ def test_num_experts_read_from_either_name(moe_checkpoints, tmp_path):
     too_many = _rewrite_config(src, str(tmp_path / "c"), num_experts_per_tok=9)
     with pytest.raises(ValueError, match="num_experts_per_tok=9"):
         read_config_json(too_many)
+    bad_layer = _rewrite_config(src, str(tmp_path / "d"), mlp_only_layers=[2])
+    with pytest.raises(ValueError, match=r"mlp_only_layers=\[2\]"):
+        read_config_json(bad_layer)
+
+
+def test_tensor_parallel_must_divide_the_expert_width(moe_checkpoints, tmp_path):
+    odd = _rewrite_config(moe_checkpoints["moe_norm_dense"], str(tmp_path / "odd"),
+                          moe_intermediate_size=33)
+    with pytest.raises(ValueError, match="does not divide moe_intermediate_size=33"):
+        check_tensor_parallel(2, "cpu", read_config_json(odd))
 
 
 def test_stacked_expert_checkpoint_gives_the_same_tokens(moe_checkpoints, tmp_path):
