@@ -7,9 +7,9 @@ one expert:
     sorted_ids:  [e0 e0 e0 pad | e2 e2 pad pad | e5 ...]   (slot ids; pad = M * K)
     expert_ids:  [    e0       |      e2       |  e5 ...]   (one per BLOCK_M rows)
 
-The padded length is bounded from shapes alone, and the grouping uses only device ops, so a
-decode step has no host sync and can be captured in a CUDA graph; blocks past the real padded
-length (num_padded, on the device) return at once.
+The padded length is bounded from shapes alone, and the grouping runs in three small kernels,
+so a decode step has no host sync and can be captured in a CUDA graph; blocks past the real
+padded length (num_padded, on the device) return at once.
 """
 import torch
 import triton
@@ -94,29 +94,67 @@ def block_m_for(num_slots: int, num_experts: int) -> int:
     return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
 
 
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, num_slots, BLOCK: tl.constexpr):
+    """counts[e] += the slots of this chunk routed to expert e."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < num_slots
+    expert = tl.load(ids_ptr + offs, mask=mask, other=0)
+    tl.atomic_add(counts_ptr + expert, 1, mask=mask)
+
+
+@triton.jit
+def _offsets_kernel(counts_ptr, starts_ptr, expert_ids_ptr, num_padded_ptr, num_experts,
+                    num_blocks, BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr):
+    """Each expert's padded group start, the padded total, and the expert of every row block."""
+    e = tl.arange(0, E_P2)
+    e_mask = e < num_experts
+    counts = tl.load(counts_ptr + e, mask=e_mask, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(starts_ptr + e, ends - padded, mask=e_mask)
+    tl.store(num_padded_ptr, tl.sum(padded, 0))
+    for b0 in range(0, num_blocks, CHUNK):
+        block = b0 + tl.arange(0, CHUNK)
+        # a block's expert: how many groups end at or before its first row
+        done = (ends[None, :] <= block[:, None] * BLOCK_M) & e_mask[None, :]
+        expert = tl.minimum(tl.sum(done.to(tl.int32), axis=1), num_experts - 1)
+        tl.store(expert_ids_ptr + block, expert, mask=block < num_blocks)
+
+
+@triton.jit
+def _scatter_kernel(ids_ptr, starts_ptr, cursors_ptr, sorted_ids_ptr, num_slots,
+                    BLOCK: tl.constexpr):
+    """sorted_ids[start[e] + next free row of e] = slot; the order within a group is arbitrary
+    (rows of a block are computed independently, and results are written back by slot)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < num_slots
+    expert = tl.load(ids_ptr + offs, mask=mask, other=0)
+    row = tl.atomic_add(cursors_ptr + expert, 1, mask=mask)
+    start = tl.load(starts_ptr + expert, mask=mask, other=0)
+    tl.store(sorted_ids_ptr + start + row, offs, mask=mask)
+
+
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
                          block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted_ids, expert_ids, num_padded): slots grouped by expert, each group padded to
-    block_m (see the module docstring); device ops only, sizes from shapes only."""
-    flat = topk_ids.flatten().long()
-    num_slots = flat.numel()
+    block_m (see the module docstring); five launches, sizes from shapes only."""
+    num_slots = topk_ids.numel()
     # at most min(E, slots) groups, each padded by < block_m rows
     max_padded = num_slots + min(num_experts, num_slots) * (block_m - 1)
-    max_padded = -(-max_padded // block_m) * block_m
-    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded_end = torch.cumsum((counts + block_m - 1) // block_m * block_m, 0)
-    padded_start = padded_end - (counts + block_m - 1) // block_m * block_m
-    order = torch.argsort(flat, stable=True)
-    sorted_experts = flat[order]
-    rank = torch.arange(num_slots, device=flat.device) - (torch.cumsum(counts, 0) - counts)[
-        sorted_experts]
-    sorted_ids = torch.full((max_padded,), num_slots, dtype=torch.int32, device=flat.device)
-    sorted_ids.scatter_(0, padded_start[sorted_experts] + rank, order.int())
-    block_starts = torch.arange(0, max_padded, block_m, device=flat.device)
-    expert_ids = torch.searchsorted(padded_end, block_starts, right=True)
-    expert_ids = expert_ids.clamp_(max=num_experts - 1).int()  # blocks past the end: unused
-    return sorted_ids, expert_ids, padded_end[-1:].int()
+    num_blocks = triton.cdiv(max_padded, block_m)
+    device, ids = topk_ids.device, topk_ids.reshape(-1)
+    counts_cursors_starts = torch.zeros(3, num_experts, dtype=torch.int32, device=device)
+    counts, cursors, starts = counts_cursors_starts.unbind(0)
+    sorted_ids = torch.full((num_blocks * block_m,), num_slots, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    grid = (triton.cdiv(num_slots, 256),)
+    _count_kernel[grid](ids, counts, num_slots, BLOCK=256)
+    _offsets_kernel[(1,)](counts, starts, expert_ids, num_padded, num_experts, num_blocks,
+                          BLOCK_M=block_m, E_P2=triton.next_power_of_2(num_experts), CHUNK=32)
+    _scatter_kernel[grid](ids, starts, cursors, sorted_ids, num_slots, BLOCK=256)
+    return sorted_ids, expert_ids, num_padded
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
