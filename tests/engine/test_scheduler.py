@@ -16,9 +16,11 @@ def seq(n: int, max_tokens: int = 16, ignore_eos: bool = True, start: int = 1) -
                     SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), BS)
 
 
-def postprocess(s: Scheduler, batch: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+def postprocess(s: Scheduler, batch: list[Sequence], token_ids: list[int],
+                is_prefill: bool = False) -> list[Sequence]:
     """What the engine does with a step's sampled ids: advance, then commit."""
-    return s.commit(s.advance(batch), token_ids)
+    samples = [x.samples_next for x in batch] if is_prefill else None
+    return s.commit(s.advance(batch, samples), token_ids, batch if is_prefill else ())
 
 
 def test_prefill_first_then_decode():
@@ -45,7 +47,8 @@ def test_token_budget_and_max_num_seqs():
     for x in [seq(4, start=1), seq(4, start=20), seq(4, start=40)]:
         s2.add(x)
     batch, _ = s2.schedule()
-    assert len(batch) == 2  # 4 + 4 <= 10 < 12
+    assert len(batch) == 3 and [x.num_scheduled_tokens for x in batch] == [4, 4, 2]
+    assert not batch[2].samples_next and s2.waiting[0] is batch[2]  # chunked: 2 tokens left
 
 
 def test_preemption_takes_the_tail_of_running():
