@@ -136,7 +136,7 @@ class LLMEngine:
         if self.workers is not None:
             ids = self.workers.execute("run", seqs, is_prefill)
             return SampledIds(torch.tensor(ids, dtype=torch.int64))
-        if previous is None or is_prefill:
+        if previous is None or is_prefill or not previous.advanced:  # no pending token
             return self.model_runner.launch(seqs, is_prefill)
         return self.model_runner.launch(seqs, False, previous.sampled.device,
                                         previous.source_rows(seqs))
