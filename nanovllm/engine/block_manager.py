@@ -126,7 +126,7 @@ class BlockManager:
 
     def free_all(self) -> None:
         """Free every block but keep the cached prefixes (callers drop all block tables): a
-        block is hashed only once a finished step has written its K/V, so they stay valid."""
+        block is hashed only once the step writing its K/V was launched, so they stay valid."""
         for block in self.blocks:
             block.ref_count = 0
         self.hash_to_block_id = {h: block_id for h, block_id in self.hash_to_block_id.items()
@@ -147,7 +147,7 @@ class BlockManager:
             seq.block_table.append(block.block_id)
 
     def hash_blocks(self, seq: Sequence) -> None:
-        """Register in the prefix cache the full blocks a finished step wrote: those below
+        """Register in the prefix cache the full blocks launched steps write: those below
         num_cached_tokens that have no hash yet (chunk ends need not be block ends)."""
         table = seq.block_table
         end = min(seq.num_cached_tokens // self.block_size, len(table))

@@ -142,10 +142,8 @@ class LLMEngine:
                                         previous.source_rows(seqs))
 
     def _commit(self, step: InFlightStep) -> list[Sequence]:
-        """Read an advanced step's ids (the one host sync per step, after which its K/V is
-        written); returns the finished."""
-        prefilled = step.seqs if step.samples is not None else ()
-        finished = self.scheduler.commit(step.advanced, step.sampled.tolist(), prefilled)
+        """Read an advanced step's ids (the one host sync per step); returns the finished."""
+        finished = self.scheduler.commit(step.advanced, step.sampled.tolist())
         return finished + self._check_stop_strings([seq for _, seq in step.advanced])
 
     def _schedule(self) -> tuple[list[Sequence], bool, int, int]:

@@ -140,7 +140,7 @@ class Scheduler:
         tokens, send every other unfinished sequence back to waiting (recompute), and start the
         pool afresh: the failed step may have hashed blocks whose K/V was never written, and an
         interrupt can land between any two lines, so no block table or reference count is
-        trusted; the cached prefixes are kept, since only finished steps hash blocks."""
+        trusted; the cached prefixes are kept, since only launched steps hash blocks."""
         dropped = {seq.seq_id for seq in seqs}
         for seq in in_flight:
             if seq.drop_pending_token() and seq.finish_reason == "length":
@@ -168,15 +168,22 @@ class Scheduler:
     def advance(self, seqs: list[Sequence], samples: list[bool] | None = None
                 ) -> list[tuple[int, Sequence]]:
         """After a step is launched: move each unfinished sequence's cached count past the
-        tokens the step computes; give those whose row samples (samples[i]; every row of a
-        decode step, where samples is None) a pending token (its id comes with commit) and
-        finish those at a length limit. Returns (row in the step's ids, seq) pairs."""
+        tokens the step computes and hash the blocks it fills; give those whose row samples
+        (samples[i]; every row of a decode step, where samples is None) a pending token (its
+        id comes with commit) and finish those at a length limit. Returns (row in the step's
+        ids, seq) pairs.
+
+        Hashing at launch is safe: later steps run after this one on the same stream, and an
+        aborted call waits for launched work before it recovers (a step that failed to launch
+        is never advanced)."""
         advanced = []
         row = -1
+        block_size, block_manager = self.block_manager.block_size, self.block_manager
         for i, seq in enumerate(seqs):
             if samples is not None and not samples[i]:  # a chunk that ends inside the prompt
                 if not seq.is_finished:
                     seq.num_cached_tokens += seq.num_scheduled_tokens
+                    block_manager.hash_blocks(seq)
                 continue
             row += 1  # rows of the step's sampled ids: one per sampling sequence
             if seq.is_finished:  # stopped by the previous commit: its new token is dropped
@@ -184,25 +191,19 @@ class Scheduler:
             seq.num_scheduled_tokens = 1
             advanced.append((row, seq))
             seq.append_pending_token()
+            if samples is not None or seq.num_cached_tokens % block_size == 0:
+                block_manager.hash_blocks(seq)  # a decode token fills a block now and then
             if (seq.num_completion_tokens >= seq.sampling_params.max_tokens
                     or len(seq) >= self.max_model_len):
                 self.finish(seq, "length")
         return advanced
 
-    def commit(self, advanced: list[tuple[int, Sequence]], token_ids: list[int],
-               prefilled: list[Sequence] = ()) -> list[Sequence]:
-        """Once a step has run: hash the blocks it filled (every row of a prefill step,
-        `prefilled`; a decode row that completed a block), record the ids of advanced
-        sequences' pending tokens; return the sequences that finished."""
+    def commit(self, advanced: list[tuple[int, Sequence]], token_ids: list[int]
+               ) -> list[Sequence]:
+        """Record the ids of advanced sequences' pending tokens; return those that finished."""
         finished = []
         now = perf_counter()
-        block_size, block_manager = self.block_manager.block_size, self.block_manager
-        for seq in prefilled:
-            if seq.block_table:  # not finished or preempted since
-                block_manager.hash_blocks(seq)
         for row, seq in advanced:
-            if not prefilled and seq.num_cached_tokens % block_size == 0 and seq.block_table:
-                block_manager.hash_blocks(seq)  # rare: the step's token filled a block
             token_id = token_ids[row]
             seq.commit_pending_token(token_id)
             if seq.num_completion_tokens == 1:

@@ -41,7 +41,7 @@ def test_shared_two_block_prefix_shares_physical_blocks(llm):
         batch, is_prefill = scheduler.schedule()
         assert is_prefill and len(batch) == 1
         token_ids = llm.model_runner.run(batch, is_prefill)
-        scheduler.commit(scheduler.advance(batch, [True]), token_ids, batch)
+        scheduler.commit(scheduler.advance(batch, [True]), token_ids)
         seqs += batch
     assert seqs[0].block_table[:2] == seqs[1].block_table[:2]
     assert [bm.blocks[i].ref_count for i in seqs[0].block_table[:2]] == [2, 2]

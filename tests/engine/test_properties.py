@@ -34,7 +34,7 @@ def chained_hashes(seq: Sequence, num_blocks: int) -> list[int]:
 def check_sequence_blocks(bm: BlockManager, seq: Sequence, in_flight: bool = False) -> None:
     """Between steps a sequence has blocks for all its tokens but the newest (for all of them
     once a launched step is in flight, or while its prompt is prefilled in chunks). Exactly
-    the full blocks below num_cached_tokens (written by finished steps) are hashed, by the
+    the full blocks below num_cached_tokens (written by launched steps) are hashed, by the
     chain over the sequence's own tokens."""
     resident = len(seq) if in_flight else len(seq) - 1
     assert len(seq.block_table) == -(-resident // BS)
@@ -195,19 +195,16 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _advance(self) -> list[tuple[int, Sequence]]:
         return self.s.advance(self.pending, self.samples)
 
-    def _commit(self, advanced: list[tuple[int, Sequence]], tokens: list[int],
-                step: tuple[list[Sequence], list[bool] | None] | None = None) -> list[Sequence]:
-        batch, samples = step or (self.pending, self.samples)
-        return self.s.commit(advanced, tokens, batch if samples is not None else ())
+    def _commit(self, advanced: list[tuple[int, Sequence]], tokens: list[int]) -> list[Sequence]:
+        return self.s.commit(advanced, tokens)
 
     def _pipelined_step(self, tokens: list[int]) -> None:
         """LLMEngine.step without tensor parallelism: advance, schedule, launch, commit. The
         in-flight batch stays recorded until its commit is done, as abort needs it."""
         advanced = self._advance()
         assert all(seq.num_pending_tokens == 1 for _, seq in advanced)
-        previous = (self.pending, self.samples)
         batch, samples = self._schedule() if not self.s.is_finished() else ([], None)
-        finished = self._commit(advanced, tokens, previous)
+        finished = self._commit(advanced, tokens)
         self.pending, self.samples = batch, samples
         for seq in finished:
             self._check_finished(seq)

@@ -20,7 +20,7 @@ def postprocess(s: Scheduler, batch: list[Sequence], token_ids: list[int],
                 is_prefill: bool = False) -> list[Sequence]:
     """What the engine does with a step's sampled ids: advance, then commit."""
     samples = [x.samples_next for x in batch] if is_prefill else None
-    return s.commit(s.advance(batch, samples), token_ids, batch if is_prefill else ())
+    return s.commit(s.advance(batch, samples), token_ids)
 
 
 def test_prefill_first_then_decode():
