@@ -81,6 +81,12 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def first_block_hash(self, seq: Sequence) -> int | None:
+        """Hash of the sequence's first block if it could be a prefix-cache hit, else None."""
+        if (seq.num_tokens - 1) // self.block_size == 0:
+            return None
+        return self.compute_hash(seq.block(0))
+
     def can_allocate(self, seq: Sequence) -> bool:
         """Whether the free list holds the blocks the sequence needs beyond shared cache hits."""
         shared = sum(1 for block_id in self.cached_prefix(seq) if block_id in self.used_block_ids)

@@ -70,12 +70,18 @@ class Scheduler:
         sequence is allocated its whole block table (after any cached prefix) when admitted."""
         scheduled: list[Sequence] = []
         budget = self.max_num_batched_tokens
+        computing: set[int] = set()  # hashes of the first blocks this step computes
         while self.waiting and budget and len(scheduled) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:  # not admitted yet (or preempted)
+                head = self.block_manager.first_block_hash(seq)
+                if head in computing:
+                    break  # shares a block this step computes: next step it is a cache hit
                 if not self.block_manager.can_allocate(seq):
                     break
                 self.block_manager.allocate(seq)
+                if head is not None and not seq.num_cached_tokens:
+                    computing.add(head)
                 if seq.num_completion_tokens:  # it has output, so it was preempted: a recompute
                     self.num_recomputed_tokens += len(seq) - seq.num_cached_tokens
             seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, budget)
