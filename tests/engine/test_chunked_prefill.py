@@ -112,3 +112,17 @@ def test_tensor_parallel_chunks(tiny_model):
         llm.shutdown()
     hf = load_hf(tiny_model)
     assert ids(outs) == [hf_greedy(hf, prompt, N) for prompt in prompts]
+
+
+def test_longest_prompt_with_a_one_token_budget(tiny_model):
+    """max_model_len - 1 prompt tokens, one per step: accepted, and its one token is right."""
+    llm = LLM(tiny_model, max_model_len=100, max_num_batched_tokens=1, num_kvcache_blocks=1)
+    try:
+        prompt = token_prompts(13, (99,))[0]
+        llm.reset_stats()
+        out = llm.generate(prompt, greedy(), use_tqdm=False)[0]
+        assert llm.stats()["prefill_steps"] == 99
+    finally:
+        llm.shutdown()
+    assert out["finish_reason"] == "length" and len(out["token_ids"]) == 1
+    assert out["token_ids"] == hf_greedy(load_hf(tiny_model), prompt, 1)
