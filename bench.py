@@ -12,7 +12,8 @@ from concurrent.futures import ProcessPoolExecutor
 from benchmarks.shapes import SHAPES, write_shape
 
 DEFAULT_MODEL = "~/huggingface/Qwen3-0.6B"
-SCENARIO_NAMES = ("throughput", "graphs", "prefix-cache", "kv-pressure", "tp", "dp")
+SCENARIO_NAMES = ("throughput", "graphs", "prefix-cache", "kv-pressure", "tp", "dp",
+                  "long-context")
 
 
 def parse_args() -> argparse.Namespace:

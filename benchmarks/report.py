@@ -27,6 +27,13 @@ DP: Columns = [("output_tok_s", "out tok/s", ".0f"), ("speedup", "speedup", ".2f
                ("busy", "busy s per replica", "s"), ("balance", "balance", ".0%"),
                ("startup_s", "LLM() s", ".1f")]
 
+LONG: Columns = [("max_num_batched_tokens", "token budget", "d"), ("long_ttft", "long TTFT s", "s"),
+                 ("short_tpot_p50_ms", "short TPOT p50 ms", ".1f"),
+                 ("short_tpot_p99_ms", "short TPOT p99 ms", ".1f"),
+                 ("max_decode_gap_ms", "max decode gap ms", ".0f"),
+                 ("prefill_steps", "prefill steps", "d"), ("output_tok_s", "out tok/s", ".0f"),
+                 ("total_s", "total s", ".2f")]
+
 
 def rows(result: dict) -> dict[str, dict]:
     """One flat row per run: its metrics, its engine's conditions and a few derived values."""
@@ -37,6 +44,8 @@ def rows(result: dict) -> dict[str, dict]:
             row["mean_batch"] = run["decode_tokens"] / run["decode_steps"]
         if run.get("gpu_used_gib"):
             row["used"] = " ".join(f"{x:.1f}" for x in run["gpu_used_gib"])
+        if run.get("long_ttft_s"):
+            row["long_ttft"] = " ".join(f"{x:.2f}" for x in run["long_ttft_s"])
         if run.get("replica_busy_s"):
             row["tokens"] = " ".join(str(x) for x in run["replica_tokens"])
             row["busy"] = " ".join(f"{x:.1f}" for x in run["replica_busy_s"])
@@ -82,6 +91,11 @@ def report(name: str, result: dict) -> None:
                     f"tokens, pool {w['pool_blocks']} of {w['peak_need_blocks']} blocks needed",
                     rows(result), KV)
         _headline("completion-time slowdown", result["slowdown"])
+    elif name == "long-context":
+        print_table(f"long-context: {w['num_seqs']} standard requests, then {w['num_long']} x "
+                    f"{w['long_input_len']}-token prompts: one prefill step each vs chunks of "
+                    f"{w['budget']}", rows(result), LONG)
+        _headline("max decode gap, one-step / chunked", result["max_gap_ratio"])
     elif name == "tp":
         print_table(f"tp: tensor_parallel_size {result['sizes']}, standard workload",
                     rows(result), TP)

@@ -58,8 +58,9 @@ def open_engine(path: str, args: argparse.Namespace, **overrides) -> Iterator[tu
             torch.cuda.reset_peak_memory_stats()
 
 
-def measure(llm, prompts: list[list[int]], params: list) -> dict:
-    """One timed generate() from an empty prefix cache: totals, latencies, engine counters."""
+def measure(llm, prompts: list[list[int]], params: list, outputs: list | None = None) -> dict:
+    """One timed generate() from an empty prefix cache: totals, latencies, engine counters;
+    the outputs themselves are appended to `outputs` when given."""
     llm.reset_prefix_cache()  # every run prefills from scratch, as the first did
     llm.reset_stats(timeline=True)
     sync()
@@ -67,6 +68,8 @@ def measure(llm, prompts: list[list[int]], params: list) -> dict:
     outs = llm.generate(prompts, params, use_tqdm=False)
     sync()
     elapsed = perf_counter() - t
+    if outputs is not None:
+        outputs.extend(outs)
     out_tokens = sum(len(o["token_ids"]) for o in outs)
     ttft = [o["metrics"]["ttft_s"] for o in outs]
     tpot = [(o["metrics"]["latency_s"] - o["metrics"]["ttft_s"]) / max(len(o["token_ids"]) - 1, 1)

@@ -8,7 +8,15 @@ from dataclasses import replace
 import torch
 
 from benchmarks import workloads
-from benchmarks.runs import GiB, GpuWaitProbe, engine_env, host_times, measure, open_engine
+from benchmarks.runs import (
+    GiB,
+    GpuWaitProbe,
+    engine_env,
+    host_times,
+    measure,
+    open_engine,
+    percentile,
+)
 
 Scenario = Callable[[argparse.Namespace, str], dict]
 
@@ -109,6 +117,40 @@ def kv_pressure(args: argparse.Namespace, path: str) -> dict:
     return dict(workload=dict(size, pool_fraction=fraction, peak_need_blocks=need,
                               pool_blocks=pool), runs=runs,
                 slowdown=_ratio(runs["small-pool"], runs["unconstrained"], "total_s"))
+
+
+def long_context(args: argparse.Namespace, path: str) -> dict:
+    """A few long prompts after the standard requests: prefilled in one step each (a budget
+    that holds a whole prompt, as before chunking) vs in chunks of the default budget, with a
+    decode step after each chunk. TTFT of the long prompts; TPOT of the standard ones and the
+    longest pause between decode steps (what a decoding request waits at worst)."""
+    size = workloads.sizes("long-context", args.tiny)
+    budget = size.pop("budget")
+    prompts, params = workloads.long_context(**size, max_id=workloads.max_token_id(path),
+                                             seed=args.seed)
+    max_model_len = size["long_input_len"] + size["long_output_len"]
+    runs, num_long = {}, size["num_long"]
+    for label, batched in (("one-step", max_model_len), ("chunked", budget)):
+        with open_engine(path, args, max_model_len=max_model_len,
+                         max_num_batched_tokens=batched) as (llm, startup_s):
+            outs: list[dict] = []
+            run = measure(llm, prompts, params, outs)
+            tpot = [(o["metrics"]["latency_s"] - o["metrics"]["ttft_s"])
+                    / max(len(o["token_ids"]) - 1, 1) for o in outs[:-num_long]]
+            run.update(long_ttft_s=[o["metrics"]["ttft_s"] for o in outs[-num_long:]],
+                       short_tpot_p50_ms=1e3 * percentile(tpot, 50),
+                       short_tpot_p99_ms=1e3 * percentile(tpot, 99),
+                       max_decode_gap_ms=1e3 * _max_decode_gap(run["timeline"]),
+                       max_num_batched_tokens=batched, engine=engine_env(llm, startup_s))
+            runs[label] = run
+    return dict(workload=dict(size, budget=budget), runs=runs,
+                max_gap_ratio=_ratio(runs["one-step"], runs["chunked"], "max_decode_gap_ms"))
+
+
+def _max_decode_gap(timeline: list) -> float:
+    """Longest time between the end of one decode step and the start of the next."""
+    decodes = [(start, dur) for start, dur, is_prefill, *_ in timeline if not is_prefill]
+    return max((b[0] - a[0] - a[1] for a, b in zip(decodes, decodes[1:])), default=0.0)
 
 
 def _ratio(a: dict, b: dict, key: str) -> float | None:
@@ -219,4 +261,4 @@ def _driver_used_gib() -> list[float]:
 
 SCENARIOS: dict[str, Scenario] = {"throughput": throughput, "graphs": graphs,
                                   "prefix-cache": prefix_cache, "kv-pressure": kv_pressure,
-                                  "tp": tp, "dp": dp}
+                                  "tp": tp, "dp": dp, "long-context": long_context}

@@ -24,6 +24,13 @@ SIZES = {
     "kv-pressure": dict(
         full=dict(num_seqs=128, input_len=1024, output_len=1024, pool_fraction=0.5),
         tiny=dict(num_seqs=8, input_len=200, output_len=120, pool_fraction=0.5)),
+    # The standard requests, then a few long prompts arriving after them, prefilled while the
+    # standard ones decode; `budget` is the chunked run's max_num_batched_tokens.
+    "long-context": dict(
+        full=dict(num_seqs=256, input_len=(100, 1024), output_len=(100, 1024), num_long=4,
+                  long_input_len=32768, long_output_len=128, budget=16384),
+        tiny=dict(num_seqs=8, input_len=(16, 64), output_len=(16, 48), num_long=2,
+                  long_input_len=1000, long_output_len=8, budget=256)),
 }
 
 
@@ -74,6 +81,18 @@ def fixed_lengths(num_seqs: int, input_len: int, output_len: int, max_id: int,
     prompts = [[rng.randint(0, max_id) for _ in range(input_len)] for _ in range(num_seqs)]
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=output_len)
     return prompts, [params] * num_seqs
+
+
+def long_context(num_seqs: int, input_len: tuple[int, int], output_len: tuple[int, int],
+                 num_long: int, long_input_len: int, long_output_len: int, max_id: int,
+                 seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """The standard requests followed by num_long random prompts of long_input_len tokens."""
+    prompts, params = standard(num_seqs, input_len, output_len, max_id, seed)
+    rng = random.Random(seed + 1)
+    prompts += [[rng.randint(0, max_id) for _ in range(long_input_len)] for _ in range(num_long)]
+    params += [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=long_output_len)
+               ] * num_long
+    return prompts, params
 
 
 def peak_blocks(num_tokens: int, block_size: int) -> int:

@@ -24,7 +24,7 @@ class Config:
     model: str
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 512
-    max_model_len: int = 4096
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
@@ -41,12 +41,10 @@ class Config:
         self.model = os.path.expanduser(str(self.model))
         self._check_ranges()
         self.hf_config = load_hf_config(self.model, self.load_format)
-        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
-        if self.max_num_batched_tokens < self.max_model_len:
-            # A prompt may be up to max_model_len - 1 tokens and is prefilled in one step.
-            raise ValueError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
-                f"max_model_len={self.max_model_len} so that any prompt fits in one prefill step")
+        # Longer prompts than max_num_batched_tokens are prefilled in chunks over several steps.
+        limit = self.hf_config.max_position_embeddings
+        self.max_model_len = limit if self.max_model_len is None else min(self.max_model_len,
+                                                                          limit)
         self.device = resolve_device(self.device)
         check_tensor_parallel(self.tensor_parallel_size, self.device, self.hf_config)
         self.torch_dtype = resolve_dtype(self.dtype, self.device, self.hf_config)
@@ -57,7 +55,8 @@ class Config:
         self.max_num_batched_tokens = check_int("max_num_batched_tokens",
                                                 self.max_num_batched_tokens, 1)
         self.max_num_seqs = check_int("max_num_seqs", self.max_num_seqs, 1)
-        self.max_model_len = check_int("max_model_len", self.max_model_len, 2)
+        if self.max_model_len is not None:
+            self.max_model_len = check_int("max_model_len", self.max_model_len, 2)
         self.gpu_memory_utilization = check_real(
             "gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0,
             "a number in (0, 1]", low_open=True)

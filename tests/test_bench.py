@@ -36,11 +36,11 @@ def test_every_scenario_on_cpu(tmp_path):
     png = tmp_path / "timeline.png"
     data, stdout = run_bench(tmp_path, "--scenario", "all", *(["--plot", str(png)] if plot else []))
     for title in ("graphs:", "prefix-cache:", "kv-pressure:", "tp: skipped", "dp: skipped",
-                  "median output"):
+                  "long-context:", "median output"):
         assert title in stdout, stdout
     scenarios = data["scenarios"]
     assert list(scenarios) == ["throughput", "graphs", "prefix-cache", "kv-pressure", "tp",
-                              "dp"]
+                              "dp", "long-context"]
     for name in ("graphs", "prefix-cache", "kv-pressure"):
         check_environment(scenarios[name])
 
@@ -60,7 +60,8 @@ def test_every_scenario_on_cpu(tmp_path):
     prefix = scenarios["prefix-cache"]
     w, runs = prefix["workload"], prefix["runs"]
     assert runs["distinct"]["cache_hit_blocks"] == 0
-    # The first request computes the shared prefix; every other one hits all of its blocks.
+    # The first request computes the shared prefix (the others wait one step for it); every
+    # other one hits all of its blocks.
     assert runs["shared"]["cache_hit_blocks"] == (w["num_seqs"] - 1) * w["prefix_blocks"]
     assert 0 < runs["shared"]["hit_rate"] <= 1
     assert runs["shared"]["prefill_tokens"] < runs["distinct"]["prefill_tokens"]
@@ -73,6 +74,14 @@ def test_every_scenario_on_cpu(tmp_path):
     assert small["peak_kv_blocks_in_use"] <= kv["workload"]["pool_blocks"]
     assert free["preemptions"] == 0 and free["recomputed_tokens"] == 0
     assert small["output_tokens"] == free["output_tokens"]
+
+    long = scenarios["long-context"]
+    w, runs = long["workload"], long["runs"]
+    for run in runs.values():
+        assert run["prefill_tokens"] == run["prompt_tokens"] and len(run["long_ttft_s"]) == 2
+    assert runs["chunked"]["max_num_batched_tokens"] == w["budget"] < w["long_input_len"]
+    assert runs["chunked"]["prefill_steps"] > runs["one-step"]["prefill_steps"]
+    assert runs["chunked"]["output_tokens"] == runs["one-step"]["output_tokens"]
 
     assert "CUDA" in scenarios["tp"]["skipped"]
     assert "--dp N" in scenarios["dp"]["skipped"]  # no GPUs and no --dp: DP needs 2 replicas

@@ -90,8 +90,8 @@ def test_bad_model_directory(tiny_model, tmp_path, kind, message):
     (dict(num_kvcache_blocks=-2), r"num_kvcache_blocks=-2 is invalid"),
     (dict(max_model_len=1), r"max_model_len=1 is invalid: expected an int in \[2, 2147483647\]"),
     (dict(max_num_seqs=0), r"max_num_seqs=0 is invalid: expected an int in \[1, 2147483647\]"),
-    (dict(max_num_batched_tokens=1024), r"max_num_batched_tokens=1024 must be >= "
-                                        r"max_model_len=4096 so that any prompt fits"),
+    (dict(max_num_batched_tokens=0), r"max_num_batched_tokens=0 is invalid"),
+    (dict(max_model_len=0), r"max_model_len=0 is invalid"),
     (dict(device="tpu"), r"device='tpu' is invalid"),
     (dict(dtype="int8"), r"dtype='int8' is invalid: expected one of \['auto', "),
     (dict(enforce_eager=1), r"enforce_eager=1 is invalid: expected a bool"),
@@ -120,11 +120,13 @@ def test_dummy_weights_need_no_safetensors(tiny_model, tmp_path):
     llm.shutdown()
 
 
-def test_prompts_always_fit_one_prefill_step(tiny_model):
-    # Prompts are < max_model_len <= max_num_batched_tokens: no chunked prefill is needed.
-    config = Config(tiny_model, max_model_len=1024, max_num_batched_tokens=1024)
-    assert config.max_num_batched_tokens >= config.max_model_len
-    assert Config(tiny_model, max_model_len=10**6).max_model_len == 4096  # the checkpoint's
+def test_any_token_budget_with_any_max_model_len(tiny_model):
+    """A budget below max_model_len is valid (long prompts are prefilled in chunks); the
+    default max_model_len is the checkpoint's limit, and a larger one is clipped to it."""
+    config = Config(tiny_model, max_num_batched_tokens=1, max_num_seqs=512)
+    assert (config.max_num_batched_tokens, config.max_model_len) == (1, 4096)
+    assert Config(tiny_model, max_model_len=10**6).max_model_len == 4096
+    assert Config(tiny_model, max_model_len=300).max_model_len == 300
 
 
 def test_kv_pool_that_would_be_empty(tiny_model, monkeypatch):

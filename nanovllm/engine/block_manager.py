@@ -68,36 +68,48 @@ class BlockManager:
         self.used_block_ids.remove(block_id)
         self.free_block_ids.append(block_id)
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        return len(self.free_block_ids) >= seq.num_blocks
-
-    def allocate(self, seq: Sequence) -> None:
-        """Give a waiting sequence its block table, reusing cached full blocks."""
-        assert not seq.block_table
-        h, cache_miss = -1, False
-        for i in range(seq.num_blocks):
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached prefix of the sequence's full blocks; the block
+        holding its last token is never a hit, so a prefill always has a token to sample from."""
+        hits, h = [], -1
+        for i in range((seq.num_tokens - 1) // self.block_size):
             token_ids = seq.block(i)
-            full = len(token_ids) == self.block_size
-            h = self.compute_hash(token_ids, h) if full else -1
+            h = self.compute_hash(token_ids, h)
             block_id = self.hash_to_block_id.get(h, -1)
             if block_id == -1 or self.blocks[block_id].token_ids != token_ids:
-                cache_miss = True
-            if i == seq.num_blocks - 1 and not cache_miss:
-                cache_miss = True  # keep >= 1 token to compute so prefill yields logits
-            if cache_miss:
-                block = self._allocate_block(self.free_block_ids[0])
-            else:
-                seq.num_cached_tokens += self.block_size
-                self.num_cache_hit_blocks += 1
-                block = self.blocks[block_id]
-                if block_id in self.used_block_ids:
-                    block.ref_count += 1
-                else:
-                    block = self._allocate_block(block_id)
-            if h != -1:
-                block.update(h, token_ids)
-                self.hash_to_block_id[h] = block.block_id
-            seq.block_table.append(block.block_id)
+                break
+            hits.append(block_id)
+        return hits
+
+    def first_block_hash(self, seq: Sequence) -> int | None:
+        """Hash of the sequence's first block if it could be a prefix-cache hit, else None."""
+        if (seq.num_tokens - 1) // self.block_size == 0:
+            return None
+        return self.compute_hash(seq.block(0))
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Whether the free list holds the blocks the sequence needs beyond shared cache hits."""
+        shared = sum(1 for block_id in self.cached_prefix(seq) if block_id in self.used_block_ids)
+        return len(self.free_block_ids) >= seq.num_blocks - shared
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give a waiting sequence its whole block table: cached prefix blocks, then fresh ones
+        (hashed by hash_blocks once a step has written them)."""
+        assert not seq.block_table
+        hits = self.cached_prefix(seq)
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block_id in self.used_block_ids:
+                block.ref_count += 1
+            else:  # a freed block that kept its contents: revive it, hash included
+                h, token_ids = block.hash, block.token_ids
+                self._allocate_block(block_id).update(h, token_ids)
+                self.hash_to_block_id[h] = block_id
+            seq.block_table.append(block_id)
+        seq.num_cached_tokens = len(hits) * self.block_size
+        self.num_cache_hit_blocks += len(hits)
+        for _ in range(len(hits), seq.num_blocks):
+            seq.block_table.append(self._allocate_block(self.free_block_ids[0]).block_id)
 
     def deallocate(self, seq: Sequence) -> None:
         """Drop a sequence's references; blocks reaching zero return to the free list."""
@@ -118,31 +130,41 @@ class BlockManager:
         self.free_block_ids = deque(range(len(self.blocks)))
         self.used_block_ids.clear()
 
+    def free_all(self) -> None:
+        """Free every block but keep the cached prefixes (callers drop all block tables): a
+        block is hashed only once the step writing its K/V was launched, so they stay valid."""
+        for block in self.blocks:
+            block.ref_count = 0
+        self.hash_to_block_id = {h: block_id for h, block_id in self.hash_to_block_id.items()
+                                 if self.blocks[block_id].hash == h}
+        # Blocks without a cached prefix are handed out first.
+        self.free_block_ids = deque(sorted(range(len(self.blocks)),
+                                           key=lambda i: self.blocks[i].hash != -1))
+        self.used_block_ids.clear()
+
     def can_append(self, seq: Sequence) -> bool:
         """A decode step needs a new block when the newest token starts one."""
         return len(self.free_block_ids) >= (len(seq) % self.block_size == 1)
 
     def may_append(self, seq: Sequence) -> None:
-        """Reserve room for the newest token; hash the last block once it is full and known."""
-        block_table = seq.block_table
-        last_block = self.blocks[block_table[-1]]
+        """Reserve a block for the newest token when it starts one."""
         if len(seq) % self.block_size == 1:
-            assert last_block.hash != -1
             block = self._allocate_block(self.free_block_ids[0])
-            block_table.append(block.block_id)
-        elif len(seq) % self.block_size == 0:
-            if not seq.num_pending_tokens:  # else Scheduler.commit hashes it once it is known
-                self.hash_last_block(seq)
-        else:
-            assert last_block.hash == -1
+            seq.block_table.append(block.block_id)
 
-    def hash_last_block(self, seq: Sequence) -> None:
-        """Register a sequence's just-filled last block in the prefix cache."""
-        block_table = seq.block_table
-        last_block = self.blocks[block_table[-1]]
-        assert last_block.hash == -1
-        token_ids = seq.block(seq.num_blocks - 1)
-        prefix = self.blocks[block_table[-2]].hash if len(block_table) > 1 else -1
-        h = self.compute_hash(token_ids, prefix)
-        last_block.update(h, token_ids)
-        self.hash_to_block_id[h] = last_block.block_id
+    def hash_blocks(self, seq: Sequence) -> None:
+        """Register in the prefix cache the full blocks launched steps write: those below
+        num_cached_tokens that have no hash yet (chunk ends need not be block ends)."""
+        table = seq.block_table
+        end = min(seq.num_cached_tokens // self.block_size, len(table))
+        if end == 0 or self.blocks[table[end - 1]].hash != -1:
+            return  # the common decode case: no block filled since the last call
+        start = end - 1
+        while start > 0 and self.blocks[table[start - 1]].hash == -1:
+            start -= 1
+        h = self.blocks[table[start - 1]].hash if start else -1
+        for i in range(start, end):
+            token_ids = seq.block(i)
+            h = self.compute_hash(token_ids, h)
+            self.blocks[table[i]].update(h, token_ids)
+            self.hash_to_block_id[h] = table[i]

@@ -24,6 +24,9 @@ class InFlightStep:
 
     seqs: list[Sequence]
     sampled: SampledIds
+    # per sequence of a prefill step: whether its row samples (its chunk ends the prompt);
+    # None for a decode step, where every row samples
+    samples: list[bool] | None = None
     # (row, seq) of each sequence given a pending token for this step's sample (by advance)
     advanced: list[tuple[int, Sequence]] = field(default_factory=list)
 
@@ -105,15 +108,16 @@ class LLMEngine:
         previous = self._in_flight  # stays recorded until committed, for _abort
         try:
             if previous is not None:
-                previous.advanced = self.scheduler.advance(previous.seqs)
+                previous.advanced = self.scheduler.advance(previous.seqs, previous.samples)
             seqs, is_prefill, num_tokens, kv_blocks_in_use = self._schedule()
             launched = None  # nothing to launch once the last in-flight step is all that is left
             if seqs:
-                launched = InFlightStep(seqs, self._launch(seqs, is_prefill, previous))
-            finished = self._commit(previous, seqs) if previous is not None else []
+                samples = [seq.samples_next for seq in seqs] if is_prefill else None
+                launched = InFlightStep(seqs, self._launch(seqs, is_prefill, previous), samples)
+            finished = self._commit(previous) if previous is not None else []
             self._in_flight = launched
             if launched is not None and not self._pipelined:
-                launched.advanced = self.scheduler.advance(seqs)
+                launched.advanced = self.scheduler.advance(seqs, launched.samples)
                 finished += self._commit(launched)
                 self._in_flight = None
         except BaseException:
@@ -130,24 +134,25 @@ class LLMEngine:
                 previous: InFlightStep | None = None) -> SampledIds:
         """Enqueue a step (with workers: run it on every rank); pending tokens from `previous`."""
         if self.workers is not None:
-            return SampledIds(torch.tensor(self.workers.execute("run", seqs, is_prefill)))
-        if previous is None or is_prefill:
+            ids = self.workers.execute("run", seqs, is_prefill)
+            return SampledIds(torch.tensor(ids, dtype=torch.int64))
+        if previous is None or is_prefill or not previous.advanced:  # no pending token
             return self.model_runner.launch(seqs, is_prefill)
         return self.model_runner.launch(seqs, False, previous.sampled.device,
                                         previous.source_rows(seqs))
 
-    def _commit(self, step: InFlightStep, in_flight: list[Sequence] = ()) -> list[Sequence]:
+    def _commit(self, step: InFlightStep) -> list[Sequence]:
         """Read an advanced step's ids (the one host sync per step); returns the finished."""
-        finished = self.scheduler.commit(step.advanced, step.sampled.tolist(), in_flight)
+        finished = self.scheduler.commit(step.advanced, step.sampled.tolist())
         return finished + self._check_stop_strings([seq for _, seq in step.advanced])
 
     def _schedule(self) -> tuple[list[Sequence], bool, int, int]:
-        """The next batch, whether it is prefill, its token count (+ tokens a prefill computes,
-        - sequences a decode extends) and the KV blocks in use once it is scheduled (the step's
-        peak: finishing sequences free blocks later)."""
+        """The next batch, whether it is prefill, its token count (+ prompt tokens a prefill
+        computes, - sequences a decode extends) and the KV blocks in use once it is scheduled
+        (the step's peak: finishing sequences free blocks later)."""
         seqs, is_prefill = self.scheduler.schedule()
         if is_prefill:
-            num_tokens = sum(len(seq) - seq.num_cached_tokens for seq in seqs)
+            num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
         else:
             num_tokens = -len(seqs)
         return seqs, is_prefill, num_tokens, self.scheduler.num_used_blocks

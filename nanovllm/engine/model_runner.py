@@ -106,12 +106,17 @@ class ModelRunner:
                 * layer.head_dim * self.config.torch_dtype.itemsize)
 
     def warmup_model(self) -> None:
-        """Run the largest prefill batch once so the activation peak is known before sizing KV."""
+        """Run the largest prefill step once so the activation peak is known before sizing KV:
+        the whole token budget, split over as many sequences as a step may hold (each of which
+        samples, so the LM head's rows peak too)."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        max_len = self.config.max_model_len
-        num_seqs = min(self.config.max_num_batched_tokens // max_len, self.config.max_num_seqs)
-        seqs = [Sequence([0] * max_len, _WARMUP_PARAMS, self.block_size) for _ in range(num_seqs)]
+        budget = self.config.max_num_batched_tokens
+        num_seqs = min(budget, self.config.max_num_seqs)
+        length = min(budget // num_seqs, self.config.max_model_len)
+        seqs = [Sequence([0] * length, _WARMUP_PARAMS, self.block_size) for _ in range(num_seqs)]
+        for seq in seqs:
+            seq.num_scheduled_tokens = len(seq)
         self.run(seqs, True)
         torch.cuda.empty_cache()
 
@@ -198,7 +203,10 @@ class ModelRunner:
         graph = None if context.is_prefill else self.graphs.get(input_ids.size(0))
         with forward_context(context):
             if graph is None:
-                return self.model.compute_logits(self.model(input_ids, positions))
+                hidden_states = self.model(input_ids, positions)
+                if context.is_prefill and context.logits_indices is None:
+                    return None  # every chunk ends inside its prompt: nothing to sample
+                return self.model.compute_logits(hidden_states)
             graph.replay()
             return self.model.compute_logits(self.graph_outputs[:input_ids.size(0)])
 
@@ -215,6 +223,10 @@ class ModelRunner:
         logits = self.run_model(input_ids, positions, context)
         if self.rank != 0:
             return None
+        if is_prefill:
+            seqs = [seq for seq in seqs if seq.samples_next]  # the rows of `logits`
+            if not seqs:
+                return SampledIds(torch.empty(0, dtype=torch.int64, device=self.device))
         # Prepared after the (asynchronous) forward was launched, so it overlaps the GPU.
         sample_params = self.prepare_sample(seqs)
         return SampledIds(self.sampler(logits[:len(seqs)], sample_params))

@@ -1,4 +1,9 @@
-"""Waiting and running queues: prefill first, then decode, preemption by recompute."""
+"""Waiting and running queues: prefill first (in chunks), then decode, preemption by recompute.
+
+A prompt longer than the token budget left in a step is prefilled over several steps. While its
+chunks run it stays at the head of `waiting`, holding its whole block table; the step that
+computes its last chunk samples its first token and moves it to `running` (decoding).
+"""
 from collections import deque
 from itertools import islice
 from time import perf_counter
@@ -8,7 +13,9 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
-    """Picks each step's batch; a step is all prefill or all decode."""
+    """Picks each step's batch; a step is all prefill or all decode. A prefill step that leaves
+    a prompt unfinished is followed by a decode step when any sequence is decoding, so running
+    decodes advance once per chunk of a long prompt."""
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  eos_token_id: int | None, num_blocks: int, block_size: int):
@@ -21,6 +28,7 @@ class Scheduler:
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0  # tokens prefilled again after a preemption
+        self._decode_next = False  # the last prefill step ended inside a prompt
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -47,29 +55,43 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """Return (sequences, is_prefill) for the next step."""
-        scheduled = self._schedule_prefill()
-        if scheduled:
-            return scheduled, True
+        """Return (sequences, is_prefill) for the next step; each prefill sequence's
+        num_scheduled_tokens says how many of its tokens the step computes."""
+        if not (self._decode_next and self.running):
+            scheduled = self._schedule_prefill()
+            if scheduled:
+                self._decode_next = not scheduled[-1].samples_next
+                return scheduled, True
+        self._decode_next = False
         return self._schedule_decode(), False
 
     def _schedule_prefill(self) -> list[Sequence]:
+        """Waiting sequences in order, each given the rest of its prompt or the budget left; a
+        sequence is allocated its whole block table (after any cached prefix) when admitted."""
         scheduled: list[Sequence] = []
-        num_batched_tokens = 0
-        while self.waiting and len(scheduled) < self.max_num_seqs:
+        budget = self.max_num_batched_tokens
+        computing: set[int] = set()  # hashes of the first blocks this step computes
+        while self.waiting and budget and len(scheduled) < self.max_num_seqs:
             seq = self.waiting[0]
-            if (num_batched_tokens + len(seq) > self.max_num_batched_tokens
-                    or not self.block_manager.can_allocate(seq)):
-                break
-            self.block_manager.allocate(seq)
-            num_new_tokens = len(seq) - seq.num_cached_tokens
-            if seq.num_completion_tokens:  # it has output, so it was preempted: a recompute
-                self.num_recomputed_tokens += num_new_tokens
-            num_batched_tokens += num_new_tokens
+            if not seq.block_table:  # not admitted yet (or preempted)
+                head = self.block_manager.first_block_hash(seq)
+                if head in computing:
+                    break  # shares a block this step computes: next step it is a cache hit
+                if not self.block_manager.can_allocate(seq):
+                    break
+                self.block_manager.allocate(seq)
+                if head is not None and not seq.num_cached_tokens:
+                    computing.add(head)
+                if seq.num_completion_tokens:  # it has output, so it was preempted: a recompute
+                    self.num_recomputed_tokens += len(seq) - seq.num_cached_tokens
+            seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, budget)
+            budget -= seq.num_scheduled_tokens
+            scheduled.append(seq)
+            if not seq.samples_next:
+                break  # the budget is spent: it stays first in waiting for its next chunk
             seq.status = SequenceStatus.RUNNING
             self.waiting.popleft()
             self.running.append(seq)
-            scheduled.append(seq)
         return scheduled
 
     def _schedule_decode(self) -> list[Sequence]:
@@ -90,11 +112,12 @@ class Scheduler:
         while self.running and len(scheduled) < self.max_num_seqs:
             seq = self.running.popleft()
             while not self.block_manager.can_append(seq):
-                if self.running:
-                    self.preempt(self.running.pop())  # the most recently admitted goes first
-                else:
+                victim = self._preemption_victim()
+                if victim is None:
+                    self.running.appendleft(seq)
                     self.preempt(seq)
                     break
+                self.preempt(victim)
             else:
                 self.block_manager.may_append(seq)
                 scheduled.append(seq)
@@ -102,18 +125,28 @@ class Scheduler:
         self.running.extendleft(reversed(scheduled))
         return scheduled
 
+    def _preemption_victim(self) -> Sequence | None:
+        """The most recently admitted decoding sequence, else a partly prefilled one."""
+        if self.running:
+            return self.running[-1]
+        return next((seq for seq in reversed(self.waiting) if seq.block_table), None)
+
     def preempt(self, seq: Sequence) -> None:
-        """Free a running sequence's blocks; it is prefilled again (recompute) later."""
-        seq.status = SequenceStatus.WAITING
+        """Free a running or partly prefilled sequence's blocks; it is prefilled again
+        (recompute) later."""
         self.block_manager.deallocate(seq)
-        self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        if seq.status == SequenceStatus.RUNNING:
+            seq.status = SequenceStatus.WAITING
+            self.running.remove(seq)
+            self.waiting.appendleft(seq)
 
     def abort(self, seqs: list[Sequence], in_flight: list[Sequence] = ()) -> None:
         """Recover from an exception mid-step: drop `seqs` and the `in_flight` batch's pending
         tokens, send every other unfinished sequence back to waiting (recompute), and start the
         pool afresh: the failed step may have hashed blocks whose K/V was never written, and an
-        interrupt can land between any two lines, so nothing the pool holds is trusted."""
+        interrupt can land between any two lines, so no block table or reference count is
+        trusted; the cached prefixes are kept, since only launched steps hash blocks."""
         dropped = {seq.seq_id for seq in seqs}
         for seq in in_flight:
             if seq.drop_pending_token() and seq.finish_reason == "length":
@@ -130,34 +163,52 @@ class Scheduler:
             seq.drop_pending_token()  # an append cut between its lines
             seq.block_table.clear()
             seq.num_cached_tokens = 0
+            seq.num_scheduled_tokens = 1
         for seq in survivors:
             seq.status = SequenceStatus.WAITING
         self.running.clear()
         self.waiting = deque(survivors)  # formerly running first: they arrived earlier
-        self.block_manager.reset()
+        self.block_manager.free_all()
+        self._decode_next = False
 
-    def advance(self, seqs: list[Sequence]) -> list[tuple[int, Sequence]]:
-        """Give each unfinished sequence of a launched step a pending token (its id comes with
-        commit); finish those at a length limit. Returns (row in the step's ids, seq) pairs."""
+    def advance(self, seqs: list[Sequence], samples: list[bool] | None = None
+                ) -> list[tuple[int, Sequence]]:
+        """After a step is launched: move each unfinished sequence's cached count past the
+        tokens the step computes and hash the blocks it fills; give those whose row samples
+        (samples[i]; every row of a decode step, where samples is None) a pending token (its
+        id comes with commit) and finish those at a length limit. Returns (row in the step's
+        ids, seq) pairs.
+
+        Hashing at launch is safe: later steps run after this one on the same stream, and an
+        aborted call waits for launched work before it recovers (a step that failed to launch
+        is never advanced)."""
         advanced = []
-        for row, seq in enumerate(seqs):
+        row = -1
+        block_size, block_manager = self.block_manager.block_size, self.block_manager
+        for i, seq in enumerate(seqs):
+            if samples is not None and not samples[i]:  # a chunk that ends inside the prompt
+                if not seq.is_finished:
+                    seq.num_cached_tokens += seq.num_scheduled_tokens
+                    block_manager.hash_blocks(seq)
+                continue
+            row += 1  # rows of the step's sampled ids: one per sampling sequence
             if seq.is_finished:  # stopped by the previous commit: its new token is dropped
                 continue
+            seq.num_scheduled_tokens = 1
             advanced.append((row, seq))
             seq.append_pending_token()
+            if samples is not None or seq.num_cached_tokens % block_size == 0:
+                block_manager.hash_blocks(seq)  # a decode token fills a block now and then
             if (seq.num_completion_tokens >= seq.sampling_params.max_tokens
                     or len(seq) >= self.max_model_len):
                 self.finish(seq, "length")
         return advanced
 
-    def commit(self, advanced: list[tuple[int, Sequence]], token_ids: list[int],
-               in_flight: list[Sequence] = ()) -> list[Sequence]:
-        """Record the ids of advanced sequences' pending tokens; return those that finished.
-        A block a pending token filled is hashed here if the step in flight (which writes that
-        token's K/V) holds the sequence, else by may_append."""
+    def commit(self, advanced: list[tuple[int, Sequence]], token_ids: list[int]
+               ) -> list[Sequence]:
+        """Record the ids of advanced sequences' pending tokens; return those that finished."""
         finished = []
         now = perf_counter()
-        block_size = self.block_manager.block_size
         for row, seq in advanced:
             token_id = token_ids[row]
             seq.commit_pending_token(token_id)
@@ -168,8 +219,6 @@ class Scheduler:
             if seq.is_finished:
                 seq.finish_time = now  # a length limit is set in advance(); the token lands now
                 finished.append(seq)
-            elif len(seq) % block_size == 0 and seq in in_flight:  # rare: a block just filled
-                self.block_manager.hash_last_block(seq)
         return finished
 
     def finish(self, seq: Sequence, reason: str, now: float | None = None) -> None:

@@ -29,6 +29,7 @@ class Sequence:
         self.num_tokens = len(token_ids)
         self.num_prompt_tokens = len(token_ids)
         self.num_cached_tokens = 0  # tokens whose K/V are already in the paged cache
+        self.num_scheduled_tokens = 1  # tokens the next step computes: a prompt chunk, or 1
         self.block_table: list[int] = []
         self.block_size = block_size
         self.sampling_params = sampling_params
@@ -53,9 +54,15 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
-    def uncached_token_ids(self) -> list[int]:
-        """Tokens whose K/V are not cached yet: what the next step feeds the model."""
-        return self.token_ids[self.num_cached_tokens - self.token_offset:]
+    def chunk_token_ids(self) -> list[int]:
+        """The tokens the next step feeds the model: num_scheduled_tokens after the cached."""
+        start = self.num_cached_tokens - self.token_offset
+        return self.token_ids[start:start + self.num_scheduled_tokens]
+
+    @property
+    def samples_next(self) -> bool:
+        """Whether the next step's chunk reaches the end, so its last row samples a token."""
+        return self.num_cached_tokens + self.num_scheduled_tokens == self.num_tokens
 
     @property
     def num_cached_blocks(self) -> int:
@@ -101,13 +108,13 @@ class Sequence:
 
     def __getstate__(self) -> tuple:
         # What a tensor-parallel worker needs to build its step inputs, and no more: the
-        # uncached tokens (the whole uncached prompt in prefill, one token in decode), the
-        # lengths and the block table. Sampling happens on rank 0 only.
-        return (self.seq_id, self.num_tokens, self.num_cached_tokens, self.block_size,
-                self.block_table, self.uncached_token_ids)
+        # step's tokens (a prompt chunk in prefill, one token in decode), the lengths and the
+        # block table. Sampling happens on rank 0 only.
+        return (self.seq_id, self.num_tokens, self.num_cached_tokens, self.num_scheduled_tokens,
+                self.block_size, self.block_table, self.chunk_token_ids)
 
     def __setstate__(self, state: tuple) -> None:
-        (self.seq_id, self.num_tokens, self.num_cached_tokens, self.block_size,
-         self.block_table, self.token_ids) = state
+        (self.seq_id, self.num_tokens, self.num_cached_tokens, self.num_scheduled_tokens,
+         self.block_size, self.block_table, self.token_ids) = state
         self.token_offset = self.num_cached_tokens
         self.last_token = self.token_ids[-1]

@@ -20,27 +20,43 @@ def block_table_rows(seqs: list[Sequence]) -> list[list[int]]:
     return [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
 
 
+def chunk_slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Cache slots of positions [start, end): position p goes to slot
+    block_table[p // block_size] * block_size + p % block_size.
+
+        positions  |  block 0  |  block 1  |  block 2  |
+        chunk            [start ........ end)          start, end need not be block edges
+    """
+    slots = []
+    for i in range(start // block_size, -(-end // block_size)):
+        first = i * block_size
+        base = block_table[i] * block_size - first
+        slots.extend(range(base + max(start, first), base + min(end, first + block_size)))
+    return slots
+
+
 def prepare_prefill(seqs: list[Sequence], block_size: int,
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Context]:
-    """Inputs for the tokens not yet in the cache; keys span cached + new tokens.
-
-    Token p of a sequence goes to slot block_table[p // block_size] * block_size + p % block_size.
-    """
-    input_ids, positions, slot_mapping = [], [], []
+    """Inputs for each sequence's chunk: num_scheduled_tokens tokens after its cached ones.
+    The chunk's queries attend to the cached tokens (through block_tables) and to itself; only
+    rows whose chunk ends the sequence get logits (logits_indices), the others have no token
+    to sample yet."""
+    input_ids, positions, slot_mapping, logits_indices = [], [], [], []
     cu_seqlens_q, cu_seqlens_k = [0], [0]
     max_seqlen_q = max_seqlen_k = 0
     for seq in seqs:
-        seqlen, cached = len(seq), seq.num_cached_tokens
-        input_ids.extend(seq.uncached_token_ids)  # workers receive only these
-        positions.extend(range(cached, seqlen))
-        cu_seqlens_q.append(cu_seqlens_q[-1] + seqlen - cached)
-        cu_seqlens_k.append(cu_seqlens_k[-1] + seqlen)
-        max_seqlen_q = max(max_seqlen_q, seqlen - cached)
-        max_seqlen_k = max(max_seqlen_k, seqlen)
-        for i in range(seq.num_cached_blocks, len(seq.block_table)):  # empty in warm-up
-            start = seq.block_table[i] * block_size
-            end = start + (block_size if i != seq.num_blocks - 1 else seq.last_block_num_tokens)
-            slot_mapping.extend(range(start, end))
+        start, num_new = seq.num_cached_tokens, seq.num_scheduled_tokens
+        end = start + num_new
+        input_ids.extend(seq.chunk_token_ids)  # workers receive only these
+        positions.extend(range(start, end))
+        cu_seqlens_q.append(cu_seqlens_q[-1] + num_new)
+        cu_seqlens_k.append(cu_seqlens_k[-1] + end)
+        max_seqlen_q = max(max_seqlen_q, num_new)
+        max_seqlen_k = max(max_seqlen_k, end)
+        if seq.samples_next:
+            logits_indices.append(cu_seqlens_q[-1] - 1)
+        if seq.block_table:  # empty in warm-up, which runs before the KV pool exists
+            slot_mapping.extend(chunk_slots(seq.block_table, start, end, block_size))
     prefix_cached = cu_seqlens_k[-1] > cu_seqlens_q[-1]
     context = Context(
         is_prefill=True,
@@ -50,7 +66,9 @@ def prepare_prefill(seqs: list[Sequence], block_size: int,
         slot_mapping=to_device(slot_mapping, torch.int32, device) if slot_mapping else None,
         block_tables=(to_device(block_table_rows(seqs), torch.int32, device)
                       if prefix_cached else None),
-        prefix_cached=prefix_cached)
+        prefix_cached=prefix_cached,
+        logits_indices=(to_device(logits_indices, torch.int64, device) if logits_indices
+                        else None))
     return (to_device(input_ids, torch.int64, device), to_device(positions, torch.int64, device),
             context)
 

@@ -35,13 +35,13 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits for each sequence's last position; shards gathered to rank 0 (None elsewhere)."""
+    """Logits for the rows that sample (in prefill: context.logits_indices, the last row of
+    each chunk that ends its sequence); shards gathered to rank 0 (None elsewhere)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         context = get_context()
         if context.is_prefill:
-            last_indices = context.cu_seqlens_q[1:] - 1
-            x = x[last_indices].contiguous()
+            x = x[context.logits_indices].contiguous()
         logits = F.linear(x, self.weight)
         if self.tp_size > 1:
             # Only rank 0 samples, so only rank 0 receives the other ranks' vocabulary slices.

@@ -4,6 +4,7 @@ import dataclasses
 import logging
 import os
 import sys
+import typing
 
 from nanovllm.config import Config
 
@@ -22,9 +23,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         flag = "--" + f.name.replace("_", "-")
         if f.type is bool:
             engine.add_argument(flag, action="store_true", help="flag (default off)")
-        else:
-            engine.add_argument(flag, type=f.type, default=f.default,
-                                help=f"default {f.default}")
+        else:  # `int | None` (None: decided by the checkpoint) parses as int
+            parse = next((t for t in typing.get_args(f.type) if t is not type(None)), f.type)
+            engine.add_argument(flag, type=parse, default=f.default, help=f"default {f.default}")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="the name clients ask for (default: MODEL)")

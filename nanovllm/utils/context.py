@@ -18,6 +18,7 @@ class Context:
     context_lens: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
     prefix_cached: bool = False  # prefill whose keys include blocks already in the cache
+    logits_indices: torch.Tensor | None = None  # prefill rows that sample; None: no row does
 
 
 _CONTEXT = Context()

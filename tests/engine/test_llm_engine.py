@@ -34,15 +34,18 @@ def test_shared_two_block_prefix_shares_physical_blocks(llm):
     rng = random.Random(1)
     prefix = rand_prompt(rng, 512)
     a, b = prefix + rand_prompt(rng, 40), prefix + rand_prompt(rng, 70)
-    llm.add_request(a, GREEDY)
-    llm.add_request(b, GREEDY)
-    seqs, is_prefill = llm.scheduler.schedule()
-    assert is_prefill and seqs[0].block_table[:2] == seqs[1].block_table[:2]
-    assert seqs[1].num_cached_tokens == 512
-    bm = llm.scheduler.block_manager
+    scheduler, bm = llm.scheduler, llm.scheduler.block_manager
+    seqs = []
+    for prompt in (a, b):  # b is admitted once a's prefill has run (and hashed its blocks)
+        llm.add_request(prompt, GREEDY)
+        batch, is_prefill = scheduler.schedule()
+        assert is_prefill and len(batch) == 1
+        token_ids = llm.model_runner.run(batch, is_prefill)
+        scheduler.commit(scheduler.advance(batch, [True]), token_ids)
+        seqs += batch
+    assert seqs[0].block_table[:2] == seqs[1].block_table[:2]
     assert [bm.blocks[i].ref_count for i in seqs[0].block_table[:2]] == [2, 2]
-    token_ids = llm.model_runner.run(seqs, is_prefill)
-    llm.scheduler.commit(llm.scheduler.advance(seqs), token_ids)
+    assert seqs[1].num_cached_tokens == len(b)  # 512 from the cache, then its own prefill
     while not llm.is_finished():
         llm.step()
     cached_b = seqs[1].completion_token_ids

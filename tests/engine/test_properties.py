@@ -32,19 +32,18 @@ def chained_hashes(seq: Sequence, num_blocks: int) -> list[int]:
 
 
 def check_sequence_blocks(bm: BlockManager, seq: Sequence, in_flight: bool = False) -> None:
-    """Between steps K/V is stored for all tokens but the newest (all of them once a launched
-    step is in flight): its blocks are exactly those, every full one hashed by the chain over
-    the sequence's own tokens, the partial one not."""
+    """Between steps a sequence has blocks for all its tokens but the newest (for all of them
+    once a launched step is in flight, or while its prompt is prefilled in chunks). Exactly
+    the full blocks below num_cached_tokens (written by launched steps) are hashed, by the
+    chain over the sequence's own tokens."""
     resident = len(seq) if in_flight else len(seq) - 1
     assert len(seq.block_table) == -(-resident // BS)
     assert seq.num_cached_tokens <= resident
-    num_full = resident // BS
-    assert seq.num_cached_blocks <= num_full
-    for i, h in enumerate(chained_hashes(seq, num_full)):
+    num_hashed = seq.num_cached_tokens // BS
+    for i, h in enumerate(chained_hashes(seq, num_hashed)):
         block = bm.blocks[seq.block_table[i]]
         assert block.hash == h and block.token_ids == seq.block(i)
-    if resident % BS:
-        assert bm.blocks[seq.block_table[-1]].hash == -1
+    assert all(bm.blocks[i].hash == -1 for i in seq.block_table[num_hashed:])
 
 
 def check_pool(bm: BlockManager, holders: list[Sequence], in_flight: tuple = ()) -> None:
@@ -94,6 +93,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.waiting.remove(seq)
         self.running.append(seq)
         seq.append_token(token)  # the prefill's sampled token
+        self.bm.hash_blocks(seq)  # once the prefill has run
 
     @precondition(lambda self: self.running)
     @rule(data=st.data(), token=TOKENS)
@@ -102,6 +102,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if len(seq) < MAX_MODEL_LEN and self.bm.can_append(seq):
             self.bm.may_append(seq)
             seq.append_token(token)
+            self.bm.hash_blocks(seq)
 
     @precondition(lambda self: self.running)
     @rule(data=st.data(), preempt=st.booleans())
@@ -149,15 +150,17 @@ def interrupt_after(num_lines: int):
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Scheduler + BlockManager with valid requests only (as the engine admits them)."""
+    """Scheduler + BlockManager with valid requests only (as the engine admits them); a token
+    budget of 6 (not a multiple of the block size) chunks the longer prompts."""
 
     def __init__(self):
         super().__init__()
-        self.num_blocks, self.max_num_seqs = 8, 3
-        self.s = Scheduler(self.max_num_seqs, MAX_MODEL_LEN, MAX_MODEL_LEN, EOS,
+        self.num_blocks, self.max_num_seqs, self.budget = 8, 3, 6
+        self.s = Scheduler(self.max_num_seqs, self.budget, MAX_MODEL_LEN, EOS,
                            self.num_blocks, BS)
         self.seqs: list[Sequence] = []
         self.pending: list[Sequence] = []  # the pipelined engine's in-flight batch
+        self.samples: list[bool] | None = None  # which of its rows sample (None: decode)
 
     @property
     def bm(self) -> BlockManager:
@@ -177,41 +180,51 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _step(self, tokens: list[int]) -> None:
         if self.pending:  # a lockstep step after pipelined ones: commit first, nothing in flight
-            finished = self.s.commit(self.s.advance(self.pending), tokens)
+            finished = self._commit(self._advance(), tokens)
             self.pending = []
             for seq in finished:
                 self._check_finished(seq)
             if self.s.is_finished():
                 return
-        self.pending = self._schedule()[0]  # lockstep: launched, then committed at once
-        finished = self.s.commit(self.s.advance(self.pending), tokens)
+        self.pending, self.samples = self._schedule()  # lockstep: launched, committed at once
+        finished = self._commit(self._advance(), tokens)
         self.pending = []
         for seq in finished:
             self._check_finished(seq)
 
+    def _advance(self) -> list[tuple[int, Sequence]]:
+        return self.s.advance(self.pending, self.samples)
+
+    def _commit(self, advanced: list[tuple[int, Sequence]], tokens: list[int]) -> list[Sequence]:
+        return self.s.commit(advanced, tokens)
+
     def _pipelined_step(self, tokens: list[int]) -> None:
         """LLMEngine.step without tensor parallelism: advance, schedule, launch, commit. The
         in-flight batch stays recorded until its commit is done, as abort needs it."""
-        advanced = self.s.advance(self.pending)
+        advanced = self._advance()
         assert all(seq.num_pending_tokens == 1 for _, seq in advanced)
-        batch = self._schedule()[0] if not self.s.is_finished() else []
-        finished = self.s.commit(advanced, tokens, batch)
-        self.pending = batch
+        batch, samples = self._schedule() if not self.s.is_finished() else ([], None)
+        finished = self._commit(advanced, tokens)
+        self.pending, self.samples = batch, samples
         for seq in finished:
             self._check_finished(seq)
 
-    def _schedule(self) -> tuple[list[Sequence], bool]:
+    def _schedule(self) -> tuple[list[Sequence], list[bool] | None]:
+        """The next batch and, for a prefill, which rows sample (as the engine records)."""
         preemptions = self.s.num_preemptions
         batch, is_prefill = self.s.schedule()
         event(f"preempted in schedule: {self.s.num_preemptions > preemptions}")
         assert 0 < len(batch) <= self.max_num_seqs  # an admitted request always progresses
         if is_prefill:
-            assert sum(len(seq) - seq.num_cached_tokens for seq in batch) <= MAX_MODEL_LEN
-            assert all(seq.num_cached_tokens % BS == 0 for seq in batch)
-        else:
-            assert all(len(seq.block_table) == seq.num_blocks for seq in batch)
-            assert all(seq.num_blocks <= -(-MAX_MODEL_LEN // BS) for seq in batch)
-        return batch, is_prefill
+            assert sum(seq.num_scheduled_tokens for seq in batch) <= self.budget
+            assert all(seq.num_scheduled_tokens > 0 for seq in batch)
+            samples = [seq.samples_next for seq in batch]
+            event(f"chunked: {not all(samples)}")
+            assert all(samples[:-1])  # only the last row of a step may end inside its prompt
+            return batch, samples
+        assert all(len(seq.block_table) == seq.num_blocks for seq in batch)
+        assert all(seq.num_blocks <= -(-MAX_MODEL_LEN // BS) for seq in batch)
+        return batch, None
 
     def _check_finished(self, seq: Sequence) -> None:
         params = seq.sampling_params
@@ -233,11 +246,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     def pipelined_step(self, tokens):
         self._pipelined_step(tokens)
 
-    @precondition(lambda self: self.s.running and not self.pending)
+    @precondition(lambda self: any(seq.block_table for seq in self.unfinished)
+                  and not self.pending)
     @rule(data=st.data())
     def preempt(self, data):
-        seq = data.draw(st.sampled_from(list(self.s.running)))
-        self.s.running.remove(seq)
+        """A decoding or a partly prefilled sequence."""
+        seq = data.draw(st.sampled_from([seq for seq in self.unfinished if seq.block_table]))
         self.s.preempt(seq)
 
     @precondition(lambda self: not self.s.is_finished())
@@ -245,7 +259,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def model_fails(self, data):
         """An exception between schedule and commit aborts one call's requests."""
         if self.pending:  # the pipelined engine advances the in-flight batch first
-            self.s.advance(self.pending)
+            self._advance()
         if not self.s.is_finished():
             self.s.schedule()
         unfinished = self.unfinished
@@ -253,8 +267,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.s.abort(call, self.pending)
         self.pending = []  # the engine drops the failed step's sampled ids
         assert all(seq.is_finished for seq in call)
-        check_all_free(self.bm)
-        assert not self.bm.hash_to_block_id
+        check_all_free(self.bm)  # cached prefixes are kept: check_pool checks their hashes
 
     @precondition(lambda self: not self.s.is_finished())
     @rule(at_line=st.integers(1, 400), tokens=st.lists(st.integers(0, 2), min_size=3,
@@ -278,13 +291,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert sorted(seq.seq_id for seq in running + waiting) == sorted(
             seq.seq_id for seq in self.unfinished)
         assert all(seq.status == SequenceStatus.RUNNING for seq in running)
-        assert all(seq.status == SequenceStatus.WAITING and not seq.block_table
-                   for seq in waiting)
+        assert all(seq.status == SequenceStatus.WAITING for seq in waiting)
+        # block holders in waiting: the one partly prefilled prompt, if any
+        assert len([seq for seq in waiting if seq.block_table]) <= 1
         assert all(len(seq) <= MAX_MODEL_LEN for seq in self.seqs)
         # no pending token outlives its step, and every counted token's id is known
         assert all(not seq.num_pending_tokens and len(seq.token_ids) == len(seq)
                    for seq in self.seqs)
-        check_pool(self.bm, running, tuple(self.pending))
+        prefilling = [seq for seq in waiting if seq.block_table]  # its whole prompt has blocks
+        check_pool(self.bm, running + prefilling, (*self.pending, *prefilling))
 
     def teardown(self):
         steps = 0

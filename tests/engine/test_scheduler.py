@@ -16,9 +16,11 @@ def seq(n: int, max_tokens: int = 16, ignore_eos: bool = True, start: int = 1) -
                     SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), BS)
 
 
-def postprocess(s: Scheduler, batch: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+def postprocess(s: Scheduler, batch: list[Sequence], token_ids: list[int],
+                is_prefill: bool = False) -> list[Sequence]:
     """What the engine does with a step's sampled ids: advance, then commit."""
-    return s.commit(s.advance(batch), token_ids)
+    samples = [x.samples_next for x in batch] if is_prefill else None
+    return s.commit(s.advance(batch, samples), token_ids)
 
 
 def test_prefill_first_then_decode():
@@ -45,7 +47,8 @@ def test_token_budget_and_max_num_seqs():
     for x in [seq(4, start=1), seq(4, start=20), seq(4, start=40)]:
         s2.add(x)
     batch, _ = s2.schedule()
-    assert len(batch) == 2  # 4 + 4 <= 10 < 12
+    assert len(batch) == 3 and [x.num_scheduled_tokens for x in batch] == [4, 4, 2]
+    assert not batch[2].samples_next and s2.waiting[0] is batch[2]  # chunked: 2 tokens left
 
 
 def test_preemption_takes_the_tail_of_running():
@@ -80,3 +83,42 @@ def test_finish_on_eos_length_and_max_model_len():
     assert a.finish_reason == "length" and c.finish_reason == "length"  # max_tokens, len 7
     assert set(finished) == {a, c} and s.is_finished()
     assert s.block_manager.num_free_blocks == 8
+
+
+def test_a_shared_first_block_waits_one_step_to_hit_the_cache():
+    """Requests whose first block another request computes in this step wait for the next,
+    where that block (hashed once its step is launched) is a cache hit."""
+    s = make(num_blocks=8)
+    a, b, c = seq(6), seq(7), seq(6, start=50)  # a and b share block [1, 2, 3, 4]
+    for x in (a, b, c):
+        s.add(x)
+    batch, _ = s.schedule()
+    assert batch == [a]
+    postprocess(s, batch, [9], is_prefill=True)
+    batch, is_prefill = s.schedule()
+    assert is_prefill and batch == [b, c]
+    assert b.block_table[0] == a.block_table[0] and b.num_cached_tokens == BS
+
+
+def test_a_chunk_ending_inside_a_prompt_is_followed_by_decode():
+    s = make(max_tokens_budget=5)
+    a, b = seq(3), seq(9, start=20)
+    s.add(a)
+    s.add(b)
+    batch, _ = s.schedule()  # a whole (3 tokens), then 2 of b's 9
+    assert batch == [a, b] and [x.num_scheduled_tokens for x in batch] == [3, 2]
+    postprocess(s, batch, [7], is_prefill=True)
+    assert b.num_cached_tokens == 2 and not b.num_pending_tokens and len(a) == 4
+    batch, is_prefill = s.schedule()
+    assert not is_prefill and batch == [a]  # fairness: a decodes before b's next chunk
+    postprocess(s, batch, [7])
+    batch, is_prefill = s.schedule()
+    assert is_prefill and batch == [b] and b.num_scheduled_tokens == 5
+    postprocess(s, batch, [], is_prefill=True)
+    batch, is_prefill = s.schedule()
+    assert not is_prefill and batch == [a]
+    postprocess(s, batch, [7])
+    batch, is_prefill = s.schedule()  # b's last 2 tokens: it samples and starts decoding
+    assert is_prefill and batch == [b] and b.samples_next
+    postprocess(s, batch, [8], is_prefill=True)
+    assert list(s.running) == [a, b] and b.completion_token_ids == [8]

@@ -80,6 +80,7 @@ def test_qwen3_0_6b_shape_bf16_prefill_logits(backend):
     seqs = [Sequence(p, SamplingParams(), 256) for p in prompts]
     for seq in seqs:
         llm.scheduler.block_manager.allocate(seq)
+        seq.num_scheduled_tokens = len(seq)  # the whole prompt in one step, as scheduled
     runner = llm.model_runner
     inputs = prepare_prefill(seqs, runner.block_size, runner.device)
     logits = runner.run_model(*inputs).float().cpu()

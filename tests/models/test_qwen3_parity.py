@@ -45,6 +45,7 @@ def test_prefill_logits_match_transformers(pair):
     seqs = [Sequence(p, SamplingParams(), llm.config.kvcache_block_size) for p in batch]
     for seq in seqs:
         block_manager.allocate(seq)
+        seq.num_scheduled_tokens = len(seq)  # the whole prompt in one step, as scheduled
     try:
         inputs = prepare_prefill(seqs, runner.block_size, runner.device)
         logits = runner.run_model(*inputs).float().cpu()
