@@ -9,7 +9,8 @@ MAX_SEED = 2**63 - 1  # seeds travel to the device as int64
 class SamplingParams:
     """How to sample one request; temperature 0 means greedy (the filters and seed are ignored).
 
-    Order on the device: logits / temperature, then min_p, then top_k, then top_p (on the
+    Order on the device: the penalties (repetition, then frequency and presence), then
+    logits / temperature, then min_p, then top_k, then top_p (on the
     distribution renormalised after top_k), then a draw. `stop` strings are cut from "text";
     `stop_token_ids` stay in "token_ids", like EOS.
     """
@@ -23,6 +24,12 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None  # same seed, same prompt -> same tokens, whatever the batch
+    n: int = 1  # completions of the prompt; with a seed, completion i draws from (seed, i)
+    logprobs: int | None = None  # per generated token: the sampled token's and the top k's
+    prompt_logprobs: int | None = None  # per prompt token: its own and the top k's (raw)
+    repetition_penalty: float = 1.0  # transformers': seen (prompt + generated) l>0: l/r, else l*r
+    presence_penalty: float = 0.0  # OpenAI's: l -= presence if generated at least once
+    frequency_penalty: float = 0.0  # OpenAI's: l -= frequency * times generated
 
     def __post_init__(self) -> None:
         def check(name: str, ok: bool, allowed: str) -> None:
@@ -47,6 +54,15 @@ class SamplingParams:
               "a float in [0, 1] (0 = off)")
         check("seed", self.seed is None or (is_int(self.seed) and 0 <= self.seed <= MAX_SEED),
               f"None or an int in [0, {MAX_SEED}]")
+        check("n", is_int(self.n) and self.n >= 1, "an int >= 1")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(name, value is None or (is_int(value) and value >= 0), "None or an int >= 0")
+        check("repetition_penalty", is_real(self.repetition_penalty)
+              and 0 < self.repetition_penalty < float("inf"), "a finite float > 0 (1 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            check(name, is_real(getattr(self, name)) and -2 <= getattr(self, name) <= 2,
+                  "a float in [-2, 2] (0 = off)")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         check("stop", stop is None or (isinstance(stop, list | tuple)
                                        and all(isinstance(s, str) and s for s in stop)),
@@ -60,6 +76,12 @@ class SamplingParams:
     def stop_strings(self) -> tuple[str, ...]:
         """`stop` as a tuple, empty when None."""
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def uses_penalties(self) -> bool:
+        """True when a penalty needs the sequence's token counts."""
+        return (self.repetition_penalty != 1 or self.presence_penalty != 0
+                or self.frequency_penalty != 0)
 
     @property
     def simple(self) -> bool:

@@ -214,7 +214,7 @@ class ModelRunner:
             return None
         # Prepared after the (asynchronous) forward was launched, so it overlaps the GPU.
         sample_params = self.prepare_sample(seqs)
-        return SampledIds(self.sampler(logits[:len(seqs)], sample_params))
+        return SampledIds(self.sampler(logits[:len(seqs)], sample_params).token_ids)
 
     def wait_idle(self) -> None:
         """Wait for all queued GPU work, ignoring the error that may have stopped it."""
