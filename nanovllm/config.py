@@ -31,6 +31,7 @@ class Config:
     num_kvcache_blocks: int = -1
     device: str = "auto"
     dtype: str = "auto"
+    logprobs_mode: str = "raw"  # "raw": log_softmax(logits); "processed": what was sampled from
     hf_config: PretrainedConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
 
@@ -77,6 +78,8 @@ class Config:
         check("device", self.device in ("auto", "cpu", "cuda"), "'auto', 'cpu' or 'cuda'")
         check("dtype", self.dtype in ("auto", *_DTYPES), f"'auto' or one of {sorted(_DTYPES)}")
         check("enforce_eager", isinstance(self.enforce_eager, bool), "a bool")
+        check("logprobs_mode", self.logprobs_mode in ("raw", "processed"),
+              "'raw' or 'processed'")
 
 
 def config_from_kwargs(model: str, kwargs: dict) -> Config:

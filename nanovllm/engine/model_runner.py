@@ -10,6 +10,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import DecodeInputs, prepare_prefill, to_device
 from nanovllm.layers.attention import Attention, select_attention_backend
 from nanovllm.layers.linear import tp_rank_and_size
+from nanovllm.layers.penalties import TokenCounts
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 from nanovllm.sampling_params import SamplingParams
@@ -75,7 +76,8 @@ class ModelRunner:
                                                 attention_backend)
         for layer in self.attn_layers:
             layer.backend = self.backend
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.logprobs_mode)
+        self.token_counts = TokenCounts(hf_config.vocab_size, self.device)  # penalties only
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_inputs: dict[int, torch.Tensor] = {}
         self.graph_bs: list[int] = []
@@ -141,15 +143,28 @@ class ModelRunner:
                 f"no room for the KV cache: one block needs {block_bytes} bytes; raise "
                 f"gpu_memory_utilization={config.gpu_memory_utilization} or lower "
                 f"max_num_batched_tokens / max_model_len")
-        layer = self.attn_layers[0]
-        self.kv_cache = torch.empty(2, len(self.attn_layers), num_blocks, self.block_size,
-                                    layer.num_kv_heads, layer.head_dim,
-                                    dtype=config.torch_dtype, device=self.device)
-        for i, attn in enumerate(self.attn_layers):
-            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        self.create_kv_cache(num_blocks)
         logger.info("KV cache: %d blocks of %d tokens, %.1f MiB each", num_blocks,
                     self.block_size, block_bytes / 2**20)
         return num_blocks
+
+    def create_kv_cache(self, num_blocks: int) -> None:
+        """The pool [2, layers, blocks, block_size, kv_heads, head_dim], wired into each layer."""
+        layer = self.attn_layers[0]
+        self.kv_cache = torch.empty(2, len(self.attn_layers), num_blocks, self.block_size,
+                                    layer.num_kv_heads, layer.head_dim,
+                                    dtype=self.config.torch_dtype, device=self.device)
+        for i, attn in enumerate(self.attn_layers):
+            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    def free_kv_cache_and_graphs(self) -> None:
+        """Drop the CUDA graphs (their pool and buffers) and the KV pool."""
+        self.graphs.clear()
+        self.graph_inputs.clear()
+        self.graph_outputs = None
+        for attn in self.attn_layers:
+            attn.k_cache = attn.v_cache = torch.tensor([])
+        self.kv_cache = None
 
     # ---- step inputs --------------------------------------------------------------------
     def graph_size(self, batch: int) -> int | None:
@@ -262,12 +277,7 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Free graphs, the KV pool and the weights."""
-        self.graphs.clear()
-        self.graph_inputs.clear()
-        self.graph_outputs = None
-        for attn in self.attn_layers:
-            attn.k_cache = attn.v_cache = torch.tensor([])
-        self.kv_cache = None
+        self.free_kv_cache_and_graphs()
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

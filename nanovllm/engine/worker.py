@@ -21,6 +21,8 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.shm_channel import CommandChannel
+from nanovllm.engine.sleep_mode import sleep, wake_up
+from nanovllm.engine.weight_update import update_weights
 
 # A collective that waits longer than this for a peer fails instead of hanging forever; gloo
 # fails at once when a peer's socket closes, so this only bounds a peer that is stuck.
@@ -30,7 +32,8 @@ PARENT_POLL_S = 0.5  # how often an idle worker checks that the engine's process
 DEATH_GRACE_S = 5.0  # a broken collective may be noticed before the dead peer is reaped
 JOIN_TIMEOUT_S = 10.0
 # The fixed set of commands a worker obeys; "shutdown" ends its loop.
-WORKER_COMMANDS: dict[str, Callable] = {"run": ModelRunner.run}
+WORKER_COMMANDS: dict[str, Callable] = {"run": ModelRunner.run, "sleep": sleep,
+                                         "wake_up": wake_up, "update_weights": update_weights}
 
 
 class WorkerDiedError(RuntimeError):
@@ -169,8 +172,9 @@ class WorkerGroup:
                 raise WorkerDiedError(f"tensor-parallel worker died: {', '.join(dead)}") from error
             raise
 
-    def execute(self, runner: ModelRunner, method: str, *args) -> object:
-        """Run `method` on every rank: workers through the channel, rank 0 on `runner`."""
+    def execute(self, runner: ModelRunner, method: str, *args, **rank0_kwargs) -> object:
+        """Run `method` on every rank: workers through the channel, rank 0 on `runner`.
+        `rank0_kwargs` go to rank 0 only (tensors, which reach workers through collectives)."""
         if self.closed:
             raise RuntimeError("the tensor-parallel workers are shut down")
         self.check_alive()
@@ -178,7 +182,7 @@ class WorkerGroup:
             self.channel.write(method, args)
             for wakeup in self.wakeups:
                 wakeup.release()
-            return WORKER_COMMANDS[method](runner, *args)
+            return WORKER_COMMANDS[method](runner, *args, **rank0_kwargs)
 
     def shutdown(self, join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
         """Tell workers to exit, join (or kill) them, unlink the segment, leave the group."""

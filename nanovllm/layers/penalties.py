@@ -23,8 +23,14 @@ class TokenCounts:
     """Slots of generated-token counts and prompt-token masks, grown by doubling."""
 
     def __init__(self, vocab_size: int, device: torch.device):
-        self.output_counts = torch.zeros(1, vocab_size, dtype=torch.int32, device=device)
-        self.prompt_mask = torch.zeros(1, vocab_size, dtype=torch.bool, device=device)
+        self.vocab_size, self.device = vocab_size, device
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every slot and shrink back to the zero row."""
+        self.output_counts = torch.zeros(1, self.vocab_size, dtype=torch.int32,
+                                         device=self.device)
+        self.prompt_mask = torch.zeros(1, self.vocab_size, dtype=torch.bool, device=self.device)
         self.slots: dict[int, int] = {}  # sequence id -> row
         self.free: list[int] = []
 
@@ -39,7 +45,7 @@ class TokenCounts:
         self.output_counts[row].zero_()
         self.prompt_mask[row].zero_()
         prompt = torch.tensor(prompt_token_ids, dtype=torch.int64)
-        self.prompt_mask[row, prompt.to(self.prompt_mask.device, non_blocking=True)] = True
+        self.prompt_mask[row, prompt.to(self.device, non_blocking=True)] = True
         return row
 
     def release(self, seq_id: int) -> None:
