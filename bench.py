@@ -10,7 +10,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 DEFAULT_MODEL = "~/huggingface/Qwen3-0.6B"
-SCENARIO_NAMES = ("throughput", "graphs", "prefix-cache", "kv-pressure", "tp")
+SCENARIO_NAMES = ("throughput", "graphs", "prefix-cache", "kv-pressure", "tp", "rl")
 
 
 def parse_args() -> argparse.Namespace:

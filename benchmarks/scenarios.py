@@ -8,6 +8,7 @@ from dataclasses import replace
 import torch
 
 from benchmarks import workloads
+from benchmarks.rl import rl
 from benchmarks.runs import GiB, GpuWaitProbe, engine_env, host_times, measure, open_engine
 
 Scenario = Callable[[argparse.Namespace, str], dict]
@@ -181,4 +182,4 @@ def _driver_used_gib() -> list[float]:
 
 SCENARIOS: dict[str, Scenario] = {"throughput": throughput, "graphs": graphs,
                                   "prefix-cache": prefix_cache, "kv-pressure": kv_pressure,
-                                  "tp": tp}
+                                  "tp": tp, "rl": rl}

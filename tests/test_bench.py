@@ -18,7 +18,8 @@ def run_bench(tmp_path: Path, *extra: str) -> dict:
                            "--json", str(out), *extra], cwd=ROOT, env=env, text=True,
                           capture_output=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for title in ("graphs:", "prefix-cache:", "kv-pressure:", "tp: skipped", "median output"):
+    for title in ("graphs:", "prefix-cache:", "kv-pressure:", "tp: skipped", "median output",
+                  "rl:"):
         assert title in proc.stdout, proc.stdout
     return json.loads(out.read_text())
 
@@ -38,7 +39,7 @@ def test_every_scenario_on_cpu(tmp_path):
     png = tmp_path / "timeline.png"
     data = run_bench(tmp_path, *(["--plot", str(png)] if plot else []))
     scenarios = data["scenarios"]
-    assert list(scenarios) == ["throughput", "graphs", "prefix-cache", "kv-pressure", "tp"]
+    assert list(scenarios) == ["throughput", "graphs", "prefix-cache", "kv-pressure", "tp", "rl"]
     for name in ("graphs", "prefix-cache", "kv-pressure"):
         check_environment(scenarios[name])
 
@@ -73,4 +74,10 @@ def test_every_scenario_on_cpu(tmp_path):
     assert small["output_tokens"] == free["output_tokens"]
 
     assert "CUDA" in scenarios["tp"]["skipped"]
+    rl = scenarios["rl"]
+    plain, n4 = rl["runs"]["plain"], rl["runs"]["n=4"]
+    assert n4["completions"] == 4 * plain["completions"]
+    assert n4["output_tokens"] == 4 * plain["output_tokens"]  # ignore_eos: lengths are fixed
+    assert n4["cache_hit_blocks"] > 0  # the prompt's full blocks are shared
+    assert rl["sleep"]["identical_after_sleep1"] and rl["sleep"]["identical_after_sleep2"]
     assert not plot or png.stat().st_size > 0

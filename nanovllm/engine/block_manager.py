@@ -77,6 +77,8 @@ class BlockManager:
             full = len(token_ids) == self.block_size
             h = self.compute_hash(token_ids, h) if full else -1
             block_id = self.hash_to_block_id.get(h, -1)
+            if seq.num_prompt_logprobs is not None:
+                block_id = -1  # prompt logprobs need every prompt position computed
             if block_id == -1 or self.blocks[block_id].token_ids != token_ids:
                 cache_miss = True
             if i == seq.num_blocks - 1 and not cache_miss:

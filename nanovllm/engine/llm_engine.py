@@ -6,7 +6,9 @@ from time import perf_counter
 from tqdm.auto import tqdm
 
 from nanovllm.config import config_from_kwargs
-from nanovllm.engine.model_runner import ModelRunner, SampledIds
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.outputs import completion_params, record_logprobs, request_output
+from nanovllm.engine.sampled_ids import SampledIds
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stats import StepCounters
@@ -64,6 +66,9 @@ class LLMEngine:
         """Validate and queue one request; returns its sequence id."""
         token_ids = validate_request(prompt, sampling_params, self.request_limits(),
                                      self.tokenizer.encode)
+        if sampling_params.n != 1:
+            raise ValueError(f"n={sampling_params.n}: add_request() runs one completion; "
+                             "generate() runs n")
         seq = Sequence(token_ids, sampling_params, self.config.kvcache_block_size)
         self.scheduler.add(seq)
         return seq.seq_id
@@ -85,12 +90,16 @@ class LLMEngine:
         if self.is_finished():
             return [], 0
         try:
-            return self._step_pipelined() if self.pipelined else self._step_lockstep()
+            finished, num_tokens = (self._step_pipelined() if self.pipelined
+                                    else self._step_lockstep())
         except BaseException:
             # Nothing a failed step touched is trusted: every unfinished request goes back to
             # waiting, without placeholders, to be recomputed (generate() aborts its own).
             self._abort([])
             raise
+        for seq in finished:
+            self.model_runner.token_counts.release(seq.seq_id)
+        return finished, num_tokens
 
     def _step_pipelined(self) -> tuple[list[Sequence], int]:
         """Advance the launched batch, launch the next, then commit the launched one's ids."""
@@ -105,6 +114,7 @@ class LLMEngine:
         if pending:
             # The only host sync: by now the GPU has the next step queued behind this one.
             finished = self.scheduler.commit(advanced, pending[1].tolist(), seqs)
+            record_logprobs(pending[0], advanced, pending[1])
             finished += self._check_stop_strings([seq for _, seq in advanced])
         if seqs:
             self.counters.record(is_prefill, len(seqs), abs(num_tokens), t0, perf_counter(),
@@ -116,10 +126,11 @@ class LLMEngine:
         t0 = perf_counter()
         seqs, is_prefill, num_tokens, kv_blocks_in_use = self._schedule()
         if self.workers is None:
-            token_ids = self.model_runner.run(seqs, is_prefill)
+            sampled = self.model_runner.run(seqs, is_prefill)
         else:
-            token_ids = self.workers.execute(self.model_runner, "run", seqs, is_prefill)
-        finished = self.scheduler.postprocess(seqs, token_ids)
+            sampled = self.workers.execute(self.model_runner, "run", seqs, is_prefill)
+        finished = self.scheduler.postprocess(seqs, sampled.tolist())
+        record_logprobs(seqs, list(enumerate(seqs)), sampled)
         finished += self._check_stop_strings(seqs)
         self.counters.record(is_prefill, len(seqs), abs(num_tokens), t0, perf_counter(),
                              kv_blocks_in_use)
@@ -189,7 +200,8 @@ class LLMEngine:
                  use_tqdm: bool = True) -> list[dict]:
         """Run one prompt or a list to completion; one SamplingParams for all or one per prompt.
 
-        Returns, in input order, {"text", "token_ids", "finish_reason", "metrics"} per prompt.
+        Returns, in input order, one dict per prompt (see outputs.request_output): "text",
+        "token_ids", "finish_reason", "logprobs", "prompt_logprobs", "outputs", "metrics".
         Every request is validated before any is queued, so a ValueError changes nothing. On
         any exception (Ctrl-C included) this call's requests are aborted and the engine stays
         usable.
@@ -202,10 +214,12 @@ class LLMEngine:
         requests = validate_requests(prompts, sampling_params, self.request_limits(),
                                      self.tokenizer.encode)
         block_size = self.config.kvcache_block_size
-        seqs = [Sequence(token_ids, sp, block_size) for token_ids, sp in requests]
+        # n completions of a prompt: adjacent, so the later ones hit the first one's blocks
+        groups = [[Sequence(token_ids, p, block_size) for p in completion_params(sp)]
+                  for token_ids, sp in requests]
+        seqs = [seq for group in groups for seq in group]
         own = {seq.seq_id for seq in seqs}  # requests queued by add_request are not ours
-        outputs: dict[int, Sequence] = {}
-        pbar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True,
+        pbar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True,
                     disable=not use_tqdm)
         prefill_tps = decode_tps = 0.0
         try:
@@ -222,10 +236,7 @@ class LLMEngine:
                         decode_tps = -num_tokens / elapsed
                     pbar.set_postfix(Prefill=f"{int(prefill_tps)}tok/s",
                                      Decode=f"{int(decode_tps)}tok/s", refresh=False)
-                for seq in finished:
-                    if seq.seq_id in own:
-                        outputs[seq.seq_id] = seq
-                        pbar.update(1)
+                pbar.update(sum(seq.seq_id in own for seq in finished))
         except BaseException:
             self._abort(seqs)
             for seq in seqs:
@@ -233,23 +244,16 @@ class LLMEngine:
             raise
         finally:
             pbar.close()
-        return [self._output(outputs[seq.seq_id]) for seq in seqs]
+        return [request_output(group, self.tokenizer.decode) for group in groups]
 
     def _abort(self, seqs: list[Sequence]) -> None:
         """Drop the in-flight step's ids and abort `seqs`; others go back to waiting."""
         self.pending = None
         if self.model_runner is not None:
             self.model_runner.wait_idle()  # no queued copy may still read a staging buffer
+            # counts may hold a dropped token: survivors refill theirs when next scheduled
+            self.model_runner.token_counts.clear()
         self.scheduler.abort(seqs)
-
-    def _output(self, seq: Sequence) -> dict:
-        token_ids = seq.completion_token_ids
-        ttft = seq.first_token_time - seq.arrival_time
-        latency = seq.finish_time - seq.arrival_time
-        text = self.tokenizer.decode(token_ids) if seq.text is None else seq.text
-        return {"text": text, "token_ids": token_ids,
-                "finish_reason": seq.finish_reason,
-                "metrics": {"ttft_s": ttft, "latency_s": latency}}
 
 
 def _release(workers: WorkerGroup | None, runner: ModelRunner) -> None:

@@ -34,6 +34,13 @@ class Sequence:
         self.sampling_params = sampling_params
         self.finish_reason: str | None = None
         self.text: str | None = None  # completion text cut before a stop string, when one hit
+        # {token_id: logprob} per generated token, when asked
+        self.logprobs: list[dict[int, float]] | None = (
+            None if sampling_params.logprobs is None else [])
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None  # first entry None
+        # k while the prompt logprobs are still to compute: every prompt position is then
+        # computed (none read from the prefix cache); None once they are known or not asked
+        self.num_prompt_logprobs = sampling_params.prompt_logprobs
         self.arrival_time = perf_counter()
         self.first_token_time = self.finish_time = 0.0  # set by the scheduler
 
@@ -101,10 +108,10 @@ class Sequence:
         # uncached tokens (the whole uncached prompt in prefill, one token in decode), the
         # lengths and the block table. Sampling happens on rank 0 only.
         return (self.seq_id, self.num_tokens, self.num_cached_tokens, self.block_size,
-                self.block_table, self.uncached_token_ids)
+                self.block_table, self.uncached_token_ids, self.num_prompt_logprobs)
 
     def __setstate__(self, state: tuple) -> None:
         (self.seq_id, self.num_tokens, self.num_cached_tokens, self.block_size,
-         self.block_table, self.token_ids) = state
+         self.block_table, self.token_ids, self.num_prompt_logprobs) = state
         self.token_offset = self.num_cached_tokens
         self.last_token = self.token_ids[-1]

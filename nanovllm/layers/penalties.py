@@ -34,8 +34,10 @@ class TokenCounts:
         self.slots: dict[int, int] = {}  # sequence id -> row
         self.free: list[int] = []
 
-    def slot(self, seq_id: int, prompt_token_ids: list[int]) -> int:
-        """The sequence's row; a new row holds its prompt and no generated token."""
+    def slot(self, seq_id: int, prompt_token_ids: list[int],
+             generated_token_ids: list[int] = ()) -> int:
+        """The sequence's row; a new row is filled from its prompt and generated tokens (a
+        known sequence's row is already counting on the device)."""
         row = self.slots.get(seq_id)
         if row is not None:
             return row
@@ -46,6 +48,10 @@ class TokenCounts:
         self.prompt_mask[row].zero_()
         prompt = torch.tensor(prompt_token_ids, dtype=torch.int64)
         self.prompt_mask[row, prompt.to(self.device, non_blocking=True)] = True
+        if generated_token_ids:
+            generated = torch.tensor(generated_token_ids, dtype=torch.int64).to(self.device)
+            self.output_counts[row].index_add_(0, generated, torch.ones_like(
+                generated, dtype=torch.int32))
         return row
 
     def release(self, seq_id: int) -> None:

@@ -42,6 +42,18 @@ def _mix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 31)
 
 
+def derive_seed(seed: int, index: int) -> int:
+    """Seed of completion `index` of a request seeded `seed` (SamplingParams.n): the seed
+    itself for completion 0, else splitmix64 of both, in [0, MAX_SEED]."""
+    if index == 0:
+        return seed
+    mask = (1 << 64) - 1
+    x = (seed ^ ((index * 0x9E3779B97F4A7C15) & mask)) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return (x ^ (x >> 31)) & MAX_SEED
+
+
 @functools.cache
 def stream_steps(vocab_size: int, device: torch.device) -> torch.Tensor:
     """[V] int64: (v + 1) * golden, splitmix64's state increments for vocab index v.

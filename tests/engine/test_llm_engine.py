@@ -41,7 +41,7 @@ def test_shared_two_block_prefix_shares_physical_blocks(llm):
     assert seqs[1].num_cached_tokens == 512
     bm = llm.scheduler.block_manager
     assert [bm.blocks[i].ref_count for i in seqs[0].block_table[:2]] == [2, 2]
-    token_ids = llm.model_runner.run(seqs, is_prefill)
+    token_ids = llm.model_runner.run(seqs, is_prefill).tolist()
     llm.scheduler.postprocess(seqs, token_ids)
     while not llm.is_finished():
         llm.step()

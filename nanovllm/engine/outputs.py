@@ -1,0 +1,53 @@
+"""What a request returns: its completions' text, tokens and logprobs, gathered from the
+sequences that ran it (n of them for SamplingParams.n = n)."""
+from dataclasses import replace
+
+from nanovllm.engine.sampled_ids import SampledIds
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.sampler import derive_seed
+from nanovllm.sampling_params import SamplingParams
+
+
+def completion_params(params: SamplingParams) -> list[SamplingParams]:
+    """One SamplingParams per completion: completion i draws from (seed, i) when seeded, and
+    only the first computes the prompt logprobs (the others share its cached blocks)."""
+    if params.n == 1:
+        return [params]
+    return [replace(params, n=1, prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+                    seed=None if params.seed is None else derive_seed(params.seed, i))
+            for i in range(params.n)]
+
+
+def record_logprobs(seqs: list[Sequence], rows: list[tuple[int, Sequence]],
+                    sampled: SampledIds) -> None:
+    """Attach a committed step's logprobs to `rows` (row, sequence), and in a prefill its
+    prompt logprobs to the sequences of `seqs` (the step's batch) that asked for them."""
+    logprobs = sampled.logprobs()
+    if logprobs is not None:
+        dicts = logprobs.to_dicts([seq.sampling_params.logprobs or 0 for seq in seqs])
+        for row, seq in rows:
+            if seq.logprobs is not None:
+                seq.logprobs.append(dicts[row])
+    if not sampled.is_prefill:
+        return
+    prompt = sampled.prompt_logprobs()
+    for row, seq in enumerate(seqs):
+        k = seq.num_prompt_logprobs
+        if k is None:
+            continue
+        found = prompt.get(row)  # none for a one-token prompt: no position to score
+        entries = [] if found is None else found.to_dicts([k] * len(found.token_ids))
+        seq.prompt_logprobs, seq.num_prompt_logprobs = [None, *entries], None
+
+
+def request_output(seqs: list[Sequence], decode) -> dict:
+    """The output dict of one request: its first completion's fields at the top level, every
+    completion under "outputs", the prompt logprobs and the first completion's metrics."""
+    completions = [{"text": decode(seq.completion_token_ids) if seq.text is None else seq.text,
+                    "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason,
+                    "logprobs": seq.logprobs} for seq in seqs]
+    first = seqs[0]
+    metrics = {"ttft_s": first.first_token_time - first.arrival_time,
+               "latency_s": first.finish_time - first.arrival_time}
+    return {**completions[0], "prompt_logprobs": first.prompt_logprobs, "outputs": completions,
+            "metrics": metrics}
