@@ -27,6 +27,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--min-output-len", type=int)
     p.add_argument("--max-output-len", type=int)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--no-pipeline", action="store_true",
+                   help="lockstep engine: read each step's sampled ids before the next is launched")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
     p.add_argument("--attention-backend", default="auto",
                    choices=["auto", "flash-attn", "triton", "torch"])

@@ -29,7 +29,8 @@ for key, ds in rows.items():
     e = ds[0]["environment"]
     tps = [d["median_output_tok_s"] for d in ds]
     parts = ", ".join(f"{k} {v:.1f}" for k, v in ds[0]["startup_parts_s"].items())
-    print(f"| {key}: {e.get('commit', '')} {e['attention_backend']} "
+    lockstep = "" if e.get("pipelined", True) else " lockstep"
+    print(f"| {key}: {e.get('commit', '')} {e['attention_backend']}{lockstep} "
           f"{'graphs' if e['cuda_graphs'] else 'eager'} | "
           f"{' '.join(f'{t:.0f}' for t in tps)} | {statistics.median(tps):.0f} | "
           f"{ds[0]['import_s']:.1f} | {ds[0]['startup_s']:.1f} ({parts}) |")

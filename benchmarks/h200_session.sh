@@ -4,6 +4,7 @@
 #   NANOVLLM_COMMIT=<hash> bash benchmarks/h200_session.sh startup-and-scenarios
 #   NANOVLLM_COMMIT=<hash> bash benchmarks/h200_session.sh ab-vs-base   (needs .ab_base/, below)
 #   NANOVLLM_COMMIT=<hash> bash benchmarks/h200_session.sh tp-x2        (kind nvidia-h200-x2)
+#   NANOVLLM_COMMIT=<hash> bash benchmarks/h200_session.sh pipeline-ab  (needs .ab_base/, below)
 #   bash benchmarks/h200_session.sh startup-probe   (first on a fresh machine: import costs)
 #   NANOVLLM_COMMIT=<hash> bash benchmarks/h200_session.sh rl   (logprobs, n, sleep, weights)
 #   NANOVLLM_COMMIT=<hash> bash benchmarks/h200_session.sh cold-and-ab
@@ -44,7 +45,7 @@ fa-and-scenarios)
     | grep -vE "Writing|Loading"
   ;;
 tp-x2)
-  # Issue 5 on nvidia-h200-x2: TP=2 vs TP=1 parity (64 tokens x 8 prompts, logit error, clean
+  # On nvidia-h200-x2: TP=2 vs TP=1 parity (64 tokens x 8 prompts, logit error, clean
   # exit), then the tp scenario (standard bench at TP=1 and TP=2, memory per GPU).
   timeout 240 python -m benchmarks.tp_parity --random-weights --tp 2 --json $OUT/tp_parity.json \
     2>&1 | grep -vE "Writing|Loading"
@@ -86,6 +87,11 @@ cold-and-ab)
   benchmarks/h200_ab.sh 3 "" "--attention-backend triton" 2>&1 | tee $OUT/ab.log | tail -3
   gpu_tests 170
   timeout 90 python -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tail -1
+  ;;
+pipeline-ab)
+  # What pipelining gives: this tree pipelined, this tree lockstep (--no-pipeline) and the
+  # baseline worktree, alternated A B C A B C A B C (flash-attn, one process per run).
+  benchmarks/h200_ab.sh 3 "" "--no-pipeline" "@.ab_base" 2>&1 | tee $OUT/ab.log | tail -4
   ;;
 ab-vs-base)
   # Empty compile caches: the first run (this tree, flash-attn) gives the cold start-up, the

@@ -43,6 +43,8 @@ def open_engine(path: str, args: argparse.Namespace, **overrides) -> Iterator[tu
     t0 = perf_counter()
     llm = LLM(path, **kwargs)
     startup_s = perf_counter() - t0
+    if getattr(args, "no_pipeline", False):
+        llm._pipelined = False  # the engine's private switch, to measure what pipelining gives
     try:
         llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # untimed warm-up
         yield llm, startup_s
@@ -84,7 +86,8 @@ def engine_env(llm, startup_s: float) -> dict:
                 cuda_graphs=runner.use_cuda_graph, enforce_eager=config.enforce_eager,
                 tensor_parallel_size=config.tensor_parallel_size,
                 block_size=config.kvcache_block_size, kv_blocks=runner.num_kvcache_blocks,
-                max_model_len=config.max_model_len, startup_s=startup_s,
+                max_model_len=config.max_model_len, pipelined=llm._pipelined,
+                startup_s=startup_s,
                 startup_parts_s=dict(getattr(runner, "startup_s", {})))
 
 

@@ -27,12 +27,12 @@ def host_split(llm, prompts: list, params: list) -> dict:
     The probe synchronises after every step, which would stall the pipelined engine, so this
     run is lockstep (see LLMEngine.step) and separate from the timed runs.
     """
-    probe, llm.pipelined = GpuWaitProbe(llm.model_runner), False
+    probe, pipelined, llm._pipelined = GpuWaitProbe(llm.model_runner), llm._pipelined, False
     try:
         run = measure(llm, prompts, params)
     finally:
         probe.remove()
-        llm.pipelined = True
+        llm._pipelined = pipelined
     return host_times(run["timeline"], probe.waits)
 
 

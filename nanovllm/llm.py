@@ -66,7 +66,7 @@ class LLM(LLMEngine):
             check_weight_names(self.model_runner.model, [name for name, _ in batch])
             specs = [(name, tuple(t.shape), t.dtype) for name, t in batch]
             self._on_all_ranks("update_weights", specs, weights=[t for _, t in batch])
-        self.scheduler.block_manager.reset_prefix_cache()
+        self.scheduler.reset_prefix_cache()
         self._weights_dropped = False
 
     def sleep(self, level: int = 1) -> None:
@@ -78,7 +78,7 @@ class LLM(LLMEngine):
         if self._sleep_level:
             raise RuntimeError(f"already asleep (level {self._sleep_level})")
         self._on_all_ranks("sleep", level)
-        self.scheduler.block_manager.reset_prefix_cache()  # the cached K/V is gone
+        self.scheduler.reset_prefix_cache()  # the cached K/V is gone
         self._sleep_level = level
 
     def wake_up(self) -> None:
@@ -95,12 +95,12 @@ class LLM(LLMEngine):
         if self.workers is None:
             WORKER_COMMANDS[command](self.model_runner, *args, **rank0_kwargs)
         else:
-            self.workers.execute(self.model_runner, command, *args, **rank0_kwargs)
+            self.workers.execute(command, *args, **rank0_kwargs)
 
     def _check_idle(self, what: str) -> None:
         if self.model_runner is None:
             raise RuntimeError("the engine is shut down")
-        if not self.is_finished():
+        if self._has_work():
             raise RuntimeError(f"{what}() needs an idle engine: requests are still queued")
 
     def _check_ready(self, what: str) -> None:

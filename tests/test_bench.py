@@ -9,19 +9,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_bench(tmp_path: Path, *extra: str) -> dict:
+def run_bench(tmp_path: Path, *args: str) -> tuple[dict, str]:
+    """bench.py --tiny with `args`: its JSON and its stdout."""
     out = tmp_path / "bench.json"
     # One thread: the smoke model's ops are tiny, and threads only contend on a shared CI box.
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "bench.py", "--tiny", "--scenario", "all",
-                           "--json", str(out), *extra], cwd=ROOT, env=env, text=True,
-                          capture_output=True, timeout=300)
+    proc = subprocess.run([sys.executable, "bench.py", "--tiny", "--json", str(out), *args],
+                          cwd=ROOT, env=env, text=True, capture_output=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for title in ("graphs:", "prefix-cache:", "kv-pressure:", "tp: skipped", "median output",
-                  "rl:"):
-        assert title in proc.stdout, proc.stdout
-    return json.loads(out.read_text())
+    return json.loads(out.read_text()), proc.stdout
 
 
 def check_environment(result: dict) -> None:
@@ -37,7 +34,10 @@ def check_environment(result: dict) -> None:
 def test_every_scenario_on_cpu(tmp_path):
     plot = importlib.util.find_spec("matplotlib") is not None  # the optional `plot` extra
     png = tmp_path / "timeline.png"
-    data = run_bench(tmp_path, *(["--plot", str(png)] if plot else []))
+    data, stdout = run_bench(tmp_path, "--scenario", "all", *(["--plot", str(png)] if plot else []))
+    for title in ("graphs:", "prefix-cache:", "kv-pressure:", "tp: skipped", "median output",
+                  "rl:"):
+        assert title in stdout, stdout
     scenarios = data["scenarios"]
     assert list(scenarios) == ["throughput", "graphs", "prefix-cache", "kv-pressure", "tp", "rl"]
     for name in ("graphs", "prefix-cache", "kv-pressure"):
@@ -81,3 +81,10 @@ def test_every_scenario_on_cpu(tmp_path):
     assert n4["cache_hit_blocks"] > 0  # the prompt's full blocks are shared
     assert rl["sleep"]["identical_after_sleep1"] and rl["sleep"]["identical_after_sleep2"]
     assert not plot or png.stat().st_size > 0
+
+
+def test_no_pipeline_runs_the_lockstep_engine(tmp_path):
+    data, _ = run_bench(tmp_path, "--no-pipeline")
+    assert data["environment"]["pipelined"] is False
+    run = data["runs"][0]
+    assert run["decode_tokens"] + data["workload"]["num_seqs"] == run["output_tokens"] > 0

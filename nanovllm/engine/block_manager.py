@@ -36,7 +36,7 @@ class BlockManager:
         self.hash_to_block_id: dict[int, int] = {}
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.used_block_ids: set[int] = set()
-        self.num_cache_hit_blocks = 0  # blocks served from the prefix cache, ever
+        self.num_cache_hit_blocks = 0  # blocks served from the prefix cache since reset_stats
 
     @staticmethod
     def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
@@ -49,6 +49,9 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
+
+    def reset_stats(self) -> None:
+        self.num_cache_hit_blocks = 0
 
     def _allocate_block(self, block_id: int) -> Block:
         block = self.blocks[block_id]
@@ -108,13 +111,6 @@ class BlockManager:
         seq.num_cached_tokens = 0
         seq.block_table.clear()
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached block (all blocks must be free)."""
-        assert not self.used_block_ids, "reset_prefix_cache while sequences hold blocks"
-        self.hash_to_block_id.clear()
-        for block in self.blocks:
-            block.update(-1, [])
-
     def reset(self) -> None:
         """Free every block and forget every cached prefix; callers drop all block tables."""
         for block in self.blocks:
@@ -137,7 +133,7 @@ class BlockManager:
             block = self._allocate_block(self.free_block_ids[0])
             block_table.append(block.block_id)
         elif len(seq) % self.block_size == 0:
-            if seq.last_token >= 0:  # else a placeholder: Scheduler.commit hashes it
+            if not seq.num_pending_tokens:  # else Scheduler.commit hashes it once it is known
                 self.hash_last_block(seq)
         else:
             assert last_block.hash == -1

@@ -1,6 +1,6 @@
 """The engine loop: add requests, step the scheduler and model, collect finished outputs."""
 import weakref
-from contextlib import nullcontext
+from dataclasses import dataclass, field
 from time import perf_counter
 
 from tqdm.auto import tqdm
@@ -19,26 +19,37 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.tokenizer import load_tokenizer
 
 
+@dataclass
+class InFlightStep:
+    """A launched step whose sampled ids the host has not read yet."""
+
+    seqs: list[Sequence]
+    sampled: SampledIds
+    # (row, seq) of each sequence given a pending token for this step's sample (by advance)
+    advanced: list[tuple[int, Sequence]] = field(default_factory=list)
+
+    def source_rows(self, seqs: list[Sequence]) -> list[int]:
+        """For each of `seqs`, its row of this step's sampled ids if its pending token is
+        there, else -1."""
+        rows = {seq.seq_id: row for row, seq in self.advanced}
+        return [rows.get(seq.seq_id, -1) for seq in seqs]
+
+
 class LLMEngine:
-    """Owns the scheduler and the model runner(s); `generate` runs requests to completion."""
+    """Owns the scheduler and the model runner(s); `generate` runs requests to completion.
+    Private test hooks: `_pipelined = False` runs lockstep; `_launch` sends every step."""
 
     def __init__(self, model: str, **kwargs):
         attention_backend = kwargs.pop("attention_backend", "auto")
         self.config = config = config_from_kwargs(model, kwargs)
         # The tokenizer first: a bad directory then fails before any model or worker exists.
         self.tokenizer = load_tokenizer(config.model)
-        # Ranks 1..N-1 first: rank 0's runner agrees on the KV pool size with them.
-        self.workers = (WorkerGroup(config, attention_backend)
-                        if config.tensor_parallel_size > 1 else None)
-        try:
-            with self.workers.guard() if self.workers else nullcontext():
-                self.model_runner = ModelRunner(config, 0, attention_backend)
-        except BaseException:
-            if self.workers is not None:
-                self.workers.shutdown()
-            raise
-        if self.workers is not None:
-            self.workers.runner = self.model_runner
+        self.workers = None
+        if config.tensor_parallel_size > 1:
+            self.workers = WorkerGroup(config, attention_backend)
+            self.model_runner = self.workers.runner
+        else:
+            self.model_runner = ModelRunner(config, 0, attention_backend)
         eos = self.tokenizer.eos_token_id
         if eos is None:
             eos = getattr(config.hf_config, "eos_token_id", None)
@@ -47,11 +58,12 @@ class LLMEngine:
                                    self.model_runner.num_kvcache_blocks,
                                    config.kvcache_block_size)
         self.stop_checker = StopStringChecker(self.tokenizer)
-        self.counters = StepCounters()
-        # (sequences, their sampled ids on the device) of the step launched but not committed
-        self.pending: tuple[list[Sequence], SampledIds] | None = None
+        self._counters = StepCounters()
+        self._in_flight: InFlightStep | None = None
+        self._unreturned: list[dict] = []  # hand-queued requests that finished in generate()
+        self._requests: dict[int, list[Sequence]] = {}  # request id -> its completions, queued
         # Workers build their inputs from host token ids, so tensor parallelism runs lockstep.
-        self.pipelined = self.workers is None
+        self._pipelined = self.workers is None
         # Runs on `del llm`, garbage collection or interpreter exit, whichever is first; it
         # holds the workers and runner, not the engine, so it does not keep the engine alive.
         self._finalizer = weakref.finalize(self, _release, self.workers, self.model_runner)
@@ -60,81 +72,99 @@ class LLMEngine:
         """Stop the workers; release the model, KV pool and graphs; safe to call twice."""
         if hasattr(self, "_finalizer"):
             self._finalizer()
-        self.workers = self.model_runner = self.pending = None
+        self.workers = self.model_runner = self._in_flight = None
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
-        """Validate and queue one request; returns its sequence id."""
+        """Validate and queue one request; returns its request id (see step())."""
         token_ids = validate_request(prompt, sampling_params, self.request_limits(),
                                      self.tokenizer.encode)
-        if sampling_params.n != 1:
-            raise ValueError(f"n={sampling_params.n}: add_request() runs one completion; "
-                             "generate() runs n")
-        seq = Sequence(token_ids, sampling_params, self.config.kvcache_block_size)
-        self.scheduler.add(seq)
-        return seq.seq_id
+        return self._queue(token_ids, sampling_params)[0].request_id
+
+    def _queue(self, token_ids: list[int], params: SamplingParams) -> list[Sequence]:
+        """Queue a request's n completions, adjacent, so that the later ones find the first
+        one's full blocks in the prefix cache: the prompt is computed once."""
+        block_size = self.config.kvcache_block_size
+        seqs = [Sequence(token_ids, p, block_size) for p in completion_params(params)]
+        for seq in seqs:
+            seq.request_id = seqs[0].seq_id
+            self.scheduler.add(seq)
+        self._requests[seqs[0].seq_id] = seqs
+        return seqs
+
+    def _finished_requests(self, finished: list[Sequence]) -> list[list[Sequence]]:
+        """The requests whose last unfinished completion is in `finished`, dequeued."""
+        done = []
+        for seq in finished:
+            group = self._requests.get(seq.request_id)
+            if group is not None and all(s.is_finished for s in group):
+                done.append(self._requests.pop(seq.request_id))
+        return done
 
     def request_limits(self) -> RequestLimits:
         """What a request may ask for: checked before it is queued."""
         return RequestLimits(vocab_size=self.config.hf_config.vocab_size,
                              max_model_len=self.config.max_model_len,
                              block_size=self.config.kvcache_block_size,
-                             num_blocks=len(self.scheduler.block_manager.blocks))
+                             num_blocks=self.model_runner.num_kvcache_blocks)
 
-    def step(self) -> tuple[list[Sequence], int]:
-        """Run one scheduled batch; returns (finished sequences, tokens processed: + prefill,
-        - decode). Without tensor parallelism the engine runs one step ahead: a step is
-        launched before the previous step's sampled ids are read, so the host's bookkeeping
-        overlaps the GPU, and sequences are returned one step after their last token."""
+    def step(self) -> tuple[list[dict], int]:
+        """Run one scheduled batch; returns (outputs of the requests that finished, tokens
+        processed: + prefill, - decode). Outputs are generate()'s dicts with "request_id";
+        they include hand-queued requests that finished during an earlier generate()."""
+        finished, num_tokens = self._step()
+        outputs, self._unreturned = self._unreturned, []
+        return outputs + [self._output(g) for g in self._finished_requests(finished)], num_tokens
+
+    def _step(self) -> tuple[list[Sequence], int]:
+        """Advance the in-flight step, launch the next, commit the in-flight one's ids (so the
+        host's bookkeeping overlaps the GPU); lockstep (tensor parallelism: workers need host
+        ids), commit the launched step at once. Returns (finished sequences, token count)."""
         if self.model_runner is None:
             raise RuntimeError("the engine is shut down")
-        if self.is_finished():
+        if not self._has_work():
             return [], 0
+        t0 = perf_counter()
+        previous = self._in_flight  # stays recorded until committed, for _abort
         try:
-            finished, num_tokens = (self._step_pipelined() if self.pipelined
-                                    else self._step_lockstep())
+            if previous is not None:
+                previous.advanced = self.scheduler.advance(previous.seqs)
+            seqs, is_prefill, num_tokens, kv_blocks_in_use = self._schedule()
+            launched = None  # nothing to launch once the last in-flight step is all that is left
+            if seqs:
+                launched = InFlightStep(seqs, self._launch(seqs, is_prefill, previous))
+            finished = self._commit(previous, seqs) if previous is not None else []
+            self._in_flight = launched
+            if launched is not None and not self._pipelined:
+                launched.advanced = self.scheduler.advance(seqs)
+                finished += self._commit(launched)
+                self._in_flight = None
         except BaseException:
             # Nothing a failed step touched is trusted: every unfinished request goes back to
-            # waiting, without placeholders, to be recomputed (generate() aborts its own).
+            # waiting, without pending tokens, to be recomputed (generate() aborts its own).
             self._abort([])
             raise
+        if seqs:
+            self._counters.record(is_prefill, len(seqs), abs(num_tokens), t0, perf_counter(),
+                                  kv_blocks_in_use)
         for seq in finished:
             self.model_runner.token_counts.release(seq.seq_id)
         return finished, num_tokens
 
-    def _step_pipelined(self) -> tuple[list[Sequence], int]:
-        """Advance the launched batch, launch the next, then commit the launched one's ids."""
-        t0 = perf_counter()
-        pending, self.pending = self.pending, None
-        advanced = self.scheduler.advance(pending[0]) if pending else []
-        seqs, is_prefill, num_tokens, kv_blocks_in_use = self._schedule()
-        if seqs:
-            previous = pending[1].device if pending and not is_prefill else None
-            self.pending = (seqs, self.model_runner.launch(seqs, is_prefill, previous))
-        finished = []
-        if pending:
-            # The only host sync: by now the GPU has the next step queued behind this one.
-            finished = self.scheduler.commit(advanced, pending[1].tolist(), seqs)
-            record_logprobs(pending[0], advanced, pending[1])
-            finished += self._check_stop_strings([seq for _, seq in advanced])
-        if seqs:
-            self.counters.record(is_prefill, len(seqs), abs(num_tokens), t0, perf_counter(),
-                                 kv_blocks_in_use)
-        return finished, num_tokens
+    def _launch(self, seqs: list[Sequence], is_prefill: bool,
+                previous: InFlightStep | None = None) -> SampledIds:
+        """Enqueue a step (with workers: run it on every rank); pending tokens from `previous`."""
+        if self.workers is not None:
+            return self.workers.execute("run", seqs, is_prefill)
+        if previous is None or is_prefill:
+            return self.model_runner.launch(seqs, is_prefill)
+        return self.model_runner.launch(seqs, False, previous.sampled.device,
+                                        previous.source_rows(seqs))
 
-    def _step_lockstep(self) -> tuple[list[Sequence], int]:
-        """Schedule, run on every rank, and postprocess before returning."""
-        t0 = perf_counter()
-        seqs, is_prefill, num_tokens, kv_blocks_in_use = self._schedule()
-        if self.workers is None:
-            sampled = self.model_runner.run(seqs, is_prefill)
-        else:
-            sampled = self.workers.execute(self.model_runner, "run", seqs, is_prefill)
-        finished = self.scheduler.postprocess(seqs, sampled.tolist())
-        record_logprobs(seqs, list(enumerate(seqs)), sampled)
-        finished += self._check_stop_strings(seqs)
-        self.counters.record(is_prefill, len(seqs), abs(num_tokens), t0, perf_counter(),
-                             kv_blocks_in_use)
-        return finished, num_tokens
+    def _commit(self, step: InFlightStep, in_flight: list[Sequence] = ()) -> list[Sequence]:
+        """Read an advanced step's ids (the one host sync per step); returns the finished."""
+        finished = self.scheduler.commit(step.advanced, step.sampled.tolist(), in_flight)
+        record_logprobs(step.seqs, step.advanced, step.sampled)
+        return finished + self._check_stop_strings([seq for _, seq in step.advanced])
 
     def _schedule(self) -> tuple[list[Sequence], bool, int, int]:
         """The next batch, whether it is prefill, its token count (+ tokens a prefill computes,
@@ -145,13 +175,11 @@ class LLMEngine:
             num_tokens = sum(len(seq) - seq.num_cached_tokens for seq in seqs)
         else:
             num_tokens = -len(seqs)
-        return seqs, is_prefill, num_tokens, len(self.scheduler.block_manager.used_block_ids)
+        return seqs, is_prefill, num_tokens, self.scheduler.num_used_blocks
 
     def _check_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Finish sequences whose text now contains a stop string; returns the newly finished.
-
-        A match on the step that also ended a sequence (EOS, length) turns its reason to "stop".
-        """
+        """Finish sequences whose text now contains a stop string (the reason "stop" wins over
+        EOS or length on the same step); returns the newly finished."""
         newly_finished = []
         for seq in seqs:
             if not seq.sampling_params.stop:  # the common path decodes nothing
@@ -159,52 +187,50 @@ class LLMEngine:
             cut = self.stop_checker.check(seq)
             if cut is not None:
                 seq.text = self.stop_checker.text(seq)[:cut]
-                if seq.is_finished:
-                    seq.finish_reason = "stop"
-                else:
-                    self.scheduler.finish(seq, "stop")
+                if not seq.is_finished:
                     newly_finished.append(seq)
+                self.scheduler.finish(seq, "stop")
             if seq.is_finished:
                 self.stop_checker.forget(seq)
         return newly_finished
 
     def stats(self) -> dict:
         """Counters since the last reset_stats(): see README.md, "Engine counters"."""
-        scheduler = self.scheduler
-        stats = self.counters.as_dict()
-        stats.update(cache_hit_blocks=scheduler.block_manager.num_cache_hit_blocks,
-                     preemptions=scheduler.num_preemptions,
-                     recomputed_tokens=scheduler.num_recomputed_tokens)
-        if self.counters.timeline is not None:
-            stats["timeline"] = list(self.counters.timeline)
+        stats = self._counters.as_dict()
+        stats.update(self.scheduler.stats())
+        if self._counters.timeline is not None:
+            stats["timeline"] = list(self._counters.timeline)
         return stats
 
     def reset_stats(self, timeline: bool = False) -> None:
         """Zero every counter; with timeline=True also record one entry per step from now on."""
-        self.counters = StepCounters(timeline=[] if timeline else None)
-        self.scheduler.block_manager.num_cache_hit_blocks = 0
-        self.scheduler.num_preemptions = 0
-        self.scheduler.num_recomputed_tokens = 0
+        self._counters = StepCounters(timeline=[] if timeline else None)
+        self.scheduler.reset_stats()
 
     def reset_prefix_cache(self) -> None:
         """Drop all cached prefixes, e.g. between benchmark repeats."""
-        if not self.is_finished():
+        if self._has_work():
             raise RuntimeError("reset_prefix_cache() needs an idle engine")
-        self.scheduler.block_manager.reset_prefix_cache()
+        self.scheduler.reset_prefix_cache()
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished() and self.pending is None
+        """Nothing left to run, and step() has returned every hand-queued request's output."""
+        return not self._has_work() and not self._unreturned
+
+    def _has_work(self) -> bool:
+        return not self.scheduler.is_finished() or self._in_flight is not None
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict]:
         """Run one prompt or a list to completion; one SamplingParams for all or one per prompt.
 
-        Returns, in input order, one dict per prompt (see outputs.request_output): "text",
-        "token_ids", "finish_reason", "logprobs", "prompt_logprobs", "outputs", "metrics".
-        Every request is validated before any is queued, so a ValueError changes nothing. On
-        any exception (Ctrl-C included) this call's requests are aborted and the engine stays
-        usable.
+        Returns, in input order, one dict per prompt (see outputs.request_output): "request_id",
+        "text", "token_ids", "finish_reason", "logprobs", "prompt_logprobs", "outputs",
+        "metrics"; requests queued by add_request that finish meanwhile are kept for step() to
+        return. Every request is validated before any is queued, so a ValueError
+        changes nothing. On any exception (Ctrl-C included) this call's requests are aborted
+        and the engine stays usable.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts, list)
                                         and isinstance(prompts[0], int)):
@@ -213,21 +239,17 @@ class LLMEngine:
             sampling_params = SamplingParams()
         requests = validate_requests(prompts, sampling_params, self.request_limits(),
                                      self.tokenizer.encode)
-        block_size = self.config.kvcache_block_size
-        # n completions of a prompt: adjacent, so the later ones hit the first one's blocks
-        groups = [[Sequence(token_ids, p, block_size) for p in completion_params(sp)]
-                  for token_ids, sp in requests]
-        seqs = [seq for group in groups for seq in group]
-        own = {seq.seq_id for seq in seqs}  # requests queued by add_request are not ours
-        pbar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True,
+        groups: list[list[Sequence]] = []
+        pbar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True,
                     disable=not use_tqdm)
         prefill_tps = decode_tps = 0.0
         try:
-            for seq in seqs:
-                self.scheduler.add(seq)
-            while not self.is_finished():
+            for token_ids, sp in requests:
+                groups.append(self._queue(token_ids, sp))
+            own = {group[0].request_id for group in groups}  # add_request's are not ours
+            while self._has_work():
                 t = perf_counter()
-                finished, num_tokens = self.step()
+                finished, num_tokens = self._step()
                 if use_tqdm and num_tokens:  # formatting costs more than a step's scheduling
                     elapsed = perf_counter() - t
                     if num_tokens > 0:
@@ -236,29 +258,38 @@ class LLMEngine:
                         decode_tps = -num_tokens / elapsed
                     pbar.set_postfix(Prefill=f"{int(prefill_tps)}tok/s",
                                      Decode=f"{int(decode_tps)}tok/s", refresh=False)
-                pbar.update(sum(seq.seq_id in own for seq in finished))
+                for group in self._finished_requests(finished):
+                    if group[0].request_id in own:
+                        pbar.update(1)
+                    else:
+                        self._unreturned.append(self._output(group))
         except BaseException:
+            seqs = [seq for group in groups for seq in group]
             self._abort(seqs)
             for seq in seqs:
+                self._requests.pop(seq.request_id, None)
                 self.stop_checker.forget(seq)
             raise
         finally:
             pbar.close()
-        return [request_output(group, self.tokenizer.decode) for group in groups]
+        return [self._output(group) for group in groups]
 
     def _abort(self, seqs: list[Sequence]) -> None:
-        """Drop the in-flight step's ids and abort `seqs`; others go back to waiting."""
-        self.pending = None
+        """Drop the in-flight step and abort `seqs`; others go back to waiting."""
+        in_flight, self._in_flight = self._in_flight, None
         if self.model_runner is not None:
             self.model_runner.wait_idle()  # no queued copy may still read a staging buffer
             # counts may hold a dropped token: survivors refill theirs when next scheduled
             self.model_runner.token_counts.clear()
-        self.scheduler.abort(seqs)
+        self.scheduler.abort(seqs, in_flight.seqs if in_flight is not None else ())
+
+    def _output(self, group: list[Sequence]) -> dict:
+        return {"request_id": group[0].request_id,
+                **request_output(group, self.tokenizer.decode)}
 
 
 def _release(workers: WorkerGroup | None, runner: ModelRunner) -> None:
-    """Stop the workers (which frees rank 0's runner first, see WorkerGroup.runner), then free
-    rank 0's model, KV pool and graphs (again harmless)."""
+    """Stop the workers (which frees rank 0's runner first), then free rank 0's runner."""
     try:
         if workers is not None:
             workers.shutdown()

@@ -152,27 +152,24 @@ class ModelRunner:
         """The smallest captured graph batch size that holds `batch`, if any."""
         return next((b for b in self.graph_bs if b >= batch), None) if self.graphs else None
 
-    def prepare_decode(self, seqs: list[Sequence], previous: torch.Tensor | None = None
+    def prepare_decode(self, seqs: list[Sequence], previous_ids: torch.Tensor | None = None,
+                       source_rows: list[int] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, Context]:
         """Decode inputs, written straight into the graph's input buffer when one will run.
 
-        A placeholder id -(r + 1) (see Scheduler.advance) is replaced on the device by row r of
-        `previous`, the sampled ids of the step still in flight.
+        Sequence i with source_rows[i] = r >= 0 takes its input id from row r of
+        `previous_ids`, the sampled ids of the step still in flight, on the device.
         """
-        rows = self.graph_size(len(seqs))
-        if rows is not None:
-            host = self.decode_inputs.pack(seqs, rows, self.max_num_blocks)
-            buf = self.graph_inputs[rows].copy_(host, non_blocking=True)
-            input_ids, positions, context = DecodeInputs.unpack(buf, rows, self.max_num_blocks)
-        else:
-            rows, width = len(seqs), max(len(seq.block_table) for seq in seqs)
-            host = self.decode_inputs.pack(seqs, rows, width)
-            input_ids, positions, context = DecodeInputs.unpack(
-                host.to(self.device, non_blocking=True), rows, width)
-        if previous is not None:
-            pending = input_ids < 0
-            rows_of_previous = (-1 - input_ids).clamp_(min=0)
-            input_ids.copy_(torch.where(pending, previous[rows_of_previous].int(), input_ids))
+        graph_rows = self.graph_size(len(seqs))
+        rows, width = ((graph_rows, self.max_num_blocks) if graph_rows is not None
+                       else (len(seqs), max(len(seq.block_table) for seq in seqs)))
+        host = self.decode_inputs.pack(seqs, rows, width, source_rows)
+        buf = (self.graph_inputs[rows].copy_(host, non_blocking=True) if graph_rows is not None
+               else host.to(self.device, non_blocking=True))
+        input_ids, positions, src, context = DecodeInputs.unpack(buf, rows, width)
+        if previous_ids is not None:
+            carried = previous_ids[src.clamp(min=0)].int()
+            input_ids.copy_(torch.where(src >= 0, carried, input_ids))
         return input_ids, positions, context
 
     def prepare_sample(self, seqs: list[Sequence]
@@ -220,13 +217,14 @@ class ModelRunner:
 
     @torch.inference_mode()  # graph input buffers are inference tensors
     def launch(self, seqs: list[Sequence], is_prefill: bool,
-               previous: torch.Tensor | None = None) -> SampledIds | None:
-        """Enqueue one step without waiting for it; rank 0 returns its sampled ids.
-        `previous`: the in-flight step's ids on the device, for placeholders (decode only)."""
+               previous_ids: torch.Tensor | None = None,
+               source_rows: list[int] | None = None) -> SampledIds | None:
+        """Enqueue one step without waiting for it; rank 0 returns its sampled ids. A decode
+        step may take input ids from the in-flight step's: see prepare_decode."""
         if is_prefill:
             input_ids, positions, context = prepare_prefill(seqs, self.block_size, self.device)
         else:
-            input_ids, positions, context = self.prepare_decode(seqs, previous)
+            input_ids, positions, context = self.prepare_decode(seqs, previous_ids, source_rows)
         hidden = self.forward(input_ids, positions, context)
         with forward_context(context):
             logits = self.model.compute_logits(hidden)
@@ -271,7 +269,7 @@ class ModelRunner:
         for bs in reversed(self.graph_bs):
             buf = torch.zeros(DecodeInputs.size(bs, self.max_num_blocks), dtype=torch.int32,
                               device=self.device)
-            input_ids, positions, context = DecodeInputs.unpack(buf, bs, self.max_num_blocks)
+            input_ids, positions, _, context = DecodeInputs.unpack(buf, bs, self.max_num_blocks)
             context.slot_mapping.fill_(-1)  # capture runs write nothing into the KV cache
             graph = torch.cuda.CUDAGraph()
             with forward_context(context):

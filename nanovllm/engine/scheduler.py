@@ -21,10 +21,27 @@ class Scheduler:
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0  # tokens prefilled again after a preemption
-        self.uncommitted: list[tuple[int, Sequence]] = []  # advanced, ids not yet committed
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self.block_manager.used_block_ids)
+
+    def stats(self) -> dict:
+        return dict(cache_hit_blocks=self.block_manager.num_cache_hit_blocks,
+                    preemptions=self.num_preemptions,
+                    recomputed_tokens=self.num_recomputed_tokens)
+
+    def reset_stats(self) -> None:
+        self.num_preemptions = self.num_recomputed_tokens = 0
+        self.block_manager.reset_stats()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (all blocks must be free)."""
+        assert not self.num_used_blocks, "reset_prefix_cache while sequences hold blocks"
+        self.block_manager.reset()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -92,28 +109,29 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def abort(self, seqs: list[Sequence]) -> None:
-        """Recover from an exception mid-step: drop `seqs`, send every other unfinished
-        sequence back to waiting (recompute), free every block and forget the prefix cache.
+    def abort(self, seqs: list[Sequence], in_flight: list[Sequence] = ()) -> None:
+        """Recover from an exception mid-step: drop `seqs` and the pending tokens of the
+        `in_flight` batch, send every other unfinished sequence back to waiting (recompute),
+        free every block and forget the prefix cache.
 
         The failed step may have reserved blocks, or hashed blocks whose K/V was never written,
         and an interrupt can land between any two lines of bookkeeping, so nothing the pool
         holds is trusted: starting it afresh is always right and costs only cache hits.
         """
         dropped = {seq.seq_id for seq in seqs}
-        for _, seq in self.uncommitted:  # a step was cut between advance and commit
-            if seq.pop_placeholder() and seq.finish_reason == "length":
-                # Finished by its placeholder (finish() itself may have been cut): not really.
+        for seq in in_flight:
+            if seq.drop_pending_token() and seq.finish_reason == "length":
+                # Finished by its pending token (finish() itself may have been cut): not really.
                 seq.status, seq.finish_reason = SequenceStatus.RUNNING, None
                 if seq not in self.running and seq not in self.waiting:
                     self.running.append(seq)
-        self.uncommitted = []
         survivors = [seq for seq in (*self.running, *self.waiting)
                      if seq.seq_id not in dropped and not seq.is_finished]
         for seq in seqs:
             if not seq.is_finished:
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
         for seq in (*seqs, *survivors):
+            seq.drop_pending_token()  # an append cut between its lines
             seq.block_table.clear()
             seq.num_cached_tokens = 0
         for seq in survivors:
@@ -122,24 +140,16 @@ class Scheduler:
         self.waiting = deque(survivors)  # formerly running first: they arrived earlier
         self.block_manager.reset()
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
-        """Append sampled tokens; return the sequences that finished this step."""
-        return self.commit(self.advance(seqs), token_ids)
-
     def advance(self, seqs: list[Sequence]) -> list[tuple[int, Sequence]]:
-        """Give each unfinished sequence of a launched step a placeholder for the token it is
-        sampling, -(row + 1); finish those that reach a length limit. Returns (row, seq) pairs.
-
-        The pipelined engine schedules the next step before the sampled ids reach the host: the
-        placeholder makes lengths, positions and slots right, and the next step reads the token
-        itself from the device (row `row` of this step's sampled ids).
-        """
-        advanced = self.uncommitted = []  # filled as it goes: abort() must see every placeholder
+        """Pipelined: give each unfinished sequence of a launched step a pending token (its id
+        comes with commit, the next step reads it on the device); finish those at a length
+        limit. Returns (row in the step's sampled ids, seq) pairs."""
+        advanced = []
         for row, seq in enumerate(seqs):
             if seq.is_finished:  # stopped by the previous commit: its new token is dropped
                 continue
             advanced.append((row, seq))
-            seq.append_token(-(row + 1))
+            seq.append_pending_token()
             if (seq.num_completion_tokens >= seq.sampling_params.max_tokens
                     or len(seq) >= self.max_model_len):
                 self.finish(seq, "length")
@@ -147,34 +157,31 @@ class Scheduler:
 
     def commit(self, advanced: list[tuple[int, Sequence]], token_ids: list[int],
                in_flight: list[Sequence] = ()) -> list[Sequence]:
-        """Replace placeholders by the sampled ids; return the sequences that finished.
-
-        A block filled by a placeholder is hashed here once its token is known, if the step in
-        flight (which writes that token's K/V) holds the sequence; else may_append hashes it.
-        """
+        """Record the ids of advanced sequences' pending tokens; return those that finished.
+        A block a pending token filled is hashed here if the step in flight (which writes that
+        token's K/V) holds the sequence, else by may_append."""
         finished = []
         now = perf_counter()
         block_size = self.block_manager.block_size
         for row, seq in advanced:
             token_id = token_ids[row]
-            seq.set_last_token(token_id)
+            seq.commit_pending_token(token_id)
             if seq.num_completion_tokens == 1:
                 seq.first_token_time = now
             if self._stops_on(seq, token_id):
-                if seq.is_finished:
-                    seq.finish_reason = "stop"  # also at its length limit: the token wins
-                else:
-                    self.finish(seq, "stop", now)
+                self.finish(seq, "stop", now)
             if seq.is_finished:
                 finished.append(seq)
             elif len(seq) % block_size == 0 and seq in in_flight:  # rare: a block just filled
                 self.block_manager.hash_last_block(seq)
-        self.uncommitted = []
         return finished
 
     def finish(self, seq: Sequence, reason: str, now: float | None = None) -> None:
-        """Retire a running (or, pipelined, just preempted) sequence: free its blocks and record
-        why it stopped."""
+        """Retire a running (or, pipelined, just preempted) sequence: free its blocks, record why
+        it stopped. One already finished on this step (length) takes the new reason."""
+        if seq.is_finished:
+            seq.finish_reason = reason
+            return
         seq.finish_time = perf_counter() if now is None else now
         seq.finish_reason = reason
         # Waiting, too, in the pipelined engine: preempted while its last token was in flight.

@@ -22,6 +22,7 @@ class Sequence:
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int):
         self.seq_id = next(Sequence._ids)
+        self.request_id = self.seq_id  # of its request's first completion (SamplingParams.n)
         self.status = SequenceStatus.WAITING
         self.token_ids = copy(token_ids)
         self.token_offset = 0  # index of token_ids[0] in the sequence (> 0 on worker copies)
@@ -81,32 +82,36 @@ class Sequence:
         assert 0 <= i < self.num_blocks, f"block {i} out of range {self.num_blocks}"
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens counted in len(self) whose ids a launched step is still sampling (0 or 1)."""
+        return self.num_tokens - self.token_offset - len(self.token_ids)
+
     def append_token(self, token_id: int) -> None:
-        """Add a sampled token (or a placeholder for one being sampled); the step that sampled it
-        wrote, or has queued the write of, every earlier token's K/V."""
-        self.token_ids.append(token_id)
-        self.last_token = token_id
+        """Add a sampled token (its step wrote, or queued, every earlier token's K/V)."""
+        self.append_pending_token()
+        self.commit_pending_token(token_id)
+
+    def append_pending_token(self) -> None:
+        """Count the token a launched step is sampling, before its id is known."""
         self.num_cached_tokens = self.num_tokens
         self.num_tokens += 1
 
-    def set_last_token(self, token_id: int) -> None:
-        """Replace the placeholder that `append_token` got while the token was being sampled."""
-        self.token_ids[-1] = self.last_token = token_id
+    def commit_pending_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.last_token = token_id
 
-    def pop_placeholder(self) -> bool:
-        """Undo an aborted step's append_token of a placeholder, even one cut short between
-        its lines (abort then resets the cache state). Returns whether there was one."""
-        had = self.token_ids[-1] < 0
-        if had:
-            self.token_ids.pop()
-        self.num_tokens = len(self.token_ids)
-        self.last_token = self.token_ids[-1]
+    def drop_pending_token(self) -> bool:
+        """Undo an aborted step's append_pending_token, even a half-run one; True if any."""
+        had = self.num_pending_tokens > 0
+        self.num_tokens = self.token_offset + len(self.token_ids)
         return had
 
     def __getstate__(self) -> tuple:
         # What a tensor-parallel worker needs to build its step inputs, and no more: the
         # uncached tokens (the whole uncached prompt in prefill, one token in decode), the
-        # lengths and the block table. Sampling happens on rank 0 only.
+        # lengths, the block table, and the k of prompt logprobs still due (every rank joins
+        # their LM head). Sampling happens on rank 0 only.
         return (self.seq_id, self.num_tokens, self.num_cached_tokens, self.block_size,
                 self.block_table, self.uncached_token_ids, self.num_prompt_logprobs)
 

@@ -40,9 +40,7 @@ class StepCounters:
 
     def as_dict(self) -> dict:
         """The counters plus derived throughputs (0.0 before any step of that kind)."""
-        return dict(prefill_tokens=self.prefill_tokens, decode_tokens=self.decode_tokens,
-                    prefill_steps=self.prefill_steps, decode_steps=self.decode_steps,
-                    prefill_s=self.prefill_s, decode_s=self.decode_s,
-                    peak_kv_blocks_in_use=self.peak_kv_blocks_in_use,
+        counters = {k: v for k, v in vars(self).items() if k not in ("timeline", "start")}
+        return dict(counters,
                     prefill_tok_s=self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0,
                     decode_tok_s=self.decode_tokens / self.decode_s if self.decode_s else 0.0)

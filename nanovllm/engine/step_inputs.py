@@ -59,9 +59,11 @@ class DecodeInputs:
     """Packs a decode step's int32 inputs into one buffer, so they travel in one copy.
 
     Layout for `rows` sequences (the batch padded up to a CUDA-graph size) and `width` blocks:
-        [input_ids | positions | slot_mapping | context_lens | block_tables (rows x width)]
+        [input_ids | positions | slot_mapping | context_lens | source_rows | block_tables]
+    block_tables is rows x width. source_rows[i] is the row of the previous step's sampled ids
+    that holds sequence i's input id (its pending token), or -1 when input_ids[i] holds it.
     Padding rows have slot -1 (write nothing) and context length 0 (attend to nothing). Each of
-    the first four sections takes a multiple of 4 entries, so every section starts 16-byte
+    the first five sections takes a multiple of 4 entries, so every section starts 16-byte
     aligned whatever `rows` is: Triton specialises kernels on pointer alignment, and would
     otherwise compile new variants for some graph sizes.
     """
@@ -77,21 +79,23 @@ class DecodeInputs:
     @staticmethod
     def size(rows: int, width: int) -> int:
         """Entries of a packed buffer for `rows` sequences and `width` blocks each."""
-        return 4 * _aligned(rows) + rows * width
+        return 5 * _aligned(rows) + rows * width
 
-    def pack(self, seqs: list[Sequence], rows: int, width: int) -> torch.Tensor:
+    def pack(self, seqs: list[Sequence], rows: int, width: int,
+             source_rows: list[int] | None = None) -> torch.Tensor:
         """Fill a pinned host buffer for `seqs`; returns it (size(rows, width) int32)."""
         n, seg = len(seqs), _aligned(rows)
         self.turn ^= 1
         buf = self.staging[self.turn][:self.size(rows, width)]
-        ids, pos, slots, ctx, tables = np.split(buf.numpy(), [seg, 2 * seg, 3 * seg, 4 * seg])
+        ids, pos, slots, ctx, src, tables = np.split(buf.numpy(), [seg * i for i in range(1, 6)])
         # np.fromiter over generators: this runs every decode step, for every sequence.
         ids[:n] = np.fromiter((seq.last_token for seq in seqs), np.int32, n)
         ctx[:n] = np.fromiter((seq.num_tokens for seq in seqs), np.int32, n)
         pos[:n] = ctx[:n] - 1
         slots[:n] = np.fromiter((seq.block_table[-1] for seq in seqs), np.int32, n)
         slots[:n] = slots[:n] * self.block_size + pos[:n] % self.block_size
-        ids[n:], pos[n:], slots[n:], ctx[n:] = 0, 0, -1, 0
+        src[:n] = -1 if source_rows is None else source_rows
+        ids[n:], pos[n:], slots[n:], ctx[n:], src[n:] = 0, 0, -1, 0, -1
         lens = np.fromiter((len(seq.block_table) for seq in seqs), np.int32, n)
         flat = np.fromiter(chain.from_iterable(seq.block_table for seq in seqs), np.int32,
                            int(lens.sum()))
@@ -101,15 +105,16 @@ class DecodeInputs:
         return buf
 
     @staticmethod
-    def unpack(buf: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                                 Context]:
-        """Views of a packed (device) buffer: input_ids, positions and the decode Context."""
+    def unpack(buf: torch.Tensor, rows: int, width: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Context]:
+        """Views of a packed (device) buffer: input_ids, positions, source_rows and the decode
+        Context."""
         seg = _aligned(rows)
-        ids, pos, slots, ctx = (part[:rows] for part in buf[:4 * seg].split(seg))
-        tables = buf[4 * seg:]
+        ids, pos, slots, ctx, src = (part[:rows] for part in buf[:5 * seg].split(seg))
+        tables = buf[5 * seg:]
         context = Context(is_prefill=False, slot_mapping=slots, context_lens=ctx,
                           block_tables=tables.view(rows, width))
-        return ids, pos, context
+        return ids, pos, src, context
 
 
 def _aligned(rows: int) -> int:

@@ -96,7 +96,8 @@ def worker_loop(runner: ModelRunner, channel: CommandChannel, wakeup: Semaphore)
 
 
 class WorkerGroup:
-    """Rank 0's handle on ranks 1..N-1: spawns them, mirrors commands, notices deaths."""
+    """All ranks of one engine: spawns ranks 1..N-1, builds rank 0's runner in this process,
+    runs every command on all of them and notices deaths."""
 
     def __init__(self, config: Config, attention_backend: str = "auto"):
         if dist.is_initialized():
@@ -104,8 +105,8 @@ class WorkerGroup:
                                "process (another tensor-parallel engine?); shut it down first")
         self.device, self.world_size = config.device, config.tensor_parallel_size
         self.closed = False
-        # Rank 0's runner (the engine sets it): freed before leaving the group, because NCCL's
-        # exit waits while CUDA graphs that captured its collectives exist (hung on two H200s).
+        # Rank 0's runner: freed before leaving the group, because NCCL's exit waits while CUDA
+        # graphs that captured its collectives exist.
         self.runner: ModelRunner | None = None
         # Port 0: the OS picks a free port, so engines on one machine never collide.
         self.store = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True,
@@ -128,6 +129,8 @@ class WorkerGroup:
                 process.start()
             self._wait_until_joined()
             init_process_group(self.device, self.store, 0, self.world_size)
+            with self.guard():  # agrees on the KV pool size with the workers' runners
+                self.runner = ModelRunner(config, 0, attention_backend)
         except BaseException:
             self.shutdown()
             raise
@@ -172,8 +175,8 @@ class WorkerGroup:
                 raise WorkerDiedError(f"tensor-parallel worker died: {', '.join(dead)}") from error
             raise
 
-    def execute(self, runner: ModelRunner, method: str, *args, **rank0_kwargs) -> object:
-        """Run `method` on every rank: workers through the channel, rank 0 on `runner`.
+    def execute(self, method: str, *args, **rank0_kwargs) -> object:
+        """Run `method` on every rank: workers through the channel, then rank 0's runner.
         `rank0_kwargs` go to rank 0 only (tensors, which reach workers through collectives)."""
         if self.closed:
             raise RuntimeError("the tensor-parallel workers are shut down")
@@ -182,7 +185,7 @@ class WorkerGroup:
             self.channel.write(method, args)
             for wakeup in self.wakeups:
                 wakeup.release()
-            return WORKER_COMMANDS[method](runner, *args, **rank0_kwargs)
+            return WORKER_COMMANDS[method](self.runner, *args, **rank0_kwargs)
 
     def shutdown(self, join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
         """Tell workers to exit, join (or kill) them, unlink the segment, leave the group."""

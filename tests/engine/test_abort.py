@@ -55,7 +55,7 @@ def assert_idle_and_empty(llm) -> None:
     ("commit", 4, ValueError("boom")),       # reading a step's sampled ids
 ])
 def test_exception_mid_generate_aborts_the_call(llm, expected, monkeypatch, where, n, exc):
-    target, name = {"model": (llm.model_runner, "launch"),
+    target, name = {"model": (llm, "_launch"),  # the engine's private test hook
                     "schedule": (llm.scheduler.block_manager, "may_append"),
                     "commit": (llm.scheduler, "commit")}[where]
     fail_on_call(target, name, n, exc, monkeypatch)
@@ -71,7 +71,7 @@ def test_failed_prefill_does_not_poison_the_prefix_cache(llm, expected, monkeypa
     # The failed prefill hashed PROMPTS[3]'s full blocks before their K/V was written; make
     # that K/V garbage so a cache hit on them would change the output.
     llm.reset_prefix_cache()
-    fail_on_call(llm.model_runner, "launch", 1, KeyboardInterrupt(), monkeypatch,
+    fail_on_call(llm, "_launch", 1, KeyboardInterrupt(), monkeypatch,
                  before=lambda: llm.model_runner.kv_cache.zero_())
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS[3:], PARAMS, use_tqdm=False)
@@ -81,7 +81,7 @@ def test_failed_prefill_does_not_poison_the_prefix_cache(llm, expected, monkeypa
 
 def test_requests_outside_the_call_are_recomputed(llm, expected, monkeypatch):
     other = llm.add_request(PROMPTS[0], PARAMS)  # queued by hand, not by the failing call
-    fail_on_call(llm.model_runner, "launch", 3, KeyboardInterrupt(), monkeypatch)
+    fail_on_call(llm, "_launch", 3, KeyboardInterrupt(), monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS[1:], PARAMS, use_tqdm=False)
     monkeypatch.undo()
@@ -90,8 +90,8 @@ def test_requests_outside_the_call_are_recomputed(llm, expected, monkeypatch):
     finished = []
     while not llm.is_finished():
         finished += llm.step()[0]
-    assert [seq.seq_id for seq in finished] == [other]
-    assert finished[0].completion_token_ids == expected[0]
+    assert [o["request_id"] for o in finished] == [other]
+    assert finished[0]["token_ids"] == expected[0]
     assert_idle_and_empty(llm)
 
 
@@ -102,15 +102,15 @@ from nanovllm import LLM, SamplingParams
 llm = LLM(sys.argv[1], num_kvcache_blocks=16)
 short = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 reference = llm.generate([[1, 2, 3]], short, use_tqdm=False)[0]["token_ids"]
-step = llm.step
+step = llm._step  # what generate() calls each step
 
 def step_and_report():
     result = step()
-    llm.step = step  # report once; before the print, which the parent answers with SIGINT
+    llm._step = step  # report once; before the print, which the parent answers with SIGINT
     print("STEPPING", flush=True)
     return result
 
-llm.step = step_and_report
+llm._step = step_and_report
 long = SamplingParams(temperature=0, max_tokens=3500, ignore_eos=True)
 try:
     llm.generate([[i + 1] * (100 + i) for i in range(8)], long, use_tqdm=False)

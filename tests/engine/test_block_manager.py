@@ -102,6 +102,18 @@ def test_append_allocates_and_hashes():
     assert bm.num_free_blocks == 2
 
 
+def test_block_filled_by_a_pending_token_waits_for_its_id():
+    bm = BlockManager(4, BS)
+    s = seq([1, 2, 3])
+    bm.allocate(s)
+    s.append_pending_token()  # the 4th token fills block 0, but its id is still being sampled
+    bm.may_append(s)
+    assert bm.blocks[0].hash == -1 and not bm.hash_to_block_id
+    s.commit_pending_token(4)
+    bm.hash_last_block(s)  # what Scheduler.commit does once the id is known
+    assert bm.blocks[0].hash == BlockManager.compute_hash([1, 2, 3, 4])
+
+
 def test_can_append_needs_a_free_block_only_at_block_start():
     bm = BlockManager(1, BS)
     s = seq([1, 2, 3, 4])

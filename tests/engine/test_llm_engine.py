@@ -42,7 +42,7 @@ def test_shared_two_block_prefix_shares_physical_blocks(llm):
     bm = llm.scheduler.block_manager
     assert [bm.blocks[i].ref_count for i in seqs[0].block_table[:2]] == [2, 2]
     token_ids = llm.model_runner.run(seqs, is_prefill).tolist()
-    llm.scheduler.postprocess(seqs, token_ids)
+    llm.scheduler.commit(llm.scheduler.advance(seqs), token_ids)
     while not llm.is_finished():
         llm.step()
     cached_b = seqs[1].completion_token_ids
@@ -79,12 +79,31 @@ def test_string_prompts_and_input_order(llm):
     assert all(isinstance(o["text"], str) for o in outs)
 
 
-def test_idle_step_and_generate_returns_only_its_own_requests(llm):
+def test_generate_returns_its_own_requests_and_step_the_others(llm):
     assert llm.step() == ([], 0)
-    llm.add_request([5, 6, 7], GREEDY)  # queued by hand: not part of the next call
+    other = llm.add_request([5, 6, 7], GREEDY)  # queued by hand: not part of the next call
     outs = llm.generate([[8, 9, 10]], GREEDY, use_tqdm=False)
     assert len(outs) == 1 and len(outs[0]["token_ids"]) == 24
-    assert llm.is_finished()
+    assert outs[0]["request_id"] != other
+    assert not llm.is_finished()  # the hand-queued request finished, but nobody has it yet
+    outputs, num_tokens = llm.step()  # nothing left to run: it returns the kept output
+    assert num_tokens == 0 and [o["request_id"] for o in outputs] == [other]
+    assert outputs[0]["token_ids"] == llm.generate([[5, 6, 7]], GREEDY,
+                                                   use_tqdm=False)[0]["token_ids"]
+    assert llm.is_finished() and llm.step() == ([], 0)
+
+
+def test_step_outputs_are_generate_outputs(llm):
+    prompt = [11, 12, 13, 14]
+    request_id = llm.add_request(prompt, GREEDY)
+    outputs = []
+    while not llm.is_finished():
+        outputs += llm.step()[0]
+    (out,) = outputs
+    expected = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert out["request_id"] == request_id and out.keys() == expected.keys()
+    assert {k: out[k] for k in ("text", "token_ids", "finish_reason")} == {
+        k: expected[k] for k in ("text", "token_ids", "finish_reason")}
 
 
 def test_fields_mutated_after_construction_are_checked_again(llm):

@@ -15,13 +15,13 @@ def llm(tiny_model):
 
 
 def run(llm, prompts, params, pipelined: bool) -> tuple[list[dict], dict]:
-    llm.pipelined = pipelined
+    llm._pipelined = pipelined  # the engine's private test hook (see LLMEngine)
     llm.reset_prefix_cache()
     llm.reset_stats()
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
-        llm.pipelined = True
+        llm._pipelined = True
     return [{k: o[k] for k in ("token_ids", "finish_reason", "text")} for o in outs], llm.stats()
 
 
@@ -54,13 +54,13 @@ def test_blocks_filled_in_decode_are_cached(llm):
     prompt, params = PROMPTS[2][:250], SamplingParams(temperature=0, max_tokens=20)
     results = []
     for pipelined in (False, True):
-        llm.pipelined = pipelined
+        llm._pipelined = pipelined
         llm.reset_prefix_cache()
         first = llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"]
         llm.reset_stats()
         second = llm.generate([prompt + first], params, use_tqdm=False)[0]["token_ids"]
         results.append((first, second, llm.stats()["cache_hit_blocks"]))
-    llm.pipelined = True
+    llm._pipelined = True
     assert results[0] == results[1]
     assert results[1][2] == 1
 
@@ -70,32 +70,32 @@ def test_step_by_step_returns_each_sequence_once(llm):
     finished = []
     while not llm.is_finished():
         finished += llm.step()[0]
-    assert sorted(seq.seq_id for seq in finished) == sorted(ids)
-    assert all(len(seq.completion_token_ids) == 5 and min(seq.token_ids) >= 0
-               for seq in finished)
-    assert llm.pending is None
+    assert sorted(o["request_id"] for o in finished) == sorted(ids)
+    assert all(len(o["token_ids"]) == 5 and o["finish_reason"] == "length" for o in finished)
+    assert llm._in_flight is None
 
 
 def test_exception_in_a_bare_step_requeues_every_request(llm, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     expected = [o["token_ids"] for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
     ids = [llm.add_request(p, params) for p in PROMPTS[:3]]
-    launch, calls = llm.model_runner.launch, [0]
+    launch, calls = llm._launch, [0]
 
     def failing_launch(*args):
         calls[0] += 1
-        if calls[0] == 3:  # a decode step: the batch before it already holds placeholders
+        if calls[0] == 3:  # a decode step: the batch before it already has pending tokens
             raise RuntimeError("boom")
         return launch(*args)
 
-    monkeypatch.setattr(llm.model_runner, "launch", failing_launch)
+    monkeypatch.setattr(llm, "_launch", failing_launch)
     finished = []
     with pytest.raises(RuntimeError, match="boom"):
         while not llm.is_finished():
             finished += llm.step()[0]
-    assert not finished and llm.pending is None
-    assert all(min(seq.token_ids) >= 0 for seq in llm.scheduler.waiting)
+    assert not finished and llm._in_flight is None
+    assert all(not seq.num_pending_tokens and len(seq.token_ids) == len(seq)
+               for seq in llm.scheduler.waiting)
     while not llm.is_finished():
         finished += llm.step()[0]
-    by_id = {seq.seq_id: seq.completion_token_ids for seq in finished}
+    by_id = {o["request_id"]: o["token_ids"] for o in finished}
     assert [by_id[i] for i in ids] == expected

@@ -157,7 +157,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.s = Scheduler(self.max_num_seqs, MAX_MODEL_LEN, MAX_MODEL_LEN, EOS,
                            self.num_blocks, BS)
         self.seqs: list[Sequence] = []
-        self.pending: list[Sequence] = []  # the pipelined engine's launched, uncommitted batch
+        self.pending: list[Sequence] = []  # the pipelined engine's in-flight batch
 
     @property
     def bm(self) -> BlockManager:
@@ -177,22 +177,27 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _step(self, tokens: list[int]) -> None:
         if self.pending:  # a lockstep step after pipelined ones: commit first, nothing in flight
-            pending, self.pending = self.pending, []
-            for seq in self.s.commit(self.s.advance(pending), tokens):
+            finished = self.s.commit(self.s.advance(self.pending), tokens)
+            self.pending = []
+            for seq in finished:
                 self._check_finished(seq)
             if self.s.is_finished():
                 return
-        batch, is_prefill = self._schedule()
-        for seq in self.s.postprocess(batch, tokens[:len(batch)]):
+        self.pending = self._schedule()[0]  # lockstep: launched, then committed at once
+        finished = self.s.commit(self.s.advance(self.pending), tokens)
+        self.pending = []
+        for seq in finished:
             self._check_finished(seq)
 
     def _pipelined_step(self, tokens: list[int]) -> None:
-        """LLMEngine.step without tensor parallelism: advance, schedule, launch, commit."""
-        pending, self.pending = self.pending, []
-        advanced = self.s.advance(pending)
+        """LLMEngine.step without tensor parallelism: advance, schedule, launch, commit. The
+        in-flight batch stays recorded until its commit is done, as abort needs it."""
+        advanced = self.s.advance(self.pending)
+        assert all(seq.num_pending_tokens == 1 for _, seq in advanced)
         batch = self._schedule()[0] if not self.s.is_finished() else []
+        finished = self.s.commit(advanced, tokens, batch)
         self.pending = batch
-        for seq in self.s.commit(advanced, tokens, batch):
+        for seq in finished:
             self._check_finished(seq)
 
     def _schedule(self) -> tuple[list[Sequence], bool]:
@@ -238,14 +243,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: not self.s.is_finished())
     @rule(data=st.data())
     def model_fails(self, data):
-        """An exception between schedule and postprocess aborts one call's requests."""
-        if self.pending:  # the pipelined engine advances the launched batch first
+        """An exception between schedule and commit aborts one call's requests."""
+        if self.pending:  # the pipelined engine advances the in-flight batch first
             self.s.advance(self.pending)
         if not self.s.is_finished():
             self.s.schedule()
         unfinished = self.unfinished
         call = data.draw(st.lists(st.sampled_from(unfinished), unique=True)) if unfinished else []
-        self.s.abort(call)
+        self.s.abort(call, self.pending)
         self.pending = []  # the engine drops the failed step's sampled ids
         assert all(seq.is_finished for seq in call)
         check_all_free(self.bm)
@@ -261,8 +266,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                 (self._pipelined_step if pipelined else self._step)(tokens)
         except KeyboardInterrupt:
             event("interrupted")
+            self.s.abort(self.seqs, self.pending)
             self.pending = []
-            self.s.abort(self.seqs)
             assert self.s.is_finished()
             check_all_free(self.bm)
 
@@ -276,7 +281,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert all(seq.status == SequenceStatus.WAITING and not seq.block_table
                    for seq in waiting)
         assert all(len(seq) <= MAX_MODEL_LEN for seq in self.seqs)
-        assert not self.s.uncommitted and all(min(seq.token_ids) >= 0 for seq in self.seqs)
+        # no pending token outlives its step, and every counted token's id is known
+        assert all(not seq.num_pending_tokens and len(seq.token_ids) == len(seq)
+                   for seq in self.seqs)
         check_pool(self.bm, running, tuple(self.pending))
 
     def teardown(self):

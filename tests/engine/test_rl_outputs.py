@@ -182,3 +182,13 @@ def test_tensor_parallel_logprobs_and_penalties(tiny_model, hf, prompts):
         for p, entry in enumerate(out["prompt_logprobs"][1:], start=1):
             check_entry(entry, reference[p - 1], prompt[p], 1)
     assert got == penalised_greedy(hf, prompts[1], penalised)
+
+
+def test_add_request_with_n_gives_one_output_once_every_completion_finished(llm, hf, prompts):
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, n=2)
+    request_id = llm.add_request(prompts[1], params)
+    outs = []
+    while not llm.is_finished():
+        outs += llm.step()[0]
+    assert [out["request_id"] for out in outs] == [request_id]
+    assert [c["token_ids"] for c in outs[0]["outputs"]] == [hf_greedy(hf, prompts[1], 3)] * 2

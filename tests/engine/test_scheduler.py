@@ -16,6 +16,11 @@ def seq(n: int, max_tokens: int = 16, ignore_eos: bool = True, start: int = 1) -
                     SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), BS)
 
 
+def postprocess(s: Scheduler, batch: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+    """What the engine does with a step's sampled ids: advance, then commit."""
+    return s.commit(s.advance(batch), token_ids)
+
+
 def test_prefill_first_then_decode():
     s = make()
     a, b = seq(5), seq(3, start=100)
@@ -23,7 +28,7 @@ def test_prefill_first_then_decode():
     s.add(b)
     batch, is_prefill = s.schedule()
     assert is_prefill and batch == [a, b]
-    s.postprocess(batch, [7, 8])
+    postprocess(s, batch, [7, 8])
     batch, is_prefill = s.schedule()
     assert not is_prefill and batch == [a, b]
     assert a.block_table == [0, 1] and b.block_table == [2]  # b's 4th token fills block 2
@@ -50,7 +55,7 @@ def test_preemption_takes_the_tail_of_running():
         s.add(x)
     batch, _ = s.schedule()
     assert batch == [a, b, c]
-    s.postprocess(batch, [9, 9, 9])  # every sequence now needs a 2nd block; none is free
+    postprocess(s, batch, [9, 9, 9])  # every sequence now needs a 2nd block; none is free
     batch, is_prefill = s.schedule()
     assert not is_prefill
     assert c.status == SequenceStatus.WAITING and b.status == SequenceStatus.WAITING
@@ -68,10 +73,10 @@ def test_finish_on_eos_length_and_max_model_len():
     for x in (a, b, c):
         s.add(x)
     batch, _ = s.schedule()
-    finished = s.postprocess(batch, [5, EOS, EOS])
+    finished = postprocess(s, batch, [5, EOS, EOS])
     assert finished == [b] and b.finish_reason == "stop"
     batch, _ = s.schedule()
-    finished = s.postprocess(batch, [6, 6])
+    finished = postprocess(s, batch, [6, 6])
     assert a.finish_reason == "length" and c.finish_reason == "length"  # max_tokens, len 7
     assert set(finished) == {a, c} and s.is_finished()
     assert s.block_manager.num_free_blocks == 8

@@ -1,4 +1,5 @@
-"""What a Sequence sends to tensor-parallel workers: only the tokens the next step feeds."""
+"""What a Sequence sends to tensor-parallel workers (only the tokens the next step feeds), and
+its pending token (counted before its id is known)."""
 import pickle
 
 from nanovllm.engine.block_manager import BlockManager
@@ -47,7 +48,26 @@ def test_recompute_after_preemption_sends_prompt_and_completion():
         bm.may_append(seq)
     assert worker_copy(seq).token_ids == [11]
     bm.deallocate(seq)  # preempted: its KV is gone and must be recomputed
-    bm.reset_prefix_cache()  # and no prefix-cache hit either
+    bm.reset()  # and no prefix-cache hit either
     bm.allocate(seq)
     assert seq.num_completion_tokens == 2  # upstream sends only the last token here
     assert worker_copy(seq).uncached_token_ids == [1, 2, 3, 4, 5, 10, 11]
+
+
+def test_pending_token_counts_before_its_id_is_known():
+    seq = Sequence([1, 2, 3], SamplingParams(), BS)
+    seq.append_pending_token()
+    assert (len(seq), seq.num_pending_tokens, seq.num_cached_tokens) == (4, 1, 3)
+    assert seq.token_ids == [1, 2, 3] and seq.last_token == 3
+    seq.commit_pending_token(7)
+    assert (len(seq), seq.num_pending_tokens, seq.token_ids, seq.last_token) == (
+        4, 0, [1, 2, 3, 7], 7)
+    assert worker_copy(seq).num_pending_tokens == 0
+
+
+def test_drop_pending_token_undoes_only_a_pending_one():
+    seq = Sequence([1, 2, 3], SamplingParams(), BS)
+    seq.append_pending_token()
+    assert seq.drop_pending_token() and len(seq) == 3 and seq.num_pending_tokens == 0
+    seq.append_token(5)
+    assert not seq.drop_pending_token() and len(seq) == 4 and seq.token_ids == [1, 2, 3, 5]

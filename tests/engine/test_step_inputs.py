@@ -19,10 +19,11 @@ def test_round_trip_and_alignment(rows: int) -> None:
     seqs = [_seq(4 * i + 2, list(range(10 * i, 10 * i + i + 1))) for i in range(min(rows, 3))]
     width = 5
     inputs = DecodeInputs(8, width, BLOCK, pin=False)
-    buf = inputs.pack(seqs, rows, width).clone()  # as if copied to the device
+    source_rows = [2, -1, 0][:len(seqs)]
+    buf = inputs.pack(seqs, rows, width, source_rows).clone()  # as if copied to the device
     assert buf.numel() == DecodeInputs.size(rows, width)
-    ids, pos, ctx = DecodeInputs.unpack(buf, rows, width)
-    parts = (ids, pos, ctx.slot_mapping, ctx.context_lens, ctx.block_tables)
+    ids, pos, src, ctx = DecodeInputs.unpack(buf, rows, width)
+    parts = (ids, pos, src, ctx.slot_mapping, ctx.context_lens, ctx.block_tables)
     assert all(part.data_ptr() % 16 == 0 for part in parts)  # one Triton variant for all rows
     n = len(seqs)
     assert ids.tolist() == [seq.last_token for seq in seqs] + [0] * (rows - n)
@@ -33,3 +34,6 @@ def test_round_trip_and_alignment(rows: int) -> None:
     tables = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
     assert ctx.block_tables.tolist() == tables + [[-1] * width] * (rows - n)
     assert ctx.block_tables.shape == (rows, width)
+    assert src.tolist() == source_rows + [-1] * (rows - n)
+    _, _, src, _ = DecodeInputs.unpack(inputs.pack(seqs, rows, width), rows, width)
+    assert src.tolist() == [-1] * rows  # no step in flight: every input id is on the host

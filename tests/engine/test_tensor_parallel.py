@@ -130,6 +130,10 @@ def test_tp2_greedy_matches_tp1_and_transformers(checkpoints, bias_model, name):
 
 
 # ---- failures -------------------------------------------------------------------------------
+# A dead worker is named within worker.DEATH_GRACE_S (5 s) plus clean-up; this bound leaves room
+# for a busy machine and is still far below the 300 s collective timeout a hang would wait out.
+NOTICED_WITHIN_S = 60
+
 def test_killing_a_worker_between_steps_raises_and_leaks_nothing(tiny_model):
     llm = LLM(tiny_model, tensor_parallel_size=2, num_kvcache_blocks=16)
     shm, victim = llm.workers.channel.name, llm.workers.processes[0]
@@ -143,7 +147,7 @@ def test_killing_a_worker_between_steps_raises_and_leaks_nothing(tiny_model):
     with pytest.raises(RuntimeError, match=r"worker died: rank 1 \(pid \d+\) exit code -9"):
         while True:
             llm.step()
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < NOTICED_WITHIN_S
     assert_nothing_left(shm)
     with pytest.raises(RuntimeError, match="shut down"):
         llm.step()
@@ -162,7 +166,7 @@ def test_killing_a_worker_inside_a_step_raises_and_leaks_nothing(tiny_model, mon
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="worker died: rank 1"):
         llm.generate(prompts(), GREEDY, use_tqdm=False)
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < NOTICED_WITHIN_S
     assert_nothing_left(shm)
     llm.shutdown()
 

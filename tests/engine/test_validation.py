@@ -109,15 +109,15 @@ def test_request_that_can_never_fit_the_kv_pool(llm):
 
 
 def record_block_tables(llm, monkeypatch) -> list[int]:
-    """Wrap the model runner to record the longest block table of every step."""
+    """Wrap the engine's launch hook to record the longest block table of every step."""
     lengths: list[int] = []
-    launch = llm.model_runner.launch
+    launch = llm._launch
 
     def recording_launch(seqs, is_prefill, *args):
         lengths.append(max(len(seq.block_table) for seq in seqs))
         return launch(seqs, is_prefill, *args)
 
-    monkeypatch.setattr(llm.model_runner, "launch", recording_launch)
+    monkeypatch.setattr(llm, "_launch", recording_launch)
     return lengths
 
 
