@@ -225,12 +225,10 @@ class LLMEngine:
                  use_tqdm: bool = True) -> list[dict]:
         """Run one prompt or a list to completion; one SamplingParams for all or one per prompt.
 
-        Returns, in input order, one dict per prompt (see outputs.request_output): "request_id",
-        "text", "token_ids", "finish_reason", "logprobs", "prompt_logprobs", "outputs",
-        "metrics"; requests queued by add_request that finish meanwhile are kept for step() to
-        return. Every request is validated before any is queued, so a ValueError
-        changes nothing. On any exception (Ctrl-C included) this call's requests are aborted
-        and the engine stays usable.
+        Returns, in input order, one dict per prompt (see outputs.request_output, plus
+        "request_id"); hand-queued requests that finish meanwhile are kept for step(). Every
+        request is validated before any is queued, so a ValueError changes nothing. On any
+        exception (Ctrl-C included) this call's requests are aborted; the engine stays usable.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts, list)
                                         and isinstance(prompts[0], int)):
