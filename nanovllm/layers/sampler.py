@@ -123,10 +123,10 @@ class LogprobsTensors:
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
-    """log_softmax(logits) [N, V] at token_ids [N] and at each row's top k."""
+    """log_softmax(logits) [N, V] at token_ids [N] and at each row's top k (all V if k > V)."""
     logits = logits.float()
     lse = logits.logsumexp(dim=-1, keepdim=True)
-    top_values, top_ids = logits.topk(k, dim=-1)
+    _, top_ids = logits.topk(min(k, logits.size(1)), dim=-1)
     ids = torch.cat([token_ids.unsqueeze(1), top_ids], dim=1)
     return LogprobsTensors(ids, logits.gather(1, ids) - lse)
 

@@ -233,6 +233,8 @@ def test_compute_logprobs_for_given_tokens_with_k_zero():
     torch.testing.assert_close(got.logprobs[:, 0], torch.log_softmax(logits, -1)[[0, 1, 2],
                                                                               [4, 0, 9]])
     assert got.to_dicts([0, 0, 0])[1] == {0: got.logprobs[1, 0].item()}
+    everything = compute_logprobs(logits, torch.tensor([4, 0, 9]), 50).to_dicts([50] * 3)
+    assert [len(d) for d in everything] == [10] * 3
 
 
 def test_unknown_logprobs_mode_is_rejected():
