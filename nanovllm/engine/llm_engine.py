@@ -29,8 +29,7 @@ class InFlightStep:
     advanced: list[tuple[int, Sequence]] = field(default_factory=list)
 
     def source_rows(self, seqs: list[Sequence]) -> list[int]:
-        """For each of `seqs`, its row of this step's sampled ids if its pending token is
-        there, else -1."""
+        """Per sequence of `seqs`: the row of this step's ids holding its pending token, or -1."""
         rows = {seq.seq_id: row for row, seq in self.advanced}
         return [rows.get(seq.seq_id, -1) for seq in seqs]
 
@@ -184,9 +183,9 @@ class LLMEngine:
         for seq in seqs:
             if not seq.sampling_params.stop:  # the common path decodes nothing
                 continue
-            cut = self.stop_checker.check(seq)
-            if cut is not None:
-                seq.text = self.stop_checker.text(seq)[:cut]
+            text = self.stop_checker.check(seq)
+            if text is not None:
+                seq.text = text
                 if not seq.is_finished:
                     newly_finished.append(seq)
                 self.scheduler.finish(seq, "stop")

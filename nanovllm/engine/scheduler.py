@@ -110,14 +110,10 @@ class Scheduler:
         self.num_preemptions += 1
 
     def abort(self, seqs: list[Sequence], in_flight: list[Sequence] = ()) -> None:
-        """Recover from an exception mid-step: drop `seqs` and the pending tokens of the
-        `in_flight` batch, send every other unfinished sequence back to waiting (recompute),
-        free every block and forget the prefix cache.
-
-        The failed step may have reserved blocks, or hashed blocks whose K/V was never written,
-        and an interrupt can land between any two lines of bookkeeping, so nothing the pool
-        holds is trusted: starting it afresh is always right and costs only cache hits.
-        """
+        """Recover from an exception mid-step: drop `seqs` and the `in_flight` batch's pending
+        tokens, send every other unfinished sequence back to waiting (recompute), and start the
+        pool afresh: the failed step may have hashed blocks whose K/V was never written, and an
+        interrupt can land between any two lines, so nothing the pool holds is trusted."""
         dropped = {seq.seq_id for seq in seqs}
         for seq in in_flight:
             if seq.drop_pending_token() and seq.finish_reason == "length":
@@ -141,9 +137,8 @@ class Scheduler:
         self.block_manager.reset()
 
     def advance(self, seqs: list[Sequence]) -> list[tuple[int, Sequence]]:
-        """Pipelined: give each unfinished sequence of a launched step a pending token (its id
-        comes with commit, the next step reads it on the device); finish those at a length
-        limit. Returns (row in the step's sampled ids, seq) pairs."""
+        """Give each unfinished sequence of a launched step a pending token (its id comes with
+        commit); finish those at a length limit. Returns (row in the step's ids, seq) pairs."""
         advanced = []
         for row, seq in enumerate(seqs):
             if seq.is_finished:  # stopped by the previous commit: its new token is dropped

@@ -25,9 +25,9 @@ class StopStringChecker:
         self.tokenizer = tokenizer
         self.states: dict[int, _Detokenized] = {}
 
-    def check(self, seq: Sequence) -> int | None:
-        """Decode seq's new tokens; the index in its completion text where a stop string
-        starts, if one now appears (a match may span tokens), else None."""
+    def check(self, seq: Sequence) -> str | None:
+        """Decode seq's new tokens; if a stop string now appears (a match may span tokens),
+        the completion text before it, else None."""
         state = self.states.setdefault(seq.seq_id, _Detokenized())
         start = seq.num_prompt_tokens
         window = seq.token_ids[start + state.prefix_offset:]
@@ -45,11 +45,7 @@ class StopStringChecker:
             i = state.text.find(stop, max(0, old_len - len(stop) + 1))
             if i != -1:
                 found.append(i)
-        return min(found, default=None)
-
-    def text(self, seq: Sequence) -> str:
-        """The completion text decoded so far."""
-        return self.states[seq.seq_id].text
+        return state.text[:min(found)] if found else None
 
     def forget(self, seq: Sequence) -> None:
         self.states.pop(seq.seq_id, None)
