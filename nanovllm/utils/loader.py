@@ -1,7 +1,7 @@
 """Load HF safetensors into a model whose parameters carry their own weight loaders."""
 import glob
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -21,15 +21,23 @@ def load_model(model: nn.Module, path: str) -> None:
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy (checkpoint name, tensor) pairs, on any device, through the parameters' loaders.
-
-    `packed_modules_mapping` maps a checkpoint name fragment (q_proj) to our fused
-    parameter (qkv_proj) and the shard it fills (q).
-    """
-    packed = getattr(model, "packed_modules_mapping", {})
-    params = dict(model.named_parameters())
+    """Copy (checkpoint name, tensor) pairs, on any device, through the parameters' loaders."""
+    resolve = _resolver(model)
     for name, weight in weights:
-        _load_one(params, packed, name, weight)
+        resolved = resolve(name)
+        if resolved is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
+        param, shard = resolved
+        if param is not None:
+            getattr(param, "weight_loader", default_weight_loader)(param, weight, *shard)
+
+
+def check_weight_names(model: nn.Module, names: Iterable[str]) -> None:
+    """Raise ValueError for the first name no parameter of `model` takes."""
+    resolve = _resolver(model)
+    for name in names:
+        if not isinstance(name, str) or resolve(name) is None:
+            raise ValueError(f"weight {name!r} has no matching parameter")
 
 
 def _safetensors_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -39,33 +47,32 @@ def _safetensors_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]
                 yield name, f.get_tensor(name)
 
 
-def check_weight_names(model: nn.Module, names: Iterable[str]) -> None:
-    """Raise ValueError for the first name no parameter of `model` takes."""
+Resolved = tuple[nn.Parameter | None, tuple] | None
+
+
+def _resolver(model: nn.Module) -> Callable[[str], Resolved]:
+    """checkpoint name -> (parameter, extra loader args); (None, ()) to skip it; None when no
+    parameter takes it.
+
+    `packed_modules_mapping` maps a checkpoint name fragment (q_proj) to our fused
+    parameter (qkv_proj) and the shard it fills (q); `renamed_modules`, when a model has it,
+    maps a checkpoint name fragment to where that module lives in our model.
+    """
     packed = getattr(model, "packed_modules_mapping", {})
+    renamed = getattr(model, "renamed_modules", {})
     params = dict(model.named_parameters())
-    for name in names:
-        if not isinstance(name, str) or _resolve(params, packed, name) is None:
-            raise ValueError(f"weight {name!r} has no matching parameter")
 
+    def resolve(name: str) -> Resolved:
+        for fragment, replacement in renamed.items():
+            name = name.replace(fragment, replacement)
+        for fragment, (fused, shard_id) in packed.items():
+            if fragment in name:
+                param = params.get(name.replace(fragment, fused))
+                return None if param is None else (param, (shard_id,))
+        if name in params:
+            return params[name], ()
+        if name == "lm_head.weight":
+            return None, ()  # tied embeddings: some checkpoints still store the head
+        return None
 
-def _resolve(params: dict, packed: dict, name: str) -> tuple[nn.Parameter | None, tuple] | None:
-    """(parameter, extra loader args) for a checkpoint name; (None, ()) to skip it; None if
-    no parameter takes it."""
-    for fragment, (fused, shard_id) in packed.items():
-        if fragment in name:
-            param = params.get(name.replace(fragment, fused))
-            return None if param is None else (param, (shard_id,))
-    if name in params:
-        return params[name], ()
-    if name == "lm_head.weight":
-        return None, ()  # tied embeddings: some checkpoints still store the head
-    return None
-
-
-def _load_one(params: dict, packed: dict, name: str, weight: torch.Tensor) -> None:
-    resolved = _resolve(params, packed, name)
-    if resolved is None:
-        raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
-    param, shard = resolved
-    if param is not None:
-        getattr(param, "weight_loader", default_weight_loader)(param, weight, *shard)
+    return resolve
