@@ -9,8 +9,10 @@ import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 
+from benchmarks.shapes import SHAPES, write_shape
+
 DEFAULT_MODEL = "~/huggingface/Qwen3-0.6B"
-SCENARIO_NAMES = ("throughput", "graphs", "prefix-cache", "kv-pressure", "tp", "rl")
+SCENARIO_NAMES = ("throughput", "graphs", "prefix-cache", "kv-pressure", "tp", "dp", "rl")
 
 
 def parse_args() -> argparse.Namespace:
@@ -20,6 +22,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--random-weights", action="store_true",
                    help="use a random checkpoint of Qwen3-0.6B's shape when --model is absent")
+    p.add_argument("--shape", choices=list(SHAPES),
+                   help="dummy weights of a named model's shape: only its config.json and a "
+                        "small tokenizer are written (implies --load-format dummy)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights from config.json alone")
     # Sizes of the throughput workload; unset means upstream's (or the smoke sizes with --tiny).
     p.add_argument("--num-seqs", type=int)
     p.add_argument("--min-input-len", type=int)
@@ -30,6 +37,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-pipeline", action="store_true",
                    help="lockstep engine: read each step's sampled ids before the next is launched")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
+    p.add_argument("--data-parallel-size", "--dp", type=int,
+                   help="replicas for the dp scenario (default: the GPUs present / --tp)")
     p.add_argument("--attention-backend", default="auto",
                    choices=["auto", "flash-attn", "triton", "torch"])
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -42,12 +51,17 @@ def parse_args() -> argparse.Namespace:
                    help="draw batch size and tok/s over time for every run (needs matplotlib)")
     p.add_argument("--tiny", action="store_true",
                    help="a tiny random model and small sizes for every scenario (CPU smoke test)")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.shape:
+        args.load_format = "dummy"
+    return args
 
 
 def resolve_model(args: argparse.Namespace) -> str:
     """The checkpoint to load; builds a random one in a temporary directory when asked to."""
     from nanovllm.utils.checkpoint import build_checkpoint, qwen3_0_6b_random
+    if args.shape:
+        return write_shape(args.shape, tempfile.mkdtemp(prefix=f"nanovllm-{args.shape}-"))
     path = os.path.expanduser(args.model)
     if os.path.isdir(path) and not args.tiny:
         return path

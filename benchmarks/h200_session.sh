@@ -8,6 +8,7 @@
 #   bash benchmarks/h200_session.sh startup-probe   (first on a fresh machine: import costs)
 #   NANOVLLM_COMMIT=<hash> bash benchmarks/h200_session.sh rl   (logprobs, n, sleep, weights)
 #   NANOVLLM_COMMIT=<hash> bash benchmarks/h200_session.sh cold-and-ab
+#   bash benchmarks/h200_session.sh gpu-suite   (every GPU-marked test, then bf16 agreement)
 # ab-vs-base compares this tree with a worktree of a baseline commit: `git worktree add
 # .ab_base <commit>; echo <commit> > .ab_base/.commit`, then carry [".device", ".ab_base"].
 # Run with carry [".device"]; logs and JSON land in $OUT.
@@ -21,6 +22,15 @@ gpu_tests() {  # the GPU-marked tests within $1 seconds: log to $OUT, print the 
   grep -E "passed|failed|argmax|relative error|^FAILED" $OUT/gpu_tests.log
 }
 case "${1:-tests-and-ab}" in
+gpu-suite)
+  # Every GPU-marked test (behaviour suite per target, float32 regression, random schedules,
+  # parity), with per-test durations, then bf16 argmax agreement per backend and mode.
+  timeout 360 python -m pytest -q -s -p no:cacheprovider -m gpu -rfEs --durations=15 tests 2>&1 \
+    | grep -vE "DEBUG|Writing|Loading" > $OUT/gpu_suite.log
+  grep -E "passed|failed|^(FAILED|ERROR|SKIPPED)|near-tie|TF32 attention" $OUT/gpu_suite.log
+  timeout 200 python -m benchmarks.bf16_agreement --json $OUT/bf16_agreement.json 2>&1 \
+    | grep -vE "Writing|Loading" | tee $OUT/bf16_agreement.log | tail -10
+  ;;
 tests-and-ab)
   # GPU parity (both backends, eager and graphs), sampler and graphs-vs-eager sampling checks.
   gpu_tests 240

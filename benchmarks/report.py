@@ -26,6 +26,11 @@ RL: Columns = [("output_tok_s", "out tok/s", ".0f"), ("total_s", "total s", ".2f
                ("prefill_tokens", "prefilled tok", "d"), ("cache_hit_blocks", "hit blocks", "d"),
                ("preemptions", "preemptions", "d")]
 
+DP: Columns = [("output_tok_s", "out tok/s", ".0f"), ("speedup", "speedup", ".2f"),
+               ("total_s", "total s", ".2f"), ("tokens", "tokens per replica", "s"),
+               ("busy", "busy s per replica", "s"), ("balance", "balance", ".0%"),
+               ("startup_s", "LLM() s", ".1f")]
+
 
 def rows(result: dict) -> dict[str, dict]:
     """One flat row per run: its metrics, its engine's conditions and a few derived values."""
@@ -36,6 +41,9 @@ def rows(result: dict) -> dict[str, dict]:
             row["mean_batch"] = run["decode_tokens"] / run["decode_steps"]
         if run.get("gpu_used_gib"):
             row["used"] = " ".join(f"{x:.1f}" for x in run["gpu_used_gib"])
+        if run.get("replica_busy_s"):
+            row["tokens"] = " ".join(str(x) for x in run["replica_tokens"])
+            row["busy"] = " ".join(f"{x:.1f}" for x in run["replica_busy_s"])
         out[label] = row
     return out
 
@@ -81,6 +89,10 @@ def report(name: str, result: dict) -> None:
     elif name == "tp":
         print_table(f"tp: tensor_parallel_size {result['sizes']}, standard workload",
                     rows(result), TP)
+    elif name == "dp":
+        print_table(f"dp: data_parallel_size 1 vs {result['data_parallel_size']}, standard "
+                    f"workload x {result['data_parallel_size']} = {w['num_seqs']} requests "
+                    "(balance = least / most busy replica)", rows(result), DP)
     elif name == "rl":
         print_table(f"rl: standard workload ({w['num_seqs']} requests) plain, with logprobs=5 "
                     "and with n=4 on every request", rows(result), RL)

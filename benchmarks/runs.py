@@ -38,7 +38,8 @@ def open_engine(path: str, args: argparse.Namespace, **overrides) -> Iterator[tu
     from nanovllm import LLM, SamplingParams
     kwargs = dict(enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
                   tensor_parallel_size=args.tensor_parallel_size,
-                  kvcache_block_size=args.block_size, attention_backend=args.attention_backend)
+                  kvcache_block_size=args.block_size, attention_backend=args.attention_backend,
+                  load_format=getattr(args, "load_format", "auto"))
     kwargs.update(overrides)
     t0 = perf_counter()
     llm = LLM(path, **kwargs)

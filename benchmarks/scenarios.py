@@ -147,6 +147,44 @@ def tp(args: argparse.Namespace, path: str) -> dict:
     return dict(workload=size, sizes=sizes, runs=runs)
 
 
+def dp(args: argparse.Namespace, path: str) -> dict:
+    """data_parallel_size 1 vs N (--dp, else the GPUs present / tensor_parallel_size) on the
+    standard workload scaled to N x its requests: tok/s, speedup and per-replica balance."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    n = args.data_parallel_size or gpus // args.tensor_parallel_size
+    if n < 2:
+        return dict(skipped=f"data parallelism needs 2 or more replicas; found {gpus} CUDA "
+                            f"GPU(s) for tensor_parallel_size={args.tensor_parallel_size} "
+                            "(or pass --dp N)")
+    size = workloads.sizes("throughput", args.tiny)
+    size["num_seqs"] *= n
+    prompts, params = workloads.standard(**size, max_id=workloads.max_token_id(path),
+                                         seed=args.seed)
+    runs: dict[str, dict] = {}
+    # DP=N first: its replicas then size their KV pools before this process touches a GPU.
+    for size_n in (n, 1):
+        with open_engine(path, args, data_parallel_size=size_n) as (llm, startup_s):
+            if size_n > 1:  # open_engine warmed up one replica; warm up the others too
+                llm.generate(["Benchmark: "] * 2 * size_n, use_tqdm=False)
+            run = repeated(llm, prompts, params, args.repeats)
+            run["engine"] = (engine_env(llm, startup_s) if size_n == 1 else
+                             dict(data_parallel_size=size_n, startup_s=startup_s))
+            run.update(_balance(run.get("replicas", [run])))
+        runs[f"dp={size_n}"] = run
+    base = runs["dp=1"]["output_tok_s"]
+    for run in runs.values():
+        run["speedup"] = run["output_tok_s"] / base
+    return dict(workload=size, data_parallel_size=n, runs=dict(reversed(runs.items())))
+
+
+def _balance(replicas: list[dict]) -> dict:
+    """Each replica's tokens computed and busy seconds; balance = least busy / most busy."""
+    busy = [r["prefill_s"] + r["decode_s"] for r in replicas]
+    tokens = [r["prefill_tokens"] + r["decode_tokens"] for r in replicas]
+    return dict(replica_tokens=tokens, replica_busy_s=busy,
+                balance=min(busy) / max(busy) if max(busy) else None)
+
+
 def _check_ranks(n: int) -> None:
     """An engine without tensor-parallel workers would run tp=n on one GPU: refuse to time it."""
     dist = torch.distributed
@@ -182,4 +220,4 @@ def _driver_used_gib() -> list[float]:
 
 SCENARIOS: dict[str, Scenario] = {"throughput": throughput, "graphs": graphs,
                                   "prefix-cache": prefix_cache, "kv-pressure": kv_pressure,
-                                  "tp": tp, "rl": rl}
+                                  "tp": tp, "dp": dp, "rl": rl}

@@ -5,12 +5,13 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import PretrainedConfig
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+from nanovllm.layers.backends import BACKENDS, check_attention_backend
+from nanovllm.layers.rotary_embedding import rope_parameters
+from nanovllm.models.registry import architecture, decoder_spec, with_family_defaults
+from nanovllm.validation import INT32_MAX, check, check_int, check_real, is_int
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-# Qwen3Config's defaults for the fields the model reads, for a config.json that leaves them out.
-QWEN3_DEFAULTS = dict(head_dim=128, hidden_act="silu", max_position_embeddings=32768,
-                      rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
-                      num_key_value_heads=32)  # 32 when absent, as Qwen3Config; null: MHA
+LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights from config.json alone (benchmarks)
 REQUIRED_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers",
                    "num_attention_heads", "vocab_size")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -31,6 +32,8 @@ class Config:
     num_kvcache_blocks: int = -1
     device: str = "auto"
     dtype: str = "auto"
+    attention_backend: str = "auto"
+    load_format: str = "auto"
     logprobs_mode: str = "raw"  # "raw": log_softmax(logits); "processed": what was sampled from
     hf_config: PretrainedConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
@@ -38,7 +41,7 @@ class Config:
     def __post_init__(self) -> None:
         self.model = os.path.expanduser(str(self.model))
         self._check_ranges()
-        self.hf_config = load_hf_config(self.model)
+        self.hf_config = load_hf_config(self.model, self.load_format)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         if self.max_num_batched_tokens < self.max_model_len:
             # A prompt may be up to max_model_len - 1 tokens and is prefilled in one step.
@@ -48,38 +51,38 @@ class Config:
         self.device = resolve_device(self.device)
         check_tensor_parallel(self.tensor_parallel_size, self.device, self.hf_config)
         self.torch_dtype = resolve_dtype(self.dtype, self.device, self.hf_config)
+        check_attention_backend(self.attention_backend, self.device, self.torch_dtype)
 
     def _check_ranges(self) -> None:
-        def check(name: str, ok: bool, allowed: str) -> None:
-            if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: expected {allowed}")
-
-        # Type first, so that a wrong type is reported here and not as a failed comparison.
-        def is_int(name: str) -> bool:
+        # Counts and sizes become int32 tensor sizes and indices on the device.
+        self.max_num_batched_tokens = check_int("max_num_batched_tokens",
+                                                self.max_num_batched_tokens, 1)
+        self.max_num_seqs = check_int("max_num_seqs", self.max_num_seqs, 1)
+        self.max_model_len = check_int("max_model_len", self.max_model_len, 2)
+        self.gpu_memory_utilization = check_real(
+            "gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0,
+            "a number in (0, 1]", low_open=True)
+        self.tensor_parallel_size = check_int("tensor_parallel_size", self.tensor_parallel_size,
+                                              1, 8)
+        block_size = self.kvcache_block_size
+        check("kvcache_block_size", block_size, is_int(block_size) and 0 < block_size <= 2**20
+              and block_size % 256 == 0, "a positive multiple of 256 up to 2**20")
+        blocks = self.num_kvcache_blocks
+        check("num_kvcache_blocks", blocks, is_int(blocks) and (blocks == -1 or 0 < blocks
+                                                                 <= INT32_MAX),
+              f"-1 (auto) or an int in [1, {INT32_MAX}]")
+        for name, allowed in (("device", ("auto", "cpu", "cuda")), ("dtype", ("auto", *_DTYPES))):
             value = getattr(self, name)
-            return isinstance(value, int) and not isinstance(value, bool)
-
-        check("max_num_batched_tokens", is_int("max_num_batched_tokens")
-              and self.max_num_batched_tokens >= 1, "an int >= 1")
-        check("max_num_seqs", is_int("max_num_seqs") and self.max_num_seqs >= 1, "an int >= 1")
-        check("max_model_len", is_int("max_model_len") and self.max_model_len >= 2, "an int >= 2")
-        utilization = self.gpu_memory_utilization
-        check("gpu_memory_utilization", isinstance(utilization, int | float)
-              and not isinstance(utilization, bool) and 0 < utilization <= 1,
-              "a float in (0, 1]")
-        check("tensor_parallel_size", is_int("tensor_parallel_size")
-              and 1 <= self.tensor_parallel_size <= 8, "an int in 1..8")
-        check("kvcache_block_size", is_int("kvcache_block_size")
-              and self.kvcache_block_size > 0 and self.kvcache_block_size % 256 == 0,
-              "a positive multiple of 256")
-        check("num_kvcache_blocks", is_int("num_kvcache_blocks")
-              and (self.num_kvcache_blocks == -1 or self.num_kvcache_blocks > 0),
-              "-1 (auto) or a positive int")
-        check("device", self.device in ("auto", "cpu", "cuda"), "'auto', 'cpu' or 'cuda'")
-        check("dtype", self.dtype in ("auto", *_DTYPES), f"'auto' or one of {sorted(_DTYPES)}")
-        check("enforce_eager", isinstance(self.enforce_eager, bool), "a bool")
-        check("logprobs_mode", self.logprobs_mode in ("raw", "processed"),
+            check(name, value, isinstance(value, str) and value in allowed,
+                  f"one of {list(allowed)}")
+        check("enforce_eager", self.enforce_eager, isinstance(self.enforce_eager, bool), "a bool")
+        check("load_format", self.load_format, self.load_format in LOAD_FORMATS,
+              f"one of {list(LOAD_FORMATS)}")
+        check("logprobs_mode", self.logprobs_mode, self.logprobs_mode in ("raw", "processed"),
               "'raw' or 'processed'")
+        backend = self.attention_backend
+        check("attention_backend", backend, isinstance(backend, str)
+              and backend in ("auto", *BACKENDS), f"one of {['auto', *BACKENDS]}")
 
 
 def config_from_kwargs(model: str, kwargs: dict) -> Config:
@@ -87,33 +90,30 @@ def config_from_kwargs(model: str, kwargs: dict) -> Config:
     names = {f.name for f in fields(Config) if f.init}
     unknown = sorted(set(kwargs) - names)
     if unknown:
-        raise ValueError(f"unknown argument(s) {unknown}; LLM accepts {sorted(names - {'model'})}")
+        raise ValueError(f"unknown argument(s) {unknown}; LLM accepts "
+                         f"{sorted(names - {'model'} | {'attention_backend'})}")
     return Config(model, **kwargs)
 
 
-def load_hf_config(model: str) -> PretrainedConfig:
+def load_hf_config(model: str, load_format: str = "auto") -> PretrainedConfig:
     """Check the model directory and read its config.json, with errors that name the problem."""
     if not os.path.isdir(model):
         raise ValueError(f"model directory {model!r} does not exist")
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise ValueError(f"model directory {model!r} has no config.json")
-    if not any(f.endswith(".safetensors") for f in os.listdir(model)):
+    if load_format == "auto" and not any(f.endswith(".safetensors") for f in os.listdir(model)):
         raise ValueError(f"model directory {model!r} has no *.safetensors weights")
     if not any(os.path.isfile(os.path.join(model, f)) for f in TOKENIZER_FILES):
         # transformers would silently build an empty tokenizer instead
         raise ValueError(f"model directory {model!r} has no tokenizer: expected one of "
                          f"{list(TOKENIZER_FILES)}")
-    hf_config = read_config_json(model)
-    archs = getattr(hf_config, "architectures", None) or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ValueError(f"unsupported architecture {archs} in {model!r}; "
-                         f"supported: {list(SUPPORTED_ARCHITECTURES)}")
-    return hf_config
+    return read_config_json(model)
 
 
 def read_config_json(model: str) -> PretrainedConfig:
     """config.json through transformers' base PretrainedConfig (both formats: `dtype` or
-    `torch_dtype`, `rope_parameters` or `rope_theta`), Qwen3Config's defaults filled in.
+    `torch_dtype`, `rope_parameters` or `rope_theta`/`rope_scaling`), the family's defaults
+    filled in, `rope_parameters` in one flat format, checked for fields we do not implement.
 
     Not AutoConfig: importing Qwen3Config imports transformers' modeling and generation stack
     for its docstring (7 s on the H200, where sklearn and accelerate are installed).
@@ -125,9 +125,17 @@ def read_config_json(model: str) -> PretrainedConfig:
     missing = [name for name in REQUIRED_FIELDS if config_dict.get(name) is None]
     if missing:
         raise ValueError(f"config.json of {model!r} lacks {missing}")
-    hf_config = PretrainedConfig.from_dict({**QWEN3_DEFAULTS, **config_dict})
-    if getattr(hf_config, "num_key_value_heads", None) is None:  # as Qwen3Config: MHA
-        hf_config.num_key_value_heads = hf_config.num_attention_heads
+    config_dict = with_family_defaults(config_dict, architecture(config_dict, model))
+    rope = rope_parameters(config_dict)
+    # popped: the base class would try (and fail) to standardise them itself
+    for key in ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor"):
+        config_dict.pop(key, None)
+    try:
+        hf_config = PretrainedConfig.from_dict(config_dict)
+    except Exception as e:  # transformers' own validators raise several types: name the file
+        raise ValueError(f"invalid config.json of {model!r}: {e}") from e
+    hf_config.rope_parameters = rope
+    decoder_spec(hf_config)  # raises now, before anything is loaded, on what we lack
     return hf_config
 
 

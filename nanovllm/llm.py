@@ -4,19 +4,30 @@ from itertools import islice
 
 import torch
 
+from nanovllm.engine.data_parallel import check_data_parallel_size
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.validation import Conversation, as_conversation_list
 from nanovllm.engine.worker import WORKER_COMMANDS
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.loader import check_weight_names
+from nanovllm.utils.tokenizer import chat_prompt_ids
 
-Conversation = list[dict[str, str]]
 WEIGHTS_PER_COMMAND = 64  # tensors named in one worker command (the channel holds 1 MiB)
 
 
 class LLM(LLMEngine):
     """An offline LLM: `LLM(path, **config).generate(prompts, SamplingParams(...))`."""
 
-    def __init__(self, model: str, **kwargs):
+    def __new__(cls, model: str, data_parallel_size: int = 1, **kwargs):
+        # data_parallel_size > 1 returns a front end over that many engines in Ray actors, with
+        # the same generate/chat/stats; with 1 this class is built as always and Ray is never
+        # imported.
+        if check_data_parallel_size(data_parallel_size) > 1:
+            from nanovllm.engine.data_parallel import DataParallelLLM
+            return DataParallelLLM(model, data_parallel_size, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(self, model: str, data_parallel_size: int = 1, **kwargs):
         super().__init__(model, **kwargs)
         self._sleep_level = 0  # 0 = awake
         self._weights_dropped = False  # woken from sleep(level=2), update_weights not yet run
@@ -28,15 +39,8 @@ class LLM(LLMEngine):
 
         A conversation is a list of {"role", "content"} dicts; returns what generate() does.
         """
-        if messages and isinstance(messages[0], dict):
-            messages = [messages]
-        if self.tokenizer.chat_template is None:
-            raise ValueError(f"the tokenizer of {self.config.model!r} has no chat template")
-        # The template's text already holds any special tokens: encode it without adding more.
-        prompts = [self.tokenizer.encode(
-            self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True),
-            add_special_tokens=False) for conv in messages]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(chat_prompt_ids(self.tokenizer, as_conversation_list(messages)),
+                             sampling_params, use_tqdm)
 
     def generate(self, *args, **kwargs) -> list[dict]:
         self._check_ready("generate")

@@ -1,8 +1,18 @@
 """Per-request sampling parameters."""
 from dataclasses import dataclass
-from numbers import Integral, Real
 
-MAX_SEED = 2**63 - 1  # seeds travel to the device as int64
+from nanovllm.validation import (
+    FLOAT32_MAX,
+    FLOAT32_TINY,
+    INT32_MAX,
+    INT64_MAX,
+    check,
+    check_int,
+    check_real,
+    is_int,
+)
+
+MAX_SEED = INT64_MAX  # seeds travel to the device as int64
 
 
 @dataclass
@@ -32,45 +42,48 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's: l -= frequency * times generated
 
     def __post_init__(self) -> None:
-        def check(name: str, ok: bool, allowed: str) -> None:
-            if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: expected {allowed}")
+        self.validate()
 
-        def is_int(x: object) -> bool:  # numpy ints too; bools are not counts
-            return isinstance(x, Integral) and not isinstance(x, bool)
-
-        def is_real(x: object) -> bool:
-            return isinstance(x, Real) and not isinstance(x, bool)
-
-        check("temperature", is_real(self.temperature) and self.temperature >= 0,
-              "a float >= 0 (0 = greedy)")
-        check("max_tokens", is_int(self.max_tokens) and self.max_tokens >= 1, "an int >= 1")
-        check("ignore_eos", isinstance(self.ignore_eos, bool), "a bool")
-        check("top_k", is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
-              "-1 (off) or an int >= 1")
-        check("top_p", is_real(self.top_p) and 0 < self.top_p <= 1,
-              "a float in (0, 1] (1 = off)")
-        check("min_p", is_real(self.min_p) and 0 <= self.min_p <= 1,
-              "a float in [0, 1] (0 = off)")
-        check("seed", self.seed is None or (is_int(self.seed) and 0 <= self.seed <= MAX_SEED),
-              f"None or an int in [0, {MAX_SEED}]")
-        check("n", is_int(self.n) and self.n >= 1, "an int >= 1")
+    def validate(self) -> None:
+        """Check every field against what the sampler's tensors hold (float32 sampling values,
+        int64 seeds), raising ValueError naming the field; normalise numpy scalars to Python
+        and clamp where the meaning is unchanged (top_k beyond any vocabulary = off; a top_p
+        float32 cannot hold > 0 = the smallest it can, which keeps only the top token)."""
+        self.temperature = check_real("temperature", self.temperature, 0.0, FLOAT32_MAX,
+                                      f"a number in [0, {FLOAT32_MAX:.4g}] (0 = greedy)")
+        self.max_tokens = check_int("max_tokens", self.max_tokens, 1, None, "an int >= 1")
+        check("ignore_eos", self.ignore_eos, isinstance(self.ignore_eos, bool), "a bool")
+        top_k = check_int("top_k", self.top_k, -1, None, "-1 (off) or an int >= 1")
+        check("top_k", top_k, top_k != 0, "-1 (off) or an int >= 1")
+        self.top_k = -1 if top_k > INT32_MAX else top_k
+        top_p = check_real("top_p", self.top_p, 0.0, 1.0, "a number in (0, 1] (1 = off)",
+                           low_open=True)
+        self.top_p = max(top_p, FLOAT32_TINY)
+        self.min_p = check_real("min_p", self.min_p, 0.0, 1.0, "a number in [0, 1] (0 = off)")
+        if self.seed is not None:
+            self.seed = check_int("seed", self.seed, 0, MAX_SEED,
+                                  f"None or an int in [0, {MAX_SEED}]")
+        self.n = check_int("n", self.n, 1, None, "an int >= 1")
         for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            check(name, value is None or (is_int(value) and value >= 0), "None or an int >= 0")
-        check("repetition_penalty", is_real(self.repetition_penalty)
-              and 0 < self.repetition_penalty < float("inf"), "a finite float > 0 (1 = off)")
+            if getattr(self, name) is not None:
+                setattr(self, name, check_int(name, getattr(self, name), 0, None,
+                                              "None or an int >= 0"))
+        self.repetition_penalty = check_real(
+            "repetition_penalty", self.repetition_penalty, 0.0, FLOAT32_MAX,
+            f"a number in (0, {FLOAT32_MAX:.4g}] (1 = off)", low_open=True)
         for name in ("presence_penalty", "frequency_penalty"):
-            check(name, is_real(getattr(self, name)) and -2 <= getattr(self, name) <= 2,
-                  "a float in [-2, 2] (0 = off)")
+            setattr(self, name, check_real(name, getattr(self, name), -2.0, 2.0,
+                                           "a number in [-2, 2] (0 = off)"))
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        check("stop", stop is None or (isinstance(stop, list | tuple)
-                                       and all(isinstance(s, str) and s for s in stop)),
-              "None, a non-empty string or a list of non-empty strings")
+        check("stop", self.stop, stop is None or (isinstance(stop, list | tuple) and all(
+            isinstance(s, str) and s for s in stop)),
+            "None, a non-empty string or a list of non-empty strings")
         ids = self.stop_token_ids
-        check("stop_token_ids", ids is None or (isinstance(ids, list | tuple)
-                                                and all(is_int(i) and i >= 0 for i in ids)),
-              "None or a list of ints >= 0")
+        check("stop_token_ids", ids, ids is None or (isinstance(ids, list | tuple) and all(
+            is_int(i) and 0 <= i <= INT64_MAX for i in ids)),
+            f"None or a list of ints in [0, {INT64_MAX}]")
+        if ids is not None:
+            self.stop_token_ids = [int(i) for i in ids]
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random Qwen3 checkpoints built once per test session."""
+"""Shared fixtures: tiny random checkpoints of every family, built once per test session."""
 import pytest
 import torch
 
@@ -14,6 +14,32 @@ CHECKPOINTS = {
     "untied_gqa4_d64": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=64,
                             hidden_size=128, num_hidden_layers=3),
 }
+
+# name -> (family, config fields): biases, explicit head_dim, tied/untied, every RoPE variant,
+# sliding windows (64: smaller than a 256-token block) and Qwen2's max_window_layers rule.
+FAMILY_CHECKPOINTS = {
+    "qwen2_yarn": ("Qwen2", dict(rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64))),
+    "qwen2_window": ("Qwen2", dict(use_sliding_window=True, sliding_window=64,
+                                   max_window_layers=1)),
+    "llama3_bias_tied": ("Llama", dict(
+        attention_bias=True, mlp_bias=True, tie_word_embeddings=True, head_dim=32,
+        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
+                             low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=64))),
+    "llama_linear": ("Llama", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                                   hidden_size=128, rope_parameters=dict(
+                                       rope_type="linear", rope_theta=10000.0, factor=4.0))),
+    "mistral_window": ("Mistral", dict(sliding_window=64)),
+}
+
+
+@pytest.fixture(scope="session")
+def family_checkpoints(tmp_path_factory) -> dict[str, str]:
+    """Build every family checkpoint once; returns name -> directory."""
+    root = tmp_path_factory.mktemp("family")
+    return {name: build_checkpoint(str(root / name), seed=10 + i, family=family, **fields)
+            for i, (name, (family, fields)) in enumerate(FAMILY_CHECKPOINTS.items())}
 
 
 @pytest.fixture(scope="session")

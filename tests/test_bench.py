@@ -35,11 +35,12 @@ def test_every_scenario_on_cpu(tmp_path):
     plot = importlib.util.find_spec("matplotlib") is not None  # the optional `plot` extra
     png = tmp_path / "timeline.png"
     data, stdout = run_bench(tmp_path, "--scenario", "all", *(["--plot", str(png)] if plot else []))
-    for title in ("graphs:", "prefix-cache:", "kv-pressure:", "tp: skipped", "median output",
-                  "rl:"):
+    for title in ("graphs:", "prefix-cache:", "kv-pressure:", "tp: skipped", "dp: skipped",
+                  "median output", "rl:"):
         assert title in stdout, stdout
     scenarios = data["scenarios"]
-    assert list(scenarios) == ["throughput", "graphs", "prefix-cache", "kv-pressure", "tp", "rl"]
+    assert list(scenarios) == ["throughput", "graphs", "prefix-cache", "kv-pressure", "tp",
+                              "dp", "rl"]
     for name in ("graphs", "prefix-cache", "kv-pressure"):
         check_environment(scenarios[name])
 
@@ -74,6 +75,7 @@ def test_every_scenario_on_cpu(tmp_path):
     assert small["output_tokens"] == free["output_tokens"]
 
     assert "CUDA" in scenarios["tp"]["skipped"]
+    assert "--dp N" in scenarios["dp"]["skipped"]  # no GPUs and no --dp: DP needs 2 replicas
     rl = scenarios["rl"]
     plain, n4 = rl["runs"]["plain"], rl["runs"]["n=4"]
     assert n4["completions"] == 4 * plain["completions"]

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanovllm import LLM
+from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 
@@ -26,10 +26,10 @@ def copy_checkpoint(src: str, dst: str, drop: tuple[str, ...] = (),
     return dst
 
 
-def llama_config(src: str) -> str:
+def gpt2_config(src: str) -> str:
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
-    config.update(architectures=["LlamaForCausalLM"], model_type="llama")
+    config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
     return json.dumps(config)
 
 
@@ -51,8 +51,9 @@ def assert_fails_cleanly(model: str, kwargs: dict, exc: type, message: str) -> N
     ("no_weights", r"model directory '.*' has no \*.safetensors weights"),
     ("no_tokenizer", r"model directory '.*' has no tokenizer: expected one of \['tokenizer.json'"),
     ("bad_json", r"cannot read config.json of '.*'"),
-    ("llama", r"unsupported architecture \['LlamaForCausalLM'\] in '.*'; "
-              r"supported: \['Qwen3ForCausalLM'\]"),
+    ("gpt2", r"unsupported architecture \['GPT2LMHeadModel'\] in '.*'; supported: "
+             r"\['Qwen3ForCausalLM', 'Qwen2ForCausalLM', 'LlamaForCausalLM', "
+             r"'MistralForCausalLM'\]"),
 ])
 def test_bad_model_directory(tiny_model, tmp_path, kind, message):
     dst = str(tmp_path / kind)
@@ -62,18 +63,19 @@ def test_bad_model_directory(tiny_model, tmp_path, kind, message):
         "no_weights": lambda: copy_checkpoint(tiny_model, dst, drop=(".safetensors",)),
         "no_tokenizer": lambda: copy_checkpoint(tiny_model, dst, drop=("tokenizer.json",)),
         "bad_json": lambda: copy_checkpoint(tiny_model, dst, config_text="{not json"),
-        "llama": lambda: copy_checkpoint(tiny_model, dst, config_text=llama_config(tiny_model)),
+        "gpt2": lambda: copy_checkpoint(tiny_model, dst, config_text=gpt2_config(tiny_model)),
     }[kind]()
     assert_fails_cleanly(model, {}, ValueError, message)
 
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(foo=1), r"unknown argument\(s\) \['foo'\]; LLM accepts \["),
-    (dict(tensor_parallel_size=0), r"tensor_parallel_size=0 is invalid: expected an int in 1..8"),
+    (dict(tensor_parallel_size=0), r"tensor_parallel_size=0 is invalid: expected an int in "
+                                   r"\[1, 8\]"),
     (dict(tensor_parallel_size=9), r"tensor_parallel_size=9 is invalid"),
     (dict(tensor_parallel_size="2"), r"tensor_parallel_size='2' is invalid"),
     (dict(gpu_memory_utilization=0), r"gpu_memory_utilization=0 is invalid: "
-                                     r"expected a float in \(0, 1\]"),
+                                     r"expected a number in \(0, 1\]"),
     (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization=1.5 is invalid"),
     (dict(gpu_memory_utilization=-0.1), r"gpu_memory_utilization=-0.1 is invalid"),
     (dict(gpu_memory_utilization=float("nan")), r"gpu_memory_utilization=nan is invalid"),
@@ -84,18 +86,38 @@ def test_bad_model_directory(tiny_model, tmp_path, kind, message):
     (dict(kvcache_block_size=257), r"kvcache_block_size=257 is invalid"),
     (dict(kvcache_block_size=-256), r"kvcache_block_size=-256 is invalid"),
     (dict(num_kvcache_blocks=0), r"num_kvcache_blocks=0 is invalid: "
-                                 r"expected -1 \(auto\) or a positive int"),
+                                 r"expected -1 \(auto\) or an int in \[1, 2147483647\]"),
     (dict(num_kvcache_blocks=-2), r"num_kvcache_blocks=-2 is invalid"),
-    (dict(max_model_len=1), r"max_model_len=1 is invalid: expected an int >= 2"),
-    (dict(max_num_seqs=0), r"max_num_seqs=0 is invalid: expected an int >= 1"),
+    (dict(max_model_len=1), r"max_model_len=1 is invalid: expected an int in \[2, 2147483647\]"),
+    (dict(max_num_seqs=0), r"max_num_seqs=0 is invalid: expected an int in \[1, 2147483647\]"),
     (dict(max_num_batched_tokens=1024), r"max_num_batched_tokens=1024 must be >= "
                                         r"max_model_len=4096 so that any prompt fits"),
     (dict(device="tpu"), r"device='tpu' is invalid"),
-    (dict(dtype="int8"), r"dtype='int8' is invalid: expected 'auto' or one of"),
+    (dict(dtype="int8"), r"dtype='int8' is invalid: expected one of \['auto', "),
     (dict(enforce_eager=1), r"enforce_eager=1 is invalid: expected a bool"),
+    (dict(load_format="pt"), r"load_format='pt' is invalid: expected one of \['auto', 'dummy'\]"),
+    (dict(attention_backend=None), r"attention_backend=None is invalid"),
+    (dict(attention_backend="bogus"), r"attention_backend='bogus' is invalid: expected one of "
+                                      r"\['auto', 'flash-attn', 'triton', 'torch'\]"),
+    # device ranges: counts are int32 on the device
+    (dict(max_num_seqs=2**31), r"max_num_seqs=2147483648 is invalid"),
+    (dict(max_num_batched_tokens=2**63), r"max_num_batched_tokens=9223372036854775808 is inv"),
+    (dict(num_kvcache_blocks=2**40), r"num_kvcache_blocks=1099511627776 is invalid"),
+    (dict(gpu_memory_utilization=float("inf")), r"gpu_memory_utilization=inf is invalid"),
+    (dict(max_num_seqs=True), r"max_num_seqs=True is invalid"),
 ])
 def test_bad_keyword(tiny_model, kwargs, message):
     assert_fails_cleanly(tiny_model, kwargs, ValueError, message)
+
+
+def test_dummy_weights_need_no_safetensors(tiny_model, tmp_path):
+    """load_format='dummy': config.json and a tokenizer are enough."""
+    path = copy_checkpoint(tiny_model, str(tmp_path / "dummy"), drop=(".safetensors",))
+    llm = LLM(path, load_format="dummy", num_kvcache_blocks=4)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0]["token_ids"]) == 3
+    llm.shutdown()
 
 
 def test_prompts_always_fit_one_prefill_step(tiny_model):
@@ -126,3 +148,9 @@ def test_kv_pool_that_would_be_empty_on_gpu(tiny_model):
     assert_fails_cleanly(tiny_model, dict(gpu_memory_utilization=1e-3), RuntimeError,
                          r"no room for the KV cache")
     torch.cuda.empty_cache()
+
+
+def test_bad_attention_backend_fails_before_anything_loads(tmp_path):
+    # The model directory does not exist: the backend name is checked before it is even read.
+    assert_fails_cleanly(str(tmp_path / "nope"), dict(attention_backend="bogus"), ValueError,
+                         r"attention_backend='bogus' is invalid")

@@ -7,7 +7,7 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import config_from_kwargs
 from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.engine.outputs import completion_params, record_logprobs, request_output
+from nanovllm.engine.outputs import RequestTable, record_logprobs, request_output
 from nanovllm.engine.sampled_ids import SampledIds
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
@@ -39,16 +39,15 @@ class LLMEngine:
     Private test hooks: `_pipelined = False` runs lockstep; `_launch` sends every step."""
 
     def __init__(self, model: str, **kwargs):
-        attention_backend = kwargs.pop("attention_backend", "auto")
         self.config = config = config_from_kwargs(model, kwargs)
         # The tokenizer first: a bad directory then fails before any model or worker exists.
         self.tokenizer = load_tokenizer(config.model)
         self.workers = None
         if config.tensor_parallel_size > 1:
-            self.workers = WorkerGroup(config, attention_backend)
+            self.workers = WorkerGroup(config)
             self.model_runner = self.workers.runner
         else:
-            self.model_runner = ModelRunner(config, 0, attention_backend)
+            self.model_runner = ModelRunner(config, 0)
         eos = self.tokenizer.eos_token_id
         if eos is None:
             eos = getattr(config.hf_config, "eos_token_id", None)
@@ -60,7 +59,7 @@ class LLMEngine:
         self._counters = StepCounters()
         self._in_flight: InFlightStep | None = None
         self._unreturned: list[dict] = []  # hand-queued requests that finished in generate()
-        self._requests: dict[int, list[Sequence]] = {}  # request id -> its completions, queued
+        self._requests = RequestTable()
         # Workers build their inputs from host token ids, so tensor parallelism runs lockstep.
         self._pipelined = self.workers is None
         # Runs on `del llm`, garbage collection or interpreter exit, whichever is first; it
@@ -80,24 +79,11 @@ class LLMEngine:
         return self._queue(token_ids, sampling_params)[0].request_id
 
     def _queue(self, token_ids: list[int], params: SamplingParams) -> list[Sequence]:
-        """Queue a request's n completions, adjacent, so that the later ones find the first
-        one's full blocks in the prefix cache: the prompt is computed once."""
-        block_size = self.config.kvcache_block_size
-        seqs = [Sequence(token_ids, p, block_size) for p in completion_params(params)]
+        """Queue a request's n completions, adjacent: the later ones hit the first's blocks."""
+        seqs = self._requests.add(token_ids, params, self.config.kvcache_block_size)
         for seq in seqs:
-            seq.request_id = seqs[0].seq_id
             self.scheduler.add(seq)
-        self._requests[seqs[0].seq_id] = seqs
         return seqs
-
-    def _finished_requests(self, finished: list[Sequence]) -> list[list[Sequence]]:
-        """The requests whose last unfinished completion is in `finished`, dequeued."""
-        done = []
-        for seq in finished:
-            group = self._requests.get(seq.request_id)
-            if group is not None and all(s.is_finished for s in group):
-                done.append(self._requests.pop(seq.request_id))
-        return done
 
     def request_limits(self) -> RequestLimits:
         """What a request may ask for: checked before it is queued."""
@@ -112,7 +98,7 @@ class LLMEngine:
         they include hand-queued requests that finished during an earlier generate()."""
         finished, num_tokens = self._step()
         outputs, self._unreturned = self._unreturned, []
-        return outputs + [self._output(g) for g in self._finished_requests(finished)], num_tokens
+        return outputs + [self._output(g) for g in self._requests.finished(finished)], num_tokens
 
     def _step(self) -> tuple[list[Sequence], int]:
         """Advance the in-flight step, launch the next, commit the in-flight one's ids (so the
@@ -224,20 +210,17 @@ class LLMEngine:
                  use_tqdm: bool = True) -> list[dict]:
         """Run one prompt or a list to completion; one SamplingParams for all or one per prompt.
 
-        Returns, in input order, one dict per prompt (see outputs.request_output, plus
-        "request_id"); hand-queued requests that finish meanwhile are kept for step(). Every
+        Returns, in input order, one dict per prompt (see outputs.request_output);
+        hand-queued requests that finish meanwhile are kept for step(). Every
         request is validated before any is queued, so a ValueError changes nothing. On any
         exception (Ctrl-C included) this call's requests are aborted; the engine stays usable.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts, list)
-                                        and isinstance(prompts[0], int)):
-            prompts = [prompts]  # one prompt: a string or a list of token ids
         if sampling_params is None:
             sampling_params = SamplingParams()
         requests = validate_requests(prompts, sampling_params, self.request_limits(),
                                      self.tokenizer.encode)
         groups: list[list[Sequence]] = []
-        pbar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True,
+        pbar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True,
                     disable=not use_tqdm)
         prefill_tps = decode_tps = 0.0
         try:
@@ -255,7 +238,7 @@ class LLMEngine:
                         decode_tps = -num_tokens / elapsed
                     pbar.set_postfix(Prefill=f"{int(prefill_tps)}tok/s",
                                      Decode=f"{int(decode_tps)}tok/s", refresh=False)
-                for group in self._finished_requests(finished):
+                for group in self._requests.finished(finished):
                     if group[0].request_id in own:
                         pbar.update(1)
                     else:
@@ -264,7 +247,7 @@ class LLMEngine:
             seqs = [seq for group in groups for seq in group]
             self._abort(seqs)
             for seq in seqs:
-                self._requests.pop(seq.request_id, None)
+                self._requests.drop(seq.request_id)
                 self.stop_checker.forget(seq)
             raise
         finally:
@@ -281,8 +264,32 @@ class LLMEngine:
         self.scheduler.abort(seqs, in_flight.seqs if in_flight is not None else ())
 
     def _output(self, group: list[Sequence]) -> dict:
-        return {"request_id": group[0].request_id,
-                **request_output(group, self.tokenizer.decode)}
+        return request_output(group, self.tokenizer.decode)
+
+    # ---- Online serving: what AsyncLLM needs beyond add_request/step ---------------------
+
+    def abort_request(self, request_id: int) -> bool:
+        """Finish one waiting or running request now and free its KV blocks; returns False when
+        it is unknown or already finished. A token of it still in flight is dropped."""
+        aborted = [seq for seq in (*self.scheduler.running, *self.scheduler.waiting)
+                   if seq.request_id == request_id]  # each of its n completions
+        for seq in aborted:
+            self.scheduler.finish(seq, "abort")
+            self.stop_checker.forget(seq)
+        self._requests.finished(aborted)  # step() never returns an aborted request
+        return bool(aborted)
+
+    def new_token_ids(self, num_read: dict[int, int]) -> dict[int, list[int]]:
+        """For each unfinished request in num_read (request id -> completion tokens already
+        read), its sampled completion tokens after those; requests with none are left out."""
+        new = {}
+        for seq in self.scheduler.running:
+            start = num_read.get(seq.seq_id)
+            if start is not None:
+                ids = seq.completion_token_ids[start:]  # a pending token is not in there yet
+                if ids:
+                    new[seq.seq_id] = ids
+        return new
 
 
 def _release(workers: WorkerGroup | None, runner: ModelRunner) -> None:

@@ -10,14 +10,16 @@ from nanovllm.engine.prompt_logprobs import prompt_logprobs, wants_prompt_logpro
 from nanovllm.engine.sampled_ids import SampledIds
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import DecodeInputs, prepare_prefill, to_device
-from nanovllm.layers.attention import Attention, select_attention_backend
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.backends import bind_backend, select_backend
 from nanovllm.layers.linear import tp_rank_and_size
 from nanovllm.layers.penalties import Penalties, TokenCounts
 from nanovllm.layers.sampler import Sampler, SamplingTensors
-from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.models.registry import build_model
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import Context, forward_context
-from nanovllm.utils.loader import load_model
+from nanovllm.utils.loader import load_dummy_weights, load_model
+from nanovllm.utils.precision import check_float32_matmuls
 
 logger = logging.getLogger(__name__)
 CPU_KV_POOL_BYTES = 2 << 30  # CPU KV pool of all ranks together when num_kvcache_blocks is -1
@@ -27,13 +29,12 @@ _WARMUP_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 class ModelRunner:
     """Owns the model shard and KV pool of one rank and executes scheduled batches."""
 
-    def __init__(self, config: Config, rank: int = 0, attention_backend: str = "auto"):
+    def __init__(self, config: Config, rank: int = 0):
         self.config = config
         self.rank = rank
         self.world_size = config.tensor_parallel_size
         self.block_size = config.kvcache_block_size
         self.device = torch.device(f"cuda:{rank}" if config.device == "cuda" else "cpu")
-        self.use_cuda_graph = config.device == "cuda" and not config.enforce_eager
         if tp_rank_and_size() != (rank, self.world_size):
             # The layers shard themselves by the torch.distributed group they find.
             raise RuntimeError(f"rank {rank} of tensor_parallel_size={self.world_size} needs a "
@@ -47,16 +48,20 @@ class ModelRunner:
         torch.set_default_dtype(config.torch_dtype)
         try:
             with self.device:
-                self.model = Qwen3ForCausalLM(hf_config)
+                self.model = build_model(hf_config)
         finally:
             torch.set_default_dtype(default_dtype)
-        load_model(self.model, config.model)
+        if config.load_format == "dummy":
+            load_dummy_weights(self.model)
+        else:
+            load_model(self.model, config.model)
         self.startup_s = {"load": perf_counter() - t0}
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.backend = select_attention_backend(config.device, config.torch_dtype,
-                                                attention_backend)
-        for layer in self.attn_layers:
-            layer.backend = self.backend
+        self.backend = select_backend(config.device, config.torch_dtype, config.attention_backend)
+        bind_backend(self.model, self.backend)
+        check_float32_matmuls(config.device, config.torch_dtype)
+        self.use_cuda_graph = (config.device == "cuda" and not config.enforce_eager
+                               and self.backend.cuda_graphs)
         self.sampler = Sampler(config.logprobs_mode)
         self.token_counts = TokenCounts(hf_config.vocab_size, self.device)  # penalties only
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

@@ -8,6 +8,34 @@ from nanovllm.layers.sampler import derive_seed
 from nanovllm.sampling_params import SamplingParams
 
 
+class RequestTable:
+    """Queued requests: request id -> its completions, until every one of them finished."""
+
+    def __init__(self):
+        self.groups: dict[int, list[Sequence]] = {}
+
+    def add(self, token_ids: list[int], params: SamplingParams,
+            block_size: int) -> list[Sequence]:
+        """A request's completions; its id is the first completion's sequence id."""
+        seqs = [Sequence(token_ids, p, block_size) for p in completion_params(params)]
+        for seq in seqs:
+            seq.request_id = seqs[0].seq_id
+        self.groups[seqs[0].seq_id] = seqs
+        return seqs
+
+    def finished(self, seqs: list[Sequence]) -> list[list[Sequence]]:
+        """The requests whose last unfinished completion is among `seqs`, now dequeued."""
+        done = []
+        for seq in seqs:
+            group = self.groups.get(seq.request_id)
+            if group is not None and all(s.is_finished for s in group):
+                done.append(self.groups.pop(seq.request_id))
+        return done
+
+    def drop(self, request_id: int) -> None:
+        self.groups.pop(request_id, None)
+
+
 def completion_params(params: SamplingParams) -> list[SamplingParams]:
     """One SamplingParams per completion: completion i draws from (seed, i) when seeded, and
     only the first computes the prompt logprobs (the others share its cached blocks)."""
@@ -41,13 +69,13 @@ def record_logprobs(seqs: list[Sequence], rows: list[tuple[int, Sequence]],
 
 
 def request_output(seqs: list[Sequence], decode) -> dict:
-    """The output dict of one request: its first completion's fields at the top level, every
-    completion under "outputs", the prompt logprobs and the first completion's metrics."""
+    """The output dict of one request: its id, its first completion's fields at the top level,
+    every completion under "outputs", the prompt logprobs and the first completion's metrics."""
     completions = [{"text": decode(seq.completion_token_ids) if seq.text is None else seq.text,
                     "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason,
                     "logprobs": seq.logprobs} for seq in seqs]
     first = seqs[0]
     metrics = {"ttft_s": first.first_token_time - first.arrival_time,
                "latency_s": first.finish_time - first.arrival_time}
-    return {**completions[0], "prompt_logprobs": first.prompt_logprobs, "outputs": completions,
-            "metrics": metrics}
+    return {"request_id": first.request_id, **completions[0],
+            "prompt_logprobs": first.prompt_logprobs, "outputs": completions, "metrics": metrics}

@@ -166,6 +166,7 @@ class Scheduler:
             if self._stops_on(seq, token_id):
                 self.finish(seq, "stop", now)
             if seq.is_finished:
+                seq.finish_time = now  # a length limit is set in advance(); the token lands now
                 finished.append(seq)
             elif len(seq) % block_size == 0 and seq in in_flight:  # rare: a block just filled
                 self.block_manager.hash_last_block(seq)

@@ -1,11 +1,12 @@
 """Request validation: every request of a call is checked before any of them is queued."""
-import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.validation import describe, is_int
 
 Prompt = str | list[int]
+Conversation = list[dict[str, str]]
 
 
 @dataclass(frozen=True)
@@ -30,31 +31,36 @@ def max_blocks_needed(num_prompt_tokens: int, max_tokens: int, max_model_len: in
 
 
 def check_sampling_params(params: SamplingParams) -> None:
-    """Re-check fields that may have been mutated since construction."""
+    """Re-check every field: they may have been mutated since construction."""
     if not isinstance(params, SamplingParams):
-        raise ValueError(f"sampling params must be a SamplingParams, got {_describe(params)}")
-    max_tokens, temperature = params.max_tokens, params.temperature
-    if not _is_int(max_tokens) or max_tokens < 1:
-        raise ValueError(f"max_tokens={max_tokens!r} is invalid: expected an int >= 1")
-    real = isinstance(temperature, numbers.Real) and not isinstance(temperature, bool)
-    if not real or not temperature >= 0:  # `not >=` also rejects NaN
-        raise ValueError(f"temperature={temperature!r} is invalid: expected a number >= 0 "
-                         f"(0 = greedy)")
-    params.__post_init__()  # every other field (top_p, seed, stop, ...) by the same rules
+        raise ValueError(f"sampling params must be a SamplingParams, got {describe(params)}")
+    params.validate()
+
+
+def as_prompt_list(prompts: object) -> list:
+    """One prompt (a string, or a list or tuple of int token ids) or a list of prompts, as a
+    list of prompts. Arrays and tensors are refused here: their truth value is ambiguous."""
+    if isinstance(prompts, str) or (isinstance(prompts, list | tuple) and prompts
+                                    and is_int(prompts[0])):
+        return [prompts]
+    if not isinstance(prompts, list | tuple):
+        raise ValueError(f"prompts must be a prompt (a string or a list of token ids) or a list "
+                         f"of prompts, got {describe(prompts)}{_tolist_hint(prompts)}")
+    return list(prompts)
 
 
 def prompt_token_ids(prompt: Prompt, encode: Callable[[str], list[int]]) -> list[int]:
-    """A string is tokenized; a list must hold ints only."""
+    """A string is tokenized; a list or tuple must hold ints only (numpy ints too)."""
     if isinstance(prompt, str):
         return list(encode(prompt))
     if not isinstance(prompt, list | tuple):
         raise ValueError(f"prompt must be a str or a list of int token ids, "
-                         f"got {_describe(prompt)}")
+                         f"got {describe(prompt)}{_tolist_hint(prompt)}")
     if all(type(token) is int for token in prompt):  # the common case, fast
         return list(prompt)
     for pos, token in enumerate(prompt):
-        if not _is_int(token):
-            raise ValueError(f"prompt token at position {pos} is {_describe(token)}; "
+        if not is_int(token):
+            raise ValueError(f"prompt token at position {pos} is {describe(token)}; "
                              f"a prompt list must hold int token ids only")
     return [int(token) for token in prompt]
 
@@ -66,7 +72,7 @@ def validate_request(prompt: Prompt, params: SamplingParams, limits: RequestLimi
     token_ids = prompt_token_ids(prompt, encode)
     n = len(token_ids)
     if n == 0:
-        raise ValueError(f"prompt {_describe(prompt)} is empty (no tokens)")
+        raise ValueError(f"prompt {describe(prompt)} is empty (no tokens)")
     if n >= limits.max_model_len:
         raise ValueError(f"prompt has {n} tokens; it must have fewer than "
                          f"max_model_len={limits.max_model_len} to leave room for output")
@@ -91,9 +97,7 @@ def validate_requests(prompts: list[Prompt],
                       limits: RequestLimits,
                       encode: Callable[[str], list[int]]) -> list[tuple[list[int], SamplingParams]]:
     """Validate a whole call up front; the error names the first bad request's index."""
-    if not isinstance(prompts, list | tuple):
-        raise ValueError(f"prompts must be a prompt (a string or a list of token ids) or a list "
-                         f"of prompts, got {_describe(prompts)}")
+    prompts = as_prompt_list(prompts)
     if isinstance(sampling_params, list | tuple):
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} "
@@ -110,13 +114,37 @@ def validate_requests(prompts: list[Prompt],
     return requests
 
 
-def _is_int(value: object) -> bool:
-    # numpy integers count; bools do not, though bool subclasses int.
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+def as_conversation_list(messages: object) -> list[Conversation]:
+    """One conversation (a list of {"role": str, "content": str} dicts) or a list of them, as a
+    list of conversations; the error names the conversation and message index."""
+    if not isinstance(messages, list | tuple):
+        raise ValueError(f"messages must be a conversation (a list of {{'role', 'content'}} "
+                         f"dicts) or a list of conversations, got {describe(messages)}")
+    if messages and isinstance(messages[0], dict):
+        messages = [messages]
+    for i, conversation in enumerate(messages):
+        if not isinstance(conversation, list | tuple) or not conversation:
+            raise ValueError(f"conversation {i} must be a non-empty list of {{'role', "
+                             f"'content'}} dicts, got {describe(conversation)}")
+        for j, message in enumerate(conversation):
+            problem = _message_problem(message)
+            if problem:
+                raise ValueError(f"conversation {i}, message {j}: {problem}")
+    return [list(conversation) for conversation in messages]
 
 
-def _describe(value: object, width: int = 60) -> str:
-    text = repr(value)
-    if len(text) > width:
-        text = text[:width - 3] + "..."
-    return f"{text} ({type(value).__name__})"
+def _message_problem(message: object) -> str | None:
+    if not isinstance(message, dict):
+        return f"expected a {{'role': str, 'content': str}} dict, got {describe(message)}"
+    if set(message) != {"role", "content"}:
+        return f"expected exactly the keys 'role' and 'content', got {sorted(map(str, message))}"
+    for key in ("role", "content"):
+        if not isinstance(message[key], str):
+            return f"{key} must be a str, got {describe(message[key])}"
+    if not message["role"]:
+        return "role must be a non-empty str"
+    return None
+
+
+def _tolist_hint(value: object) -> str:
+    return "; pass a list of ints (e.g. .tolist())" if hasattr(value, "tolist") else ""

@@ -6,13 +6,16 @@ own semaphore; each worker's loop reads the command, builds its own step inputs 
 sequences and joins the step's collectives (gloo on CPU, NCCL on CUDA). Tensors move only
 through those collectives.
 """
+import logging
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from multiprocessing.connection import wait
 from multiprocessing.synchronize import Semaphore
 
 import torch
@@ -23,6 +26,8 @@ from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.shm_channel import CommandChannel
 from nanovllm.engine.sleep_mode import sleep, wake_up
 from nanovllm.engine.weight_update import update_weights
+
+logger = logging.getLogger(__name__)
 
 # A collective that waits longer than this for a peer fails instead of hanging forever; gloo
 # fails at once when a peer's socket closes, so this only bounds a peer that is stuck.
@@ -46,6 +51,14 @@ def cpu_threads_per_rank(world_size: int) -> int:
     return max(1, (cores or 1) // world_size)
 
 
+def abort_communicator(device: str) -> None:
+    """Abort NCCL's communicator, so that a rank blocked on a dead peer's collective returns
+    now, not after COLLECTIVE_TIMEOUT (NCCL does not notice a dead peer on one host). gloo
+    needs nothing: its sockets fail as soon as the peer's process is gone."""
+    if device == "cuda" and dist.is_initialized():
+        dist.distributed_c10d._abort_process_group()
+
+
 def init_process_group(device: str, store: dist.Store, rank: int, world_size: int) -> None:
     """Join the engine's process group: NCCL on CUDA, gloo on CPU."""
     if device == "cuda":
@@ -54,8 +67,8 @@ def init_process_group(device: str, store: dist.Store, rank: int, world_size: in
                             world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
 
 
-def worker_main(config: Config, rank: int, port: int, channel_name: str, wakeup: Semaphore,
-                attention_backend: str) -> None:
+def worker_main(config: Config, rank: int, port: int, channel_name: str,
+                wakeup: Semaphore) -> None:
     """Entry point of a spawned rank: join the group, build the shard, serve commands."""
     # Ctrl-C in a terminal reaches the whole process group; rank 0 alone handles it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -69,7 +82,7 @@ def worker_main(config: Config, rank: int, port: int, channel_name: str, wakeup:
     init_process_group(config.device, store, rank, world_size)
     runner = None
     try:
-        runner = ModelRunner(config, rank, attention_backend)
+        runner = ModelRunner(config, rank)
         worker_loop(runner, channel, wakeup)
     finally:
         if runner is not None:
@@ -99,7 +112,7 @@ class WorkerGroup:
     """All ranks of one engine: spawns ranks 1..N-1, builds rank 0's runner in this process,
     runs every command on all of them and notices deaths."""
 
-    def __init__(self, config: Config, attention_backend: str = "auto"):
+    def __init__(self, config: Config):
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed process group already exists in this "
                                "process (another tensor-parallel engine?); shut it down first")
@@ -118,19 +131,22 @@ class WorkerGroup:
         self.wakeups = [ctx.Semaphore(0) for _ in range(1, self.world_size)]
         self.processes = [
             ctx.Process(target=worker_main, name=f"nanovllm-tp{rank}",
-                        args=(config, rank, self.store.port, self.channel.name, wakeup,
-                              attention_backend))
+                        args=(config, rank, self.store.port, self.channel.name, wakeup))
             for rank, wakeup in enumerate(self.wakeups, start=1)]
         self.saved_num_threads = torch.get_num_threads()
         if self.device == "cpu":
             torch.set_num_threads(cpu_threads_per_rank(self.world_size))
+        self.worker_died = threading.Event()  # set by the watchdog
+        self.lock = threading.Lock()  # orders the watchdog's abort against shutdown
         try:
             for process in self.processes:
                 process.start()
             self._wait_until_joined()
             init_process_group(self.device, self.store, 0, self.world_size)
+            threading.Thread(target=self._watchdog, name="nanovllm-tp-watchdog",
+                             daemon=True).start()
             with self.guard():  # agrees on the KV pool size with the workers' runners
-                self.runner = ModelRunner(config, 0, attention_backend)
+                self.runner = ModelRunner(config, 0)
         except BaseException:
             self.shutdown()
             raise
@@ -145,6 +161,19 @@ class WorkerGroup:
                 raise RuntimeError(f"tensor-parallel workers did not start within "
                                    f"{STARTUP_TIMEOUT_S:.0f} s")
             time.sleep(0.05)
+
+    def _watchdog(self) -> None:
+        """Wait for any worker's exit; then, unless shutting down, abort the communicator."""
+        sentinels = [p.sentinel for p in self.processes]
+        while not wait(sentinels, timeout=PARENT_POLL_S):
+            if self.closed:
+                return
+        with self.lock:
+            if not self.closed:
+                logger.error("tensor-parallel worker died (%s); aborting the communicator",
+                             ", ".join(self.dead_workers()) or "its process ended")
+                abort_communicator(self.device)
+                self.worker_died.set()
 
     def dead_workers(self) -> list[str]:
         """'rank R (pid P) exit code C' for each worker that has exited."""
@@ -185,13 +214,16 @@ class WorkerGroup:
             self.channel.write(method, args)
             for wakeup in self.wakeups:
                 wakeup.release()
-            return WORKER_COMMANDS[method](self.runner, *args, **rank0_kwargs)
+            result = WORKER_COMMANDS[method](self.runner, *args, **rank0_kwargs)
+        self.check_alive()  # an aborted collective may return garbage instead of raising
+        return result
 
     def shutdown(self, join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
         """Tell workers to exit, join (or kill) them, unlink the segment, leave the group."""
-        if self.closed:
-            return
-        self.closed = True
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
         started = [p for p in self.processes if p.pid is not None]
         self.channel.write("shutdown", ())
         for wakeup in self.wakeups:

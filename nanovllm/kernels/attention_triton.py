@@ -4,6 +4,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.attention_torch import check_sliding_window
+
 _LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) == exp2(x * log2(e))
 _MIN_SPLIT_LEN = 256  # decode: fewest keys worth a split of their own
 _TARGET_PROGRAMS = 512  # decode: enough programs to fill an H100/H200 a few times over
@@ -28,29 +30,32 @@ def _locate_tile(cu_q_ptr, num_seqs, BLOCK_M: tl.constexpr, SEQS_P2: tl.constexp
 
 
 @triton.jit
-def _softmax_step(q, k_t, v, visible, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
+def _softmax_step(q, k_t, v, visible, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr,
+                  MAY_BE_HIDDEN: tl.constexpr = False):
     """One online-softmax update of (m_i, l_i, acc) with a key tile k_t [D, N], v [N, D]."""
     qk = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
     qk = tl.where(visible, qk, float("-inf"))
-    # Every processed tile has >= 1 visible key per row, so m_new is finite.
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    # Causal, the first tile shows key 0 to every row; with a window a row may have seen nothing
+    # yet (m_new = -inf): shifting by 0 keeps its l_i, acc at 0 instead of NaN (-inf - -inf).
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new) if MAY_BE_HIDDEN else m_new
+    alpha = tl.exp2(m_i - m_shift)
+    p = tl.exp2(qk - m_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
 
 # num_seqs changes every step: specialising on its value (1, multiple of 16) would compile new
-# variants mid-run.
-@triton.jit(do_not_specialize=["num_seqs"])
+# variants mid-run; window likewise stays a plain int (SLIDING alone picks the variant).
+@triton.jit(do_not_specialize=["num_seqs", "window"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr, block_tables_ptr,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
-    stride_bt, qk_scale, num_seqs,
+    stride_bt, qk_scale, num_seqs, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEQS_P2: tl.constexpr, PAGED: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SLIDING: tl.constexpr,
 ):
     """Grid (query tiles, H): causal attention of one [BLOCK_M, D] query tile of one head."""
     head = tl.program_id(1)
@@ -73,9 +78,14 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    # Causal: key tiles past the tile's last query position are skipped entirely.
+    # Causal: key tiles past the tile's last query position are skipped entirely. With a window,
+    # keys before lo (the first query's window start) are hidden from the whole tile: whole
+    # tiles of them are skipped, the rest masked at load, so they are never read.
     kv_end = tl.minimum(len_k, len_k - len_q + m_start + BLOCK_M)
-    for start_n in range(0, kv_end, BLOCK_N):
+    lo = 0
+    if SLIDING:
+        lo = tl.maximum(len_k - len_q + m_start - window + 1, 0)
+    for start_n in range(lo // BLOCK_N * BLOCK_N, kv_end, BLOCK_N):
         # Key tiles never cross a page (BLOCK_N divides BLOCK_SIZE): one table lookup per tile.
         if PAGED:
             block_id = tl.load(block_tables_ptr + seq * stride_bt + start_n // BLOCK_SIZE)
@@ -84,12 +94,19 @@ def _prefill_kernel(
             rows = (k_start + start_n + offs_n).to(tl.int64)
         k_pos = start_n + offs_n
         in_seq = k_pos < len_k
+        if SLIDING:
+            in_seq &= k_pos >= lo
         k_t = tl.load(k_ptr + rows[None, :] * stride_kn + kv_head * stride_kh + offs_d[:, None],
                       mask=in_seq[None, :], other=0.0)
         v = tl.load(v_ptr + rows[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :],
                     mask=in_seq[:, None], other=0.0)
         visible = (k_pos[None, :] <= q_pos[:, None]) & in_seq[None, :]
-        m_i, l_i, acc = _softmax_step(q, k_t, v, visible, m_i, l_i, acc, qk_scale, PRECISION)
+        if SLIDING:
+            visible &= q_pos[:, None] - k_pos[None, :] < window
+        m_i, l_i, acc = _softmax_step(q, k_t, v, visible, m_i, l_i, acc, qk_scale, PRECISION,
+                                      SLIDING)
+    if SLIDING:  # padding rows past len_q may see no key at all: keep them finite
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_i[:, None]
     o_ptrs = out_ptr + q_rows[:, None] * stride_on + head * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -120,8 +137,10 @@ def prefill_attention_triton(
     block_tables: torch.Tensor | None,
     scale: float,
     max_seqlen_q: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal varlen flash attention; keys from dense k/v, or the paged cache via block_tables."""
+    window = check_sliding_window(sliding_window)
     num_q, num_heads, head_dim = q.shape
     num_seqs = cu_seqlens_q.numel() - 1
     out = torch.empty((num_q, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -145,9 +164,10 @@ def prefill_attention_triton(
         q, keys, values, out, cu_seqlens_q, cu_seqlens_k,
         block_tables if paged else cu_seqlens_q,  # dummy pointer in dense mode
         q.stride(0), q.stride(1), *strides, out.stride(0), out.stride(1),
-        block_tables.stride(0) if paged else 0, scale * _LOG2E, num_seqs,
+        block_tables.stride(0) if paged else 0, scale * _LOG2E, num_seqs, window,
         GROUP=num_heads // keys.shape[-2], HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PRECISION=dot_precision(q.dtype),
+        SLIDING=window > 0,
         # At least 64: the warm-up's small batches compile the variant that typical prefill
         # batches (<= 64 sequences) use, instead of one per power of two inside a timed run.
         SEQS_P2=max(64, triton.next_power_of_2(num_seqs)),
@@ -172,22 +192,28 @@ def _check_shapes(
 
 # num_splits is a plain argument, not specialised: the split count depends on the batch size,
 # and a constant would compile a variant per CUDA-graph size (seconds of cold start-up).
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "window"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, context_lens_ptr, block_tables_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr, stride_qb, stride_qh, stride_bt, qk_scale, num_splits,
+    window,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SLIDING: tl.constexpr,
 ):
     """Grid (B, Hkv, splits): all GROUP query heads of one kv head over one slice of the keys."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq)
-    # Spread each sequence evenly over all splits, in whole key tiles (tiles never cross pages).
-    split_len = (ctx + num_splits * BLOCK_N - 1) // (num_splits * BLOCK_N) * BLOCK_N
-    start = split * split_len
+    # The query (position ctx - 1) sees keys lo..ctx-1: spread them evenly over all splits, in
+    # whole key tiles (tiles never cross pages) from lo rounded down to a tile.
+    lo = 0
+    if SLIDING:
+        lo = tl.maximum(ctx - window, 0)
+    first = lo // BLOCK_N * BLOCK_N
+    split_len = (ctx - first + num_splits * BLOCK_N - 1) // (num_splits * BLOCK_N) * BLOCK_N
+    start = first + split * split_len
     end = tl.minimum(start + split_len, ctx)
     offs_g = tl.arange(0, GROUP_P2)
     offs_n = tl.arange(0, BLOCK_N)
@@ -204,6 +230,8 @@ def _decode_split_kernel(
         block_id = tl.load(block_tables_ptr + seq * stride_bt + start_n // BLOCK_SIZE)
         rows = block_id.to(tl.int64) * BLOCK_SIZE + start_n % BLOCK_SIZE + offs_n
         in_split = start_n + offs_n < end
+        if SLIDING:  # only the first tile holds keys before lo; each tile keeps >= 1 visible
+            in_split &= start_n + offs_n >= lo
         cache_offs = rows * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
         k_t = tl.load(k_cache_ptr + cache_offs[None, :] + offs_d[:, None],
                       mask=in_split[None, :], other=0.0)
@@ -257,18 +285,23 @@ def decode_attention_triton(
     block_tables: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Flash-decoding: q [B, H, D] (one query per sequence) over its paged context; 0 -> zeros."""
+    window = check_sliding_window(sliding_window)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     _check_shapes(q, k_cache, v_cache, block_size, paged=True)
     out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
-    if num_splits is None:
-        num_splits = _num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size)
-    group = num_heads // num_kv_heads
     block_n = min(64 if head_dim <= 128 else 32, block_size)  # divides block_size
+    if num_splits is None:
+        max_keys = block_tables.shape[1] * block_size
+        if window:  # only the window is read (from a tile boundary)
+            max_keys = min(max_keys, window + block_n - 1)
+        num_splits = _num_splits(batch, num_kv_heads, max_keys)
+    group = num_heads // num_kv_heads
     # fp32 scratch sized from shapes only (no data-dependent allocation under graph capture).
     part_m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
@@ -276,10 +309,10 @@ def decode_attention_triton(
                            device=q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, context_lens, block_tables, part_m, part_l, part_acc,
-        q.stride(0), q.stride(1), block_tables.stride(0), scale * _LOG2E, num_splits,
+        q.stride(0), q.stride(1), block_tables.stride(0), scale * _LOG2E, num_splits, window,
         GROUP=group, GROUP_P2=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        PRECISION=dot_precision(q.dtype), num_warps=4,
+        PRECISION=dot_precision(q.dtype), SLIDING=window > 0, num_warps=4,
     )
     _decode_reduce_kernel[(batch, num_heads)](
         part_m, part_l, part_acc, out, out.stride(0), out.stride(1), num_splits,

@@ -1,4 +1,5 @@
-"""Fused per-head q/k RMSNorm + neox RoPE (+ the K/V cache write): one kernel instead of four."""
+"""Fused per-head q/k RMSNorm (optional) + neox RoPE (+ the K/V cache write): one kernel instead
+of four."""
 
 import torch
 import triton
@@ -7,8 +8,9 @@ import triton.language as tl
 
 @triton.jit
 def _norm_rope(src, stride_h, w_ptr, cos, sin, eps, dtype, HEADS: tl.constexpr,
-               HEADS_P2: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """RoPE(RMSNorm(x)) of one token's heads [HEADS, D] as two halves [HEADS_P2, D/2]."""
+               HEADS_P2: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
+    """RoPE(RMSNorm(x)) (RoPE(x) without NORM) of one token's heads [HEADS, D] as two halves
+    [HEADS_P2, D/2]."""
     # Work on the two halves separately: neox RoPE pairs element i with i + D/2.
     HALF: tl.constexpr = HEAD_DIM // 2
     heads = tl.arange(0, HEADS_P2)[:, None]
@@ -19,11 +21,12 @@ def _norm_rope(src, stride_h, w_ptr, cos, sin, eps, dtype, HEADS: tl.constexpr,
     # RMSNorm.rms_forward: normalise in float32, round to the input dtype, then multiply by
     # the weight in the input dtype. For bf16/fp16 the float32 product of two such values is
     # exact, so rounding it once equals their own multiply (for float32 the casts are no-ops).
-    rstd = tl.rsqrt(tl.sum(x1 * x1 + x2 * x2, axis=1) / HEAD_DIM + eps)[:, None]
-    w1 = tl.load(w_ptr + lo).to(tl.float32)
-    w2 = tl.load(w_ptr + HALF + lo).to(tl.float32)
-    x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-    x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(x1 * x1 + x2 * x2, axis=1) / HEAD_DIM + eps)[:, None]
+        w1 = tl.load(w_ptr + lo).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + lo).to(tl.float32)
+        x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     # apply_rotary_emb: float32 rotation with cos_sin_cache[pos] = cat(cos, sin).
     return (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
 
@@ -34,7 +37,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, p
                          eps, v_ptr, stride_vn, stride_vh, k_cache_ptr, v_cache_ptr, slot_ptr,
                          NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                          Q_HEADS_P2: tl.constexpr, KV_HEADS_P2: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, STORE_KV: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, STORE_KV: tl.constexpr, NORM: tl.constexpr):
     """Grid (N,): normalise and rotate every q and k head of one token (one program per token,
     not per head: prefill launches ~16k programs, not ~400k); with STORE_KV also write the
     rotated k and the v to the token's cache slot."""
@@ -46,13 +49,13 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, p
     cos = tl.load(row + lo)
     sin = tl.load(row + HALF + lo)
     q1, q2 = _norm_rope(q_ptr + tok * stride_qn, stride_qh, q_w_ptr, cos, sin, eps, dtype,
-                        NUM_Q_HEADS, Q_HEADS_P2, HEAD_DIM)
+                        NUM_Q_HEADS, Q_HEADS_P2, HEAD_DIM, NORM)
     heads = tl.arange(0, Q_HEADS_P2)[:, None]
     dst = q_out_ptr + (tok * NUM_Q_HEADS + heads) * HEAD_DIM + lo
     tl.store(dst, q1, mask=heads < NUM_Q_HEADS)
     tl.store(dst + HALF, q2, mask=heads < NUM_Q_HEADS)
     k1, k2 = _norm_rope(k_ptr + tok * stride_kn, stride_kh, k_w_ptr, cos, sin, eps, dtype,
-                        NUM_KV_HEADS, KV_HEADS_P2, HEAD_DIM)
+                        NUM_KV_HEADS, KV_HEADS_P2, HEAD_DIM, NORM)
     heads = tl.arange(0, KV_HEADS_P2)[:, None]
     mask = heads < NUM_KV_HEADS
     dst = k_out_ptr + (tok * NUM_KV_HEADS + heads) * HEAD_DIM + lo
@@ -72,9 +75,11 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, p
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                 q_weight: torch.Tensor, k_weight: torch.Tensor, cos_sin_cache: torch.Tensor,
-                 eps: float, kv_store: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                 cos_sin_cache: torch.Tensor, eps: float, kv_store: tuple | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE(RMSNorm(q)), RoPE(RMSNorm(k)) as new contiguous tensors; q [N, Hq, D], k [N, Hkv, D].
+    Without weights (None) no norm: RoPE(q), RoPE(k).
 
     kv_store = (v, k_cache, v_cache, slot_mapping) also does store_kvcache's work: the rotated
     k and v [N, Hkv, D] go to caches [num_blocks, block_size, Hkv, D]; a slot < 0 skips.
@@ -84,8 +89,13 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     assert k.shape == (num_tokens, num_kv_heads, head_dim) and k.dtype == q.dtype
     assert q.stride(-1) == 1 and k.stride(-1) == 1, "head_dim must be contiguous"
     assert head_dim >= 2 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
-    assert q_weight.dtype == k_weight.dtype == q.dtype, "weights in the activation dtype"
-    assert q_weight.is_contiguous() and k_weight.is_contiguous()
+    norm = q_weight is not None
+    if norm:
+        assert q_weight.dtype == k_weight.dtype == q.dtype, "weights in the activation dtype"
+        assert q_weight.is_contiguous() and k_weight.is_contiguous()
+    else:  # unused pointers
+        assert k_weight is None
+        q_weight = k_weight = cos_sin_cache
     assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.shape[-1] == head_dim
     assert cos_sin_cache.stride(-1) == 1 and positions.shape == (num_tokens,)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -107,5 +117,5 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
             NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
             Q_HEADS_P2=triton.next_power_of_2(num_q_heads),
             KV_HEADS_P2=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
-            STORE_KV=kv_store is not None)
+            STORE_KV=kv_store is not None, NORM=norm)
     return q_out, k_out

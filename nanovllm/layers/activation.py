@@ -5,10 +5,15 @@ from torch import nn
 
 
 class SiluAndMul(nn.Module):
-    """[..., 2d] -> silu(first half) * second half, [..., d]: a Triton kernel on CUDA."""
+    """[..., 2d] -> silu(first half) * second half, [..., d]; `fused` (set by
+    layers.backends.bind_backend): a Triton kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
+        if self.fused:
             # Imported here: CPU-only runs never import Triton (as for the sampler's kernel).
             from nanovllm.kernels.fused_ops import silu_and_mul
             return silu_and_mul(x)

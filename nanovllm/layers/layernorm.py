@@ -6,13 +6,14 @@ from torch import nn
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32; with a residual, returns (normed, x + residual).
 
-    On CUDA a Triton kernel (nanovllm.kernels.fused_ops); on CPU the eager torch methods below,
-    which are also the kernels' reference.
+    `fused` (set by layers.backends.bind_backend): a Triton kernel (nanovllm.kernels.fused_ops);
+    else the eager torch methods below, which are also the kernels' reference.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
+        self.fused = False
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def rms_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -32,7 +33,7 @@ class RMSNorm(nn.Module):
         return x.to(dtype) * self.weight, residual
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if x.is_cuda:
+        if self.fused:
             # Imported here: CPU-only runs never import Triton (as for the sampler's kernel).
             from nanovllm.kernels.fused_ops import add_rms_norm, rms_norm
             if residual is None:

@@ -1,4 +1,5 @@
-"""Random Qwen3 checkpoints and a small BPE tokenizer, for demos, benchmarks and tests.
+"""Random checkpoints of each supported family and a small BPE tokenizer, for demos, benchmarks
+and tests.
 
 No machine here can download weights, so tests, example.py and bench.py build their own.
 """
@@ -49,25 +50,27 @@ def build_tokenizer(path: str, vocab_size: int = 400):
 
 
 def build_checkpoint(path: str, seed: int = 0, initializer_range: float = 0.5,
-                     dtype: str = "float32", **shape) -> str:
-    """Save a random Qwen3ForCausalLM plus tokenizer to `path`; returns `path`.
+                     dtype: str = "float32", family: str = "Qwen3", **fields) -> str:
+    """Save a random <family>ForCausalLM (Qwen3, Qwen2, Llama, Mistral) plus tokenizer to
+    `path`; returns `path`.
 
     A large initializer_range keeps greedy decoding from repeating one token, so parity
-    tests compare varied sequences. `shape` overrides TINY_SHAPE's fields.
+    tests compare varied sequences. `fields` override TINY_SHAPE's and set any other field of
+    the family's config class (rope_parameters, sliding_window, attention_bias, ...).
     """
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    import transformers
 
     os.makedirs(path, exist_ok=True)
-    tokenizer = build_tokenizer(path, vocab_size=min(400, shape.get("vocab_size", 512)))
-    fields = {**TINY_SHAPE, **shape}
-    config = Qwen3Config(**fields, initializer_range=initializer_range, rms_norm_eps=1e-6,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-                         pad_token_id=tokenizer.eos_token_id)
+    tokenizer = build_tokenizer(path, vocab_size=min(400, fields.get("vocab_size", 512)))
+    config = getattr(transformers, f"{family}Config")(
+        **{**TINY_SHAPE, **fields}, initializer_range=initializer_range, rms_norm_eps=1e-6,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        pad_token_id=tokenizer.eos_token_id)
     torch.manual_seed(seed)
     torch_dtype = getattr(torch, dtype)
     with torch.device("cpu"):
-        model = Qwen3ForCausalLM(config).to(torch_dtype)
+        model = getattr(transformers, f"{family}ForCausalLM")(config).to(torch_dtype)
     model.save_pretrained(path)  # safetensors; config.json records the dtype
     with open(os.path.join(path, "nanovllm_random_checkpoint.json"), "w") as f:
         json.dump({"note": "random weights, for tests and demos only", "seed": seed}, f)

@@ -76,3 +76,14 @@ def _resolver(model: nn.Module) -> Callable[[str], Resolved]:
         return None
 
     return resolve
+
+
+@torch.no_grad()
+def load_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights in [-1e-3, 1e-3] (vLLM's load_format="dummy"): for benchmarks, where
+    speed does not depend on the values; norm weights stay 1 so activations keep their scale."""
+    device = next(model.parameters()).device  # drawn where the weights live: 8B values
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if not name.endswith("norm.weight"):
+            param.uniform_(-1e-3, 1e-3, generator=generator)

@@ -43,3 +43,14 @@ def tokenizer_class(model: str) -> type | None:
         if isinstance(cls, type) and issubclass(cls, PreTrainedTokenizerBase):
             return cls
     return None
+
+
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase,
+                    conversations: list[list[dict[str, str]]]) -> list[list[int]]:
+    """Each conversation through the tokenizer's chat template, as token ids ready to generate."""
+    if tokenizer.chat_template is None:
+        raise ValueError(f"the tokenizer of {tokenizer.name_or_path!r} has no chat template")
+    # The template's text already holds any special tokens: encode it without adding more.
+    return [tokenizer.encode(
+        tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False) for conv in conversations]

@@ -80,14 +80,16 @@ def _gather_naive(cache: torch.Tensor, table: torch.Tensor, length: int) -> torc
 
 
 def _naive(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: list[int],
-           scale: float) -> torch.Tensor:
-    """float64 per-query, per-head causal attention; query i sees keys 0..q_pos[i]."""
+           scale: float, window: int = 0) -> torch.Tensor:
+    """float64 per-query, per-head causal attention; query i sees keys 0..q_pos[i], or only the
+    last `window` of them (transformers: key k visible iff k <= q and q - k < window)."""
     q, keys, values = q.double(), keys.double(), values.double()
     group = q.shape[1] // keys.shape[1]
     out = torch.zeros_like(q)
     for i, pos in enumerate(q_pos):
+        lo = max(0, pos - window + 1) if window else 0
         for h in range(q.shape[1]):
-            k, v = keys[: pos + 1, h // group], values[: pos + 1, h // group]
+            k, v = keys[lo : pos + 1, h // group], values[lo : pos + 1, h // group]
             out[i, h] = torch.softmax(k @ q[i, h] * scale, dim=0) @ v
     return out
 
@@ -97,9 +99,11 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> 
     torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("window", [None, 1, 7, 16])
 @pytest.mark.parametrize("paged", [False, True])
-def test_prefill_torch_matches_naive(paged: bool) -> None:
-    """Reference prefill (dense and paged with prefix hits, GQA 2) against the float64 loop."""
+def test_prefill_torch_matches_naive(paged: bool, window: int | None) -> None:
+    """Reference prefill (dense and paged with prefix hits, GQA 2, sliding windows smaller
+    than, equal to and larger than the sequences) against the float64 loop."""
     pairs = [(20, 53), (1, 17), (16, 16)] if paged else [(5, 5), (17, 17), (1, 1)]
     heads, head_dim, block_size, scale = 2 * KV_HEADS, 16, 16, 0.3
     q_lens, k_lens = [p[0] for p in pairs], [p[1] for p in pairs]
@@ -109,7 +113,7 @@ def test_prefill_torch_matches_naive(paged: bool) -> None:
     k_cache, v_cache, tables = _paged_cache(k_lens, block_size, head_dim, torch.float32)
     cu_q, cu_k = _cu(q_lens), _cu(k_lens)
     out = prefill_attention_torch(q, k, v, k_cache, v_cache, cu_q, cu_k,
-                                  tables if paged else None, scale)
+                                  tables if paged else None, scale, sliding_window=window)
     for b, (len_q, len_k) in enumerate(pairs):
         if paged:
             keys = _gather_naive(k_cache, tables[b], len_k)
@@ -117,25 +121,26 @@ def test_prefill_torch_matches_naive(paged: bool) -> None:
         else:
             keys, values = k[cu_k[b] : cu_k[b + 1]], v[cu_k[b] : cu_k[b + 1]]
         q_pos = [len_k - len_q + i for i in range(len_q)]
-        expected = _naive(q[cu_q[b] : cu_q[b + 1]], keys, values, q_pos, scale)
+        expected = _naive(q[cu_q[b] : cu_q[b + 1]], keys, values, q_pos, scale, window or 0)
         torch.testing.assert_close(out[cu_q[b] : cu_q[b + 1]].double(), expected,
                                    atol=1e-5, rtol=1e-5)
 
 
-def test_decode_torch_matches_naive() -> None:
-    """Reference decode (GQA 4, padding rows) against the float64 loop."""
+@pytest.mark.parametrize("window", [None, 1, 17, 20])
+def test_decode_torch_matches_naive(window: int | None) -> None:
+    """Reference decode (GQA 4, padding rows, sliding windows) against the float64 loop."""
     lens, heads, head_dim, scale = [0, 1, 17, 33, 0], 4 * KV_HEADS, 16, 0.25
     k_cache, v_cache, tables = _paged_cache(lens, 16, head_dim, torch.float32)
     q = torch.randn(len(lens), heads, head_dim, device=DEVICE)
     ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    out = decode_attention_torch(q, k_cache, v_cache, ctx, tables, scale)
+    out = decode_attention_torch(q, k_cache, v_cache, ctx, tables, scale, sliding_window=window)
     for b, n in enumerate(lens):
         if n == 0:
             assert torch.equal(out[b], torch.zeros_like(out[b]))
             continue
         keys = _gather_naive(k_cache, tables[b], n)
         values = _gather_naive(v_cache, tables[b], n)
-        expected = _naive(q[b : b + 1], keys, values, [n - 1], scale)[0]
+        expected = _naive(q[b : b + 1], keys, values, [n - 1], scale, window or 0)[0]
         torch.testing.assert_close(out[b].double(), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -206,3 +211,96 @@ def test_decode_triton_long_context_splits(num_splits: int | None) -> None:
     ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     out = decode_attention_triton(q, k_cache, v_cache, ctx, tables, 0.2, num_splits=num_splits)
     _close(out, decode_attention_torch(q, k_cache, v_cache, ctx, tables, 0.2), torch.float32)
+
+
+# Sliding windows (Mistral, Qwen2): smaller than a key tile, not a multiple of any block size,
+# equal to a page, crossing the cached prefix, and wider than every sequence.
+WINDOWS = [1, 7, 16, 45, 4096] if DEVICE == "cuda" else [1, 45, 4096]
+SWA_CASES = PAGED_CASES if DEVICE == "cuda" else [(16, 64, 2), (256, 32, 4)]
+
+
+def test_sliding_window_rejects_negative() -> None:
+    """A negative window is a clear error naming the value, before any kernel runs."""
+    k_cache, v_cache, tables = _paged_cache([4], 16, 16, torch.float32)
+    q = torch.randn(1, KV_HEADS, 16, device=DEVICE)
+    ctx = torch.tensor([4], dtype=torch.int32, device=DEVICE)
+    for decode in (decode_attention_torch, decode_attention_triton):
+        with pytest.raises(ValueError, match="-3"):
+            decode(q, k_cache, v_cache, ctx, tables, 0.1, sliding_window=-3)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("block_size", "head_dim", "group"), SWA_CASES)
+def test_prefill_triton_sliding_window(block_size: int, head_dim: int, group: int,
+                                       dtype: torch.dtype, window: int) -> None:
+    """Windowed prefill, dense and paged with cached prefixes crossing the window edge."""
+    pairs = [*_paged_pairs(block_size), (45, 45), (70, 70), (30, 300)]
+    q_lens, k_lens = [p[0] for p in pairs], [p[1] for p in pairs]
+    k_cache, v_cache, tables = _paged_cache(k_lens, block_size, head_dim, dtype)
+    q = torch.randn(sum(q_lens), group * KV_HEADS, head_dim, dtype=dtype, device=DEVICE)
+    args = (q, None, None, k_cache, v_cache, _cu(q_lens), _cu(k_lens), tables, head_dim**-0.5)
+    _close(prefill_attention_triton(*args, sliding_window=window),
+           prefill_attention_torch(*args, sliding_window=window), dtype)
+    k = torch.randn(sum(q_lens), KV_HEADS, head_dim, dtype=dtype, device=DEVICE)
+    v = torch.randn_like(k)
+    cu = _cu(q_lens)
+    dense = (q, k, v, None, None, cu, cu, None, head_dim**-0.5)
+    _close(prefill_attention_triton(*dense, sliding_window=window),
+           prefill_attention_torch(*dense, sliding_window=window), dtype)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("block_size", "head_dim", "group"), SWA_CASES)
+def test_decode_triton_sliding_window(block_size: int, head_dim: int, group: int,
+                                      dtype: torch.dtype, window: int) -> None:
+    """Windowed decode over mixed contexts (shorter and longer than the window, padding rows)."""
+    lens = [0, 1, 16, 45, 2 * block_size, block_size + 44, 0]
+    k_cache, v_cache, tables = _paged_cache(lens, block_size, head_dim, dtype)
+    q = torch.randn(len(lens), group * KV_HEADS, head_dim, dtype=dtype, device=DEVICE)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    args = (q, k_cache, v_cache, ctx, tables, head_dim**-0.5)
+    out = decode_attention_triton(*args, sliding_window=window)
+    _close(out, decode_attention_torch(*args, sliding_window=window), dtype)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and not out.isnan().any()
+
+
+def _poison_before_window(cache: torch.Tensor, tables: torch.Tensor, lens: list[int],
+                          first_visible: list[int]) -> None:
+    """NaN in every cached key/value no query can see: reading one would show in the output."""
+    bs = cache.shape[1]
+    for b, (n, lo) in enumerate(zip(lens, first_visible, strict=True)):
+        for p in range(min(lo, n)):
+            cache[int(tables[b, p // bs]), p % bs] = float("nan")
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 5])
+def test_decode_triton_sliding_window_long_context(num_splits: int | None) -> None:
+    """Contexts far longer than the window read only the window: the splits cover it alone and
+    keys before it (poisoned with NaN) are never read."""
+    lens, window, block_size, head_dim = [600, 300, 37, 0], 40, 32, 32
+    k_cache, v_cache, tables = _paged_cache(lens, block_size, head_dim, torch.float32)
+    for cache in (k_cache, v_cache):
+        _poison_before_window(cache, tables, lens, [max(0, n - window) for n in lens])
+    q = torch.randn(len(lens), 2 * KV_HEADS, head_dim, device=DEVICE)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    args = (q, k_cache, v_cache, ctx, tables, 0.2)
+    out = decode_attention_triton(*args, num_splits=num_splits, sliding_window=window)
+    assert not out.isnan().any()
+    _close(out, decode_attention_torch(*args, sliding_window=window), torch.float32)
+
+
+def test_prefill_triton_sliding_window_skips_old_prefix() -> None:
+    """A short prefill after a long cached prefix never reads keys before its first window."""
+    pairs, window, block_size, head_dim = [(20, 400), (3, 90), (64, 64)], 50, 16, 32
+    q_lens, k_lens = [p[0] for p in pairs], [p[1] for p in pairs]
+    k_cache, v_cache, tables = _paged_cache(k_lens, block_size, head_dim, torch.float32)
+    first_visible = [max(0, lk - lq - window + 1) for lq, lk in pairs]
+    for cache in (k_cache, v_cache):
+        _poison_before_window(cache, tables, k_lens, first_visible)
+    q = torch.randn(sum(q_lens), 2 * KV_HEADS, head_dim, device=DEVICE)
+    args = (q, None, None, k_cache, v_cache, _cu(q_lens), _cu(k_lens), tables, 0.2)
+    out = prefill_attention_triton(*args, sliding_window=window)
+    assert not out.isnan().any()
+    _close(out, prefill_attention_torch(*args, sliding_window=window), torch.float32)

@@ -92,12 +92,15 @@ def test_empty_batch() -> None:
 
 @torch.no_grad()
 def test_module_paths() -> None:
-    """The modules' forward (the kernels on CUDA, the torch code on CPU) and the kernels agree,
-    with the module's own weight and eps (large enough that a dropped or wrong eps shows)."""
+    """The modules' forward with `fused` set (as bind_backend sets it) calls the kernels, with
+    the module's own weight and eps (large enough that a dropped or wrong eps shows)."""
     torch.manual_seed(0)
     norm = _norm(96, torch.float32, eps=0.5)
+    norm.fused = True
     x, residual = _input(3, 96, torch.float32), _input(3, 96, torch.float32)
     _close(norm(x), rms_norm(x, norm.weight, norm.eps))
     for got, ref in zip(norm(x, residual), add_rms_norm(x, residual, norm.weight, norm.eps)):
         _close(got, ref)
-    _close(SiluAndMul()(x), silu_and_mul(x))
+    act = SiluAndMul()
+    act.fused = True
+    _close(act(x), silu_and_mul(x))

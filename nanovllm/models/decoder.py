@@ -1,4 +1,10 @@
-"""Qwen3 built from our layers; parameter names follow the HF checkpoint."""
+"""The decoder shared by Qwen3, Qwen2, Llama and Mistral; parameter names follow HF checkpoints.
+
+The families differ only in the flags of a DecoderSpec (models/registry.py): biases, q/k norm,
+sliding windows and the RoPE variant.
+"""
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -14,33 +20,43 @@ from nanovllm.layers.linear import (
     divide,
     tp_rank_and_size,
 )
-from nanovllm.layers.rotary_embedding import RotaryEmbedding, rope_theta
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
 
 
-class Qwen3Attention(nn.Module):
-    """Self-attention with per-head q/k RMSNorm and RoPE."""
+@dataclass(frozen=True)
+class DecoderSpec:
+    """The flags by which the supported families' decoders differ."""
 
-    def __init__(self, config: PretrainedConfig):
+    head_dim: int
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    sliding_windows: tuple[int | None, ...]  # per layer; None: full causal attention
+    rope: dict  # layers.rotary_embedding.rope_parameters(): rope_type, rope_theta, ...
+
+
+class DecoderAttention(nn.Module):
+    """QKV projection, attention (RoPE, optional q/k norm and window inside), output projection."""
+
+    def __init__(self, config: PretrainedConfig, spec: DecoderSpec, rotary_emb: RotaryEmbedding,
+                 layer_idx: int):
         super().__init__()
         _, tp_size = tp_rank_and_size()
-        self.head_dim = getattr(config, "head_dim", None) or (
-            config.hidden_size // config.num_attention_heads)
+        head_dim = spec.head_dim
         self.num_heads = divide(config.num_attention_heads, tp_size)
         self.num_kv_heads = divide(config.num_key_value_heads, tp_size)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim,
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        self.head_dim = head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim,
                                           config.num_attention_heads,
-                                          config.num_key_value_heads, bias=bias)
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
-                                        config.hidden_size, bias=bias)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings,
-                                          rope_theta(config))
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
-                              self.num_kv_heads)
-        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+                                          config.num_key_value_heads, bias=spec.qkv_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim,
+                                        config.hidden_size, bias=spec.o_bias)
+        self.attn = Attention(self.num_heads, head_dim, head_dim ** -0.5, self.num_kv_heads,
+                              rotary_emb, config.rms_norm_eps if spec.qk_norm else None,
+                              spec.sliding_windows[layer_idx])
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
@@ -48,46 +64,33 @@ class Qwen3Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)      # (N, H, D)
         k = k.view(-1, self.num_kv_heads, self.head_dim)   # (N, Hkv, D)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if q.is_cuda:
-            q, k = self.fused_norm_rope(positions, q, k, v)  # writes the K/V cache too
-            o = self.attn(q, k, v, store_kv=False)
-        else:
-            q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
-            o = self.attn(q, k, v)
+        o = self.attn(positions, q, k, v)
         return self.o_proj(o.flatten(1, -1))
 
-    def fused_norm_rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                        v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q/k norm, RoPE and the K/V cache write as one Triton kernel (one launch instead of
-        four per layer in the decode graph)."""
-        # Imported here: CPU-only runs never import Triton (as for the sampler's kernel).
-        from nanovllm.kernels.qk_norm_rope import qk_norm_rope
-        kv_store = self.attn.kv_store_args(v)
-        return qk_norm_rope(q, k, positions, self.q_norm.weight, self.k_norm.weight,
-                            self.rotary_emb.cos_sin_cache, self.q_norm.eps, kv_store)
 
-
-class Qwen3MLP(nn.Module):
+class DecoderMLP(nn.Module):
     """Gated SiLU MLP; gate and up projections share one GEMM."""
 
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, spec: DecoderSpec):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size,
-                                                       [config.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias=spec.mlp_bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
+                                           bias=spec.mlp_bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-class Qwen3DecoderLayer(nn.Module):
+class DecoderLayer(nn.Module):
     """Pre-norm block; the residual add is fused into the next RMSNorm."""
 
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, spec: DecoderSpec, rotary_emb: RotaryEmbedding,
+                 layer_idx: int):
         super().__init__()
-        self.self_attn = Qwen3Attention(config)
-        self.mlp = Qwen3MLP(config)
+        self.self_attn = DecoderAttention(config, spec, rotary_emb, layer_idx)
+        self.mlp = DecoderMLP(config, spec)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -102,14 +105,16 @@ class Qwen3DecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
-class Qwen3Model(nn.Module):
+class DecoderModel(nn.Module):
     """Embedding, decoder layers and the final norm."""
 
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, spec: DecoderSpec):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([Qwen3DecoderLayer(config)
-                                     for _ in range(config.num_hidden_layers)])
+        # one cos/sin cache for all layers (64 MiB at Llama 3.1's 131072 positions)
+        rotary_emb = RotaryEmbedding(spec.head_dim, config.max_position_embeddings, spec.rope)
+        self.layers = nn.ModuleList([DecoderLayer(config, spec, rotary_emb, i)
+                                     for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -120,7 +125,7 @@ class Qwen3Model(nn.Module):
         return hidden_states
 
 
-class Qwen3ForCausalLM(nn.Module):
+class DecoderForCausalLM(nn.Module):
     """The model plus its LM head (tied to the embedding when the config says so)."""
 
     # checkpoint name fragment -> (our fused parameter, shard id)
@@ -131,10 +136,13 @@ class Qwen3ForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    # checkpoint name fragment -> ours: the q/k norms live inside the Attention layer
+    renamed_modules = {"self_attn.q_norm.": "self_attn.attn.q_norm.",
+                       "self_attn.k_norm.": "self_attn.attn.k_norm."}
 
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, spec: DecoderSpec):
         super().__init__()
-        self.model = Qwen3Model(config)
+        self.model = DecoderModel(config, spec)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight

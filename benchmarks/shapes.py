@@ -1,0 +1,50 @@
+"""Named model shapes (the real checkpoints' config.json fields) for dummy-weight benchmarks.
+
+`write_shape` writes only config.json and a small tokenizer: with load_format="dummy" the engine
+draws random weights of that shape, and with ignore_eos speed does not depend on the weights.
+"""
+import json
+import os
+
+_LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192)
+SHAPES: dict[str, dict] = {
+    "qwen3-0.6b": dict(
+        architectures=["Qwen3ForCausalLM"], hidden_size=1024, intermediate_size=3072,
+        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960,
+        rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "qwen2.5-7b": dict(
+        architectures=["Qwen2ForCausalLM"], hidden_size=3584, intermediate_size=18944,
+        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+        tie_word_embeddings=False, max_position_embeddings=32768, rope_theta=1000000.0,
+        rms_norm_eps=1e-6, use_sliding_window=False, sliding_window=131072,
+        max_window_layers=28),
+    "llama-3.1-8b": dict(
+        architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        vocab_size=128256, tie_word_embeddings=False, max_position_embeddings=131072,
+        rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE, rms_norm_eps=1e-5),
+    "llama-3.2-1b": dict(
+        architectures=["LlamaForCausalLM"], hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+        vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=131072,
+        rope_theta=500000.0, rope_scaling=dict(_LLAMA3_ROPE, factor=32.0), rms_norm_eps=1e-5),
+    "mistral-7b": dict(  # v0.1: the 4096-token sliding window
+        architectures=["MistralForCausalLM"], hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+        tie_word_embeddings=False, max_position_embeddings=32768, rope_theta=10000.0,
+        sliding_window=4096, rms_norm_eps=1e-5),
+}
+
+
+def write_shape(name: str, path: str) -> str:
+    """config.json (bf16) of shape `name` and a small BPE tokenizer in `path`; returns `path`."""
+    from nanovllm.utils.checkpoint import build_tokenizer
+    os.makedirs(path, exist_ok=True)
+    tokenizer = build_tokenizer(path)
+    config = dict(SHAPES[name], dtype="bfloat16", hidden_act="silu",
+                  eos_token_id=tokenizer.eos_token_id)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return path

@@ -1,0 +1,147 @@
+"""AsyncLLM: an asyncio front end that streams requests through one running engine."""
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.engine_thread import EngineStats, EngineThread, Update
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.validation import Prompt, validate_request
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.tokenizer import load_tokenizer
+
+
+@dataclass
+class RequestOutput:
+    """One increment of a request: its new tokens and text; finish_reason ends the stream."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    num_prompt_tokens: int
+    num_output_tokens: int  # so far, this increment included
+    finish_reason: str | None = None  # "stop", "length" or "abort" on the last output
+    metrics: dict | None = None  # the engine's {"ttft_s", "latency_s"} on the last output
+
+
+@dataclass
+class _Stream:
+    """A request's state on the event loop: what the engine thread delivered, not yet read."""
+
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)  # completion tokens read so far
+    pending: list[int] = field(default_factory=list)
+    final: dict | None = None
+    error: str | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class AsyncLLM:
+    """`async for out in llm.generate(prompt, params, request_id)` streams one request;
+    requests join the running batch between steps, and `await llm.abort(request_id)` frees a
+    request's KV blocks before the next step."""
+
+    def __init__(self, model: str, **kwargs):
+        self.engine = LLMEngine(model, **kwargs)
+        # Its own tokenizer: the engine thread's may be decoding at the same moment.
+        self.tokenizer = load_tokenizer(self.engine.config.model)
+        self.limits = self.engine.request_limits()
+        self.stats = EngineStats()
+        self._streams: dict[int, _Stream] = {}
+        self._handles: dict[str, int] = {}  # request id -> handle of its stream
+        self._next_handle = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = EngineThread(self.engine, self._publish)
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the engine thread is stepping (False after shutdown or a crash)."""
+        return self._thread.is_alive()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len
+
+    async def generate(self, prompt: Prompt, params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Queue a request and yield its outputs until one has a finish_reason. Raises
+        ValueError (before queueing) for a bad request; leaving early aborts the request."""
+        token_ids = validate_request(prompt, params, self.limits, self.tokenizer.encode)
+        if request_id in self._handles:
+            raise ValueError(f"request_id={request_id!r} is already in use")
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            if self._streams:
+                raise RuntimeError("AsyncLLM serves one event loop at a time; requests of "
+                                   "another loop are still open")
+            self._loop = loop
+        handle = next(self._next_handle)
+        stream = self._streams[handle] = _Stream(
+            IncrementalDetokenizer(self.tokenizer, params.stop_strings))
+        self._handles[request_id] = handle
+        self._thread.add(handle, token_ids, params)
+        finished = False
+        try:
+            while not finished:
+                await stream.ready.wait()
+                stream.ready.clear()
+                out = _read(stream, request_id, len(token_ids))
+                finished = out.finish_reason is not None
+                yield out
+        finally:
+            del self._streams[handle], self._handles[request_id]
+            if not finished:  # an error, a cancelled task or a consumer that stopped reading
+                self._thread.abort(handle)
+
+    async def abort(self, request_id: str) -> None:
+        """Cancel a request; when this returns its KV blocks are free. Unknown ids are ignored."""
+        handle = self._handles.get(request_id)
+        if handle is None:
+            return
+        done = asyncio.get_running_loop().create_future()
+        self._thread.abort(handle, lambda: done.get_loop().call_soon_threadsafe(
+            done.set_result, None))
+        await done
+
+    def shutdown(self) -> None:
+        """Fail the open requests, stop the engine thread, then free the engine; idempotent."""
+        self._thread.shutdown()
+        self.engine.shutdown()
+
+    def _publish(self, updates: list[Update], stats: EngineStats) -> None:
+        """Called by the engine thread: hand the updates to the event loop."""
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(self._deliver, updates, stats)
+        except RuntimeError:  # the event loop is closed: nobody waits for these any more
+            pass
+
+    def _deliver(self, updates: list[Update], stats: EngineStats) -> None:
+        self.stats = stats
+        for update in updates:
+            stream = self._streams.get(update.handle)
+            if stream is None:  # its consumer left: an abort is on its way to the engine
+                continue
+            stream.pending += update.new_token_ids
+            stream.final = stream.final or update.final
+            stream.error = stream.error or update.error
+            stream.ready.set()
+
+
+def _read(stream: _Stream, request_id: str, num_prompt_tokens: int) -> RequestOutput:
+    """Take what the engine delivered and turn it into the next output."""
+    if stream.error is not None:
+        raise RuntimeError(stream.error)
+    new_token_ids, stream.pending = stream.pending, []
+    stream.token_ids += new_token_ids
+    final = stream.final
+    if final is None:
+        text = stream.detokenizer.update(stream.token_ids)
+    else:
+        text = stream.detokenizer.finish(final["text"]) if final["text"] is not None else ""
+    return RequestOutput(request_id, new_token_ids, text, num_prompt_tokens,
+                         len(stream.token_ids), None if final is None else final["finish_reason"],
+                         None if final is None else final.get("metrics"))

@@ -1,0 +1,152 @@
+"""The engine loop of AsyncLLM: one background thread owns the engine and steps it."""
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Update:
+    """What one request gained in one step; `final` is its output dict once it is finished."""
+
+    handle: int
+    new_token_ids: list[int]
+    final: dict | None = None
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the scheduler after a step."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use
+
+
+Publish = Callable[[list[Update], EngineStats], None]
+
+
+class EngineThread:
+    """Steps an LLMEngine in a daemon thread; requests come in through a queue between steps,
+    so they join the running batch, and each step's updates go out through `publish`.
+
+    A thread, not a process: the pipelined step launches the next batch before it waits for
+    the last one's ids, and that wait releases the GIL, so the HTTP front end runs while the
+    GPU works. Requests are identified by handles chosen by the caller.
+    """
+
+    def __init__(self, engine: LLMEngine, publish: Publish):
+        self.engine = engine
+        self.publish = publish
+        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._request_ids: dict[int, int] = {}  # handle -> engine request id
+        self._handles: dict[int, int] = {}  # engine request id -> handle
+        self._num_read: dict[int, int] = {}  # engine request id -> completion tokens published
+        self._thread = threading.Thread(target=self._run, name="nanovllm-engine", daemon=True)
+        self._thread.start()
+
+    def add(self, handle: int, token_ids: list[int], params: SamplingParams) -> None:
+        self._commands.put(("add", handle, token_ids, params))
+
+    def abort(self, handle: int, done: Callable[[], None] | None = None) -> None:
+        """Abort a request before the next step; `done` is called (in this thread) after."""
+        self._commands.put(("abort", handle, done))
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self) -> None:
+        """Fail the requests still running, stop the loop and wait for it; safe to call twice."""
+        if self._thread.is_alive():
+            self._commands.put(("stop",))
+            self._thread.join()
+
+    def _run(self) -> None:
+        while self._handle_commands(block=self.engine.is_finished()):
+            if self.engine.is_finished():
+                continue
+            try:
+                outputs, _ = self.engine.step()
+            except Exception as e:  # the engine recovers; the requests in the batch fail
+                logger.exception("engine step failed")
+                self.publish(self._fail_all(f"engine step failed: {e!r}"), self._stats())
+                continue
+            self.publish(self._updates(outputs), self._stats())
+        self.publish(self._fail_all("the engine is shutting down"), self._stats())
+
+    def _handle_commands(self, block: bool) -> bool:
+        """Apply queued commands (waiting for one when idle); False once told to stop."""
+        updates = []
+        try:
+            command = self._commands.get(block=block)
+            while True:
+                if command[0] == "stop":
+                    return False
+                if command[0] == "add":
+                    updates += self._add(*command[1:])
+                else:
+                    updates += self._abort(*command[1:])
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            pass
+        finally:
+            if updates:
+                self.publish(updates, self._stats())
+        return True
+
+    def _add(self, handle: int, token_ids: list[int], params: SamplingParams) -> list[Update]:
+        try:
+            request_id = self.engine.add_request(token_ids, params)
+        except ValueError as e:  # validated by the caller already; the engine has the last word
+            return [Update(handle, [], error=str(e))]
+        self._request_ids[handle], self._handles[request_id] = request_id, handle
+        self._num_read[request_id] = 0
+        return []
+
+    def _abort(self, handle: int, done: Callable[[], None] | None) -> list[Update]:
+        updates = []
+        request_id = self._request_ids.pop(handle, None)
+        if request_id is not None:
+            del self._handles[request_id], self._num_read[request_id]
+            self.engine.abort_request(request_id)
+            updates.append(Update(handle, [], final={"finish_reason": "abort", "text": None}))
+        if done is not None:
+            done()
+        return updates
+
+    def _updates(self, outputs: list[dict]) -> list[Update]:
+        """Finished requests with their last tokens, then the new tokens of running ones."""
+        updates = []
+        for out in outputs:
+            request_id = out["request_id"]
+            handle = self._handles.pop(request_id)
+            del self._request_ids[handle]
+            start = self._num_read.pop(request_id)
+            updates.append(Update(handle, out["token_ids"][start:], final=out))
+        for request_id, token_ids in self.engine.new_token_ids(self._num_read).items():
+            self._num_read[request_id] += len(token_ids)
+            updates.append(Update(self._handles[request_id], token_ids))
+        return updates
+
+    def _fail_all(self, error: str) -> list[Update]:
+        """Abort every request and tell its caller why."""
+        for request_id in self._handles:
+            self.engine.abort_request(request_id)
+        updates = [Update(handle, [], error=error) for handle in self._request_ids]
+        self._request_ids.clear()
+        self._handles.clear()
+        self._num_read.clear()
+        return updates
+
+    def _stats(self) -> EngineStats:
+        scheduler = self.engine.scheduler
+        blocks = scheduler.block_manager
+        return EngineStats(len(scheduler.running), len(scheduler.waiting),
+                           len(blocks.used_block_ids) / len(blocks.blocks))

@@ -1,0 +1,160 @@
+"""Every kernel choice in one place: the attention backend and the fused ops that go with it.
+
+A backend has one interface: `rope_and_store` (q/k norm, RoPE and the K/V cache write),
+`prefill` and `decode`. "torch" runs anywhere and is the reference, on CUDA too; "triton" and
+"flash-attn" also fuse q/k norm + RoPE + K/V write into one kernel and run RMSNorm and SiLU-and-mul
+as Triton kernels on CUDA. Kernel modules are imported lazily: CPU runs never import Triton.
+"""
+import importlib.util
+import logging
+import os
+
+import torch
+from torch import nn
+
+from nanovllm.utils.context import Context
+
+logger = logging.getLogger(__name__)
+BACKENDS = ("flash-attn", "triton", "torch")
+
+
+class TorchBackend:
+    """Plain torch: runs anywhere; the reference the kernels are tested against."""
+
+    name = "torch"
+    cuda_graphs = False  # decode reads context lengths on the host: it cannot be captured
+
+    def __init__(self, fused_ops: bool = False) -> None:
+        from nanovllm.kernels import attention_torch, store_kvcache
+        self.fused_ops = fused_ops
+        self.store_kvcache = store_kvcache.store_kvcache_torch
+        self._prefill = attention_torch.prefill_attention_torch
+        self._decode = attention_torch.decode_attention_torch
+
+    def rope_and_store(self, attn: nn.Module, positions: torch.Tensor, q: torch.Tensor,
+                       k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE(norm(q)), RoPE(norm(k)) (no norm when attn has none), writing K/V to the cache."""
+        kv_store = attn.kv_store_args(v)
+        if self.fused_ops:
+            from nanovllm.kernels.qk_norm_rope import qk_norm_rope
+            norm = attn.q_norm is not None
+            return qk_norm_rope(q, k, positions, attn.q_norm.weight if norm else None,
+                                attn.k_norm.weight if norm else None,
+                                attn.rotary_emb.cos_sin_cache,
+                                attn.q_norm.eps if norm else 0.0, kv_store)
+        if attn.q_norm is not None:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = attn.rotary_emb(positions, q, k)
+        if kv_store:
+            self.store_kvcache(k, *kv_store)
+        return q, k
+
+    def prefill(self, q, k, v, k_cache, v_cache, ctx: Context, scale: float,
+                sliding_window: int | None) -> torch.Tensor:
+        block_tables = ctx.block_tables if ctx.prefix_cached else None
+        return self._prefill(q, k, v, k_cache, v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
+                             block_tables, scale, max_seqlen_q=ctx.max_seqlen_q,
+                             sliding_window=sliding_window)
+
+    def decode(self, q, k_cache, v_cache, ctx: Context, scale: float,
+               sliding_window: int | None) -> torch.Tensor:
+        return self._decode(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables, scale,
+                            sliding_window=sliding_window)
+
+
+class TritonBackend(TorchBackend):
+    """Our own Triton kernels: for GPUs without flash-attn."""
+
+    name = "triton"
+    cuda_graphs = True
+
+    def __init__(self, fused_ops: bool = False) -> None:
+        from nanovllm.kernels import attention_triton, store_kvcache
+        self.fused_ops = fused_ops
+        self.store_kvcache = store_kvcache.store_kvcache
+        self._prefill = attention_triton.prefill_attention_triton  # same signatures
+        self._decode = attention_triton.decode_attention_triton
+
+
+class FlashAttnBackend(TorchBackend):
+    """flash-attn: varlen prefill (paged when a prefix is cached) and paged decode."""
+
+    name = "flash-attn"
+    cuda_graphs = True
+
+    def __init__(self, fused_ops: bool = True) -> None:
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+        from nanovllm.kernels.store_kvcache import store_kvcache
+        self.fused_ops = fused_ops
+        self.store_kvcache = store_kvcache
+        self._varlen = flash_attn_varlen_func
+        self._with_kvcache = flash_attn_with_kvcache
+
+    @staticmethod
+    def _window(sliding_window: int | None) -> dict:
+        # flash-attn counts the keys left of the query, the query excluded (its default:
+        # unbounded, left out so that any flash-attn build without the keyword still works)
+        return {} if sliding_window is None else {"window_size": (sliding_window - 1, 0)}
+
+    def prefill(self, q, k, v, k_cache, v_cache, ctx: Context, scale: float,
+                sliding_window: int | None) -> torch.Tensor:
+        if ctx.prefix_cached:
+            k, v = k_cache, v_cache
+        return self._varlen(q, k, v, cu_seqlens_q=ctx.cu_seqlens_q, cu_seqlens_k=ctx.cu_seqlens_k,
+                            max_seqlen_q=ctx.max_seqlen_q, max_seqlen_k=ctx.max_seqlen_k,
+                            softmax_scale=scale, causal=True,
+                            **self._window(sliding_window),
+                            block_table=ctx.block_tables if ctx.prefix_cached else None)
+
+    def decode(self, q, k_cache, v_cache, ctx: Context, scale: float,
+               sliding_window: int | None) -> torch.Tensor:
+        out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx.context_lens,
+                                 block_table=ctx.block_tables, softmax_scale=scale, causal=True,
+                                 **self._window(sliding_window))
+        return out.squeeze(1)
+
+
+def check_attention_backend(name: str, device: str, dtype: torch.dtype) -> str:
+    """The backend `name` resolves to ('auto': flash-attn if importable on CUDA with fp16/bf16,
+    else triton on CUDA, torch on CPU); raises, naming the value, when it cannot run."""
+    if name not in ("auto", *BACKENDS):
+        raise ValueError(f"attention_backend={name!r} is invalid: expected one of "
+                         f"{['auto', *BACKENDS]}")
+    has_flash = importlib.util.find_spec("flash_attn") is not None
+    half = dtype in (torch.float16, torch.bfloat16)  # FlashAttention has no float32 kernels
+    if name == "auto":
+        if device != "cuda":
+            return "torch"
+        return "flash-attn" if has_flash and half else "triton"
+    if name == "flash-attn" and not has_flash:
+        raise ImportError("attention_backend='flash-attn' needs flash-attn: "
+                          "pip install 'nanovllm[flash]'")
+    if name == "flash-attn" and not half:
+        raise ValueError(f"attention_backend='flash-attn' needs float16 or bfloat16, not {dtype}")
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # Triton on CPU, for tests
+    if device != "cuda" and not (name == "torch" or name == "triton" and interpreted):
+        raise ValueError(f"attention_backend={name!r} needs device='cuda'")
+    return name
+
+
+def select_backend(device: str, dtype: torch.dtype, name: str = "auto") -> TorchBackend:
+    """Build the backend `name` resolves to and log the whole kernel choice once."""
+    name = check_attention_backend(name, device, dtype)
+    fused_ops = device == "cuda" and name != "torch"
+    backend = {"flash-attn": FlashAttnBackend, "triton": TritonBackend,
+               "torch": TorchBackend}[name](fused_ops)
+    logger.info("kernels: attention %s; q/k norm + RoPE + K/V write, RMSNorm, SiLU-and-mul: %s%s",
+                name, "fused Triton kernels" if fused_ops else "torch",
+                "; no CUDA graphs (eager decode)" if device == "cuda" and not backend.cuda_graphs
+                else "")
+    return backend
+
+
+def bind_backend(model: nn.Module, backend: TorchBackend) -> None:
+    """Give every layer that runs a kernel the chosen backend (attention) or choice (fused ops)."""
+    for module in model.modules():
+        if hasattr(module, "backend"):
+            module.backend = backend
+        if hasattr(module, "fused"):
+            module.fused = backend.fused_ops

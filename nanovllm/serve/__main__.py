@@ -1,0 +1,68 @@
+"""`python -m nanovllm.serve MODEL [options]`: an OpenAI-compatible server over one engine."""
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+
+from nanovllm.config import Config
+
+logger = logging.getLogger("nanovllm.serve")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """LLM's keywords as options (--max-model-len, --enforce-eager, ...) plus the server's."""
+    p = argparse.ArgumentParser(prog="python -m nanovllm.serve",
+                                description="Serve MODEL over OpenAI's HTTP API.")
+    p.add_argument("model", help="checkpoint directory")
+    engine = p.add_argument_group("engine (LLM's keywords)")
+    for f in dataclasses.fields(Config):
+        if not f.init or f.name == "model":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.type is bool:
+            engine.add_argument(flag, action="store_true", help="flag (default off)")
+        else:
+            engine.add_argument(flag, type=f.type, default=f.default,
+                                help=f"default {f.default}")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", help="the name clients ask for (default: MODEL)")
+    p.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1 (default: $NANOVLLM_API_KEY)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p.parse_args(argv)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    names = [f.name for f in dataclasses.fields(Config) if f.init and f.name != "model"]
+    return {name: getattr(args, name) for name in names}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        import uvicorn
+
+        from nanovllm.engine.async_llm import AsyncLLM
+        from nanovllm.serve.app import build_app
+    except ImportError as e:
+        sys.exit(f"serving needs the serve extra: pip install 'nanovllm[serve]' ({e})")
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
+    try:
+        llm = AsyncLLM(args.model, **engine_kwargs(args))
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    app = build_app(llm, args.served_model_name or args.model, args.api_key)
+    logger.info("serving %s on http://%s:%d", args.model, args.host, args.port)
+    try:
+        # On Ctrl-C uvicorn stops accepting, gives open streams a few seconds, then cancels
+        # them (aborting their requests); the app's lifespan then stops the engine.
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()

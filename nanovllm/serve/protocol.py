@@ -1,0 +1,95 @@
+"""OpenAI's request bodies (with vLLM's extra sampling fields) and their SamplingParams."""
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from nanovllm.sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions; unknown fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool | int | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """The SamplingParams asked for; ValueError names a field that is bad or unsupported."""
+        for name, ok, allowed in (("n", self.n == 1, "1"),
+                                  ("presence_penalty", self.presence_penalty == 0, "0"),
+                                  ("frequency_penalty", self.frequency_penalty == 0, "0"),
+                                  ("logprobs", self.logprobs in (None, False, 0), "null")):
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not supported: expected "
+                                 f"{allowed}")
+        fields = dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                      top_k=self.top_k, min_p=self.min_p, stop=self.stop, seed=self.seed,
+                      stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
+        fields = {k: v for k, v in fields.items() if v is not None}
+        fields.setdefault("max_tokens", default_max_tokens)
+        return SamplingParams(**fields)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt, as a string or token ids; ValueError for a batch or echo."""
+        if self.echo:
+            raise ValueError("echo=True is not supported: expected false")
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise ValueError(f"prompt holds {len(prompt)} prompts: send one request per "
+                                 f"prompt")
+            prompt = prompt[0]
+        return prompt
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def as_dict(self) -> dict[str, str]:
+        """{"role", "content"} with text parts joined, as a chat template reads it."""
+        content = self.content or ""
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content}
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens

@@ -1,0 +1,130 @@
+"""What the /v1 routes do: requests to SamplingParams, AsyncLLM outputs to OpenAI responses."""
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from nanovllm.engine.async_llm import AsyncLLM, RequestOutput
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.serve.errors import APIError, bad_request
+from nanovllm.serve.metrics import ServerMetrics
+from nanovllm.serve.protocol import ChatCompletionRequest, CompletionRequest, _SamplingRequest
+from nanovllm.serve.responses import ResponseFormat
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its answer was ready."""
+
+
+class OpenAIServing:
+    """The route handlers over one AsyncLLM serving one model name."""
+
+    def __init__(self, llm: AsyncLLM, model_name: str):
+        self.llm = llm
+        self.model_name = model_name
+        self.metrics = ServerMetrics(model_name)
+        self.created = int(time.time())
+
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                            "created": self.created, "owned_by": "nanovllm",
+                                            "max_model_len": self.llm.max_model_len}]}
+
+    async def prometheus_metrics(self) -> Response:
+        return Response(self.metrics.render(self.llm.stats), media_type=CONTENT_TYPE_LATEST)
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self._check_model(body)
+        try:
+            prompt = body.single_prompt()
+            params = body.sampling_params(default_max_tokens=16)  # OpenAI's default
+        except ValueError as e:
+            raise bad_request(e) from None
+        return await self._serve(request, body, prompt, params, chat=False)
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self._check_model(body)
+        try:
+            prompt = chat_prompt(self.llm, body)
+            default_max_tokens = self.llm.max_model_len - len(prompt)  # the rest of the context
+            if body.max_completion_tokens is not None:
+                default_max_tokens = body.max_completion_tokens
+            params = body.sampling_params(default_max_tokens)
+        except ValueError as e:
+            raise bad_request(e) from None
+        return await self._serve(request, body, prompt, params, chat=True)
+
+    def _check_model(self, body: _SamplingRequest) -> None:
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(404, f"model {body.model!r} does not exist; this server serves "
+                                f"{self.model_name!r}", "not_found_error", "model")
+
+    async def _serve(self, request: Request, body: _SamplingRequest, prompt: str | list[int],
+                     params: SamplingParams, chat: bool) -> Response:
+        fmt = ResponseFormat(self.model_name, chat)
+        outputs = self.metrics.track(self.llm.generate(prompt, params, fmt.id))
+        try:
+            # Validation runs before the first output: a bad request is a 400, not a stream.
+            first = await until_disconnect(request, anext(outputs))
+        except ValueError as e:
+            raise bad_request(e) from None
+        except ClientDisconnected:
+            await outputs.aclose()
+            return Response(status_code=499)  # nobody reads it
+        if body.stream:
+            return StreamingResponse(fmt.sse(first, outputs, body.include_usage),
+                                     media_type="text/event-stream")
+        try:
+            text, last = await until_disconnect(request, collect(first, outputs))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        return JSONResponse(fmt.full(text, last))
+
+
+def chat_prompt(llm: AsyncLLM, body: ChatCompletionRequest) -> list[int]:
+    """The conversation through the tokenizer's chat template, as LLM.chat encodes it."""
+    tokenizer = llm.tokenizer
+    if tokenizer.chat_template is None:
+        raise ValueError("messages: this model's tokenizer has no chat template")
+    try:
+        text = tokenizer.apply_chat_template([m.as_dict() for m in body.messages],
+                                             tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # a template may raise anything (jinja2's errors, its own)
+        raise ValueError(f"messages: the chat template failed: {e}") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+async def collect(first: RequestOutput,
+                  outputs: AsyncIterator[RequestOutput]) -> tuple[str, RequestOutput]:
+    """The whole text and the last output."""
+    pieces, last = [first.new_text], first
+    async with aclosing(outputs):
+        async for last in outputs:
+            pieces.append(last.new_text)
+    return "".join(pieces), last
+
+
+async def until_disconnect(request: Request, awaitable: Awaitable):
+    """Await `awaitable`, cancelling it (and so aborting its request) if the client leaves."""
+    task = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    raise ClientDisconnected
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

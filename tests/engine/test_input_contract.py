@@ -1,0 +1,133 @@
+"""The input contract, case by case: every value a device tensor cannot hold is refused up front
+(changing nothing) or clamped to the same meaning; every prompt form is accepted or refused
+naming the request; metrics are ordered; chat() checks conversations itself."""
+import numpy as np
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+
+PROMPT = [5, 6, 7, 8]
+LONG = list(range(1, 300))  # one full 256-token block: a prefix-cache entry
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    engine = LLM(tiny_model, num_kvcache_blocks=4)
+    yield engine
+    engine.shutdown()
+
+
+def engine_state(llm) -> tuple:
+    bm = llm.scheduler.block_manager
+    return (llm.is_finished(), list(bm.free_block_ids), sorted(bm.used_block_ids),
+            dict(bm.hash_to_block_id))
+
+
+def tokens(llm, prompts, params) -> list[list[int]]:
+    return [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_tiny_top_p_keeps_the_top_token(llm):
+    # 1e-46 is 0.0 in float32, which would mask every token: it is raised to float32's smallest
+    # normal, which keeps exactly the top token, so the draw is greedy.
+    greedy = tokens(llm, [PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    for top_p in (1e-46, 1e-40, 5e-324):
+        params = SamplingParams(temperature=1.0, top_p=top_p, seed=1, max_tokens=8,
+                                ignore_eos=True)
+        assert tokens(llm, [PROMPT], params) == greedy
+    assert greedy[0] != [0] * 8
+
+
+def test_top_k_beyond_int64_is_off(llm):
+    kw = dict(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    assert SamplingParams(top_k=2**63, **kw).top_k == -1
+    assert SamplingParams(top_k=np.int64(2**62), **kw).top_k == -1
+    huge = tokens(llm, [PROMPT], SamplingParams(top_k=2**63, **kw))
+    assert huge == tokens(llm, [PROMPT], SamplingParams(top_k=-1, **kw))
+    assert huge == tokens(llm, [PROMPT], SamplingParams(top_k=512, **kw))  # the whole vocab
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", 10**400), ("temperature", 1e39), ("temperature", float("inf")),
+    ("top_k", 0), ("top_p", 0.0), ("seed", 2**63), ("min_p", float("nan")),
+    ("stop_token_ids", [2**64]), ("max_tokens", True), ("top_p", torch.tensor(0.5)),
+])
+def test_unrepresentable_value_is_refused_and_changes_nothing(llm, field, value):
+    tokens(llm, [LONG], SamplingParams(temperature=0, max_tokens=2))  # fill the prefix cache
+    hits = llm.stats()["cache_hit_blocks"]
+    before = engine_state(llm)
+    with pytest.raises(ValueError, match=rf"^{field}=.* is invalid: expected"):
+        SamplingParams(**{field: value})
+    bad = SamplingParams(temperature=0, max_tokens=2)
+    setattr(bad, field, value)  # mutated after construction: generate() checks again
+    with pytest.raises(ValueError, match=rf"^request 1: {field}=.* is invalid: expected"):
+        llm.generate([PROMPT, LONG], [SamplingParams(), bad], use_tqdm=False)
+    assert engine_state(llm) == before
+    tokens(llm, [LONG], SamplingParams(temperature=0, max_tokens=2))
+    assert llm.stats()["cache_hit_blocks"] == hits + 1  # the cache survived the refusal
+
+
+def test_numpy_values_are_normalised():
+    params = SamplingParams(temperature=np.float32(0.5), top_k=np.int32(5), seed=np.uint64(3),
+                            max_tokens=np.int16(4), stop_token_ids=[np.int64(2)])
+    assert (type(params.temperature), type(params.top_k), type(params.seed)) == (float, int, int)
+    assert params.stop_token_ids == [2] and type(params.stop_token_ids[0]) is int
+
+
+@pytest.mark.parametrize("prompt", [
+    np.array(PROMPT), torch.tensor(PROMPT), np.array(PROMPT, dtype=np.int32).reshape(1, -1)])
+def test_array_prompt_is_refused_naming_the_request(llm, prompt):
+    before = engine_state(llm)
+    with pytest.raises(ValueError, match=r"^request 1: prompt must be a str or a list of int "
+                                         r"token ids, got .*pass a list of ints \(e.g. .tolist"):
+        llm.generate([PROMPT, prompt], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^prompts must be a prompt .*\.tolist"):
+        llm.generate(prompt, use_tqdm=False)
+    assert engine_state(llm) == before
+
+
+def test_every_int_prompt_form_is_one_prompt(llm):
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    expected = tokens(llm, [PROMPT], params)
+    forms = [PROMPT, tuple(PROMPT), [np.int64(t) for t in PROMPT], np.array(PROMPT).tolist(),
+             [np.int32(PROMPT[0]), *PROMPT[1:]]]
+    for form in forms:
+        assert tokens(llm, form, params) == expected  # one prompt
+        assert tokens(llm, [form, form], params) == expected * 2  # inside a list of prompts
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_ttft_never_exceeds_latency(llm, pipelined):
+    saved, llm._pipelined = llm._pipelined, pipelined
+    try:
+        outs = llm.generate([PROMPT] * 3 + [LONG], SamplingParams(max_tokens=1), use_tqdm=False)
+        outs += llm.generate([PROMPT], SamplingParams(max_tokens=3), use_tqdm=False)
+    finally:
+        llm._pipelined = saved
+    for out in outs:
+        metrics = out["metrics"]
+        assert 0 < metrics["ttft_s"] <= metrics["latency_s"], metrics
+
+
+@pytest.mark.parametrize("messages, message", [
+    ("hello", r"^messages must be a conversation .*got 'hello' \(str\)"),
+    ([[]], r"^conversation 0 must be a non-empty list"),
+    ([{"role": "user", "content": "hi"}, "hi"], r"^conversation 0, message 1: expected a "),
+    ([{"role": "user"}], r"^conversation 0, message 0: expected exactly the keys 'role' and "
+                         r"'content', got \['role'\]"),
+    ([{"role": "user", "content": "a", "x": 1}], r"^conversation 0, message 0: expected exactly"),
+    ([{"role": "user", "content": None}], r"^conversation 0, message 0: content must be a str, "
+                                          r"got None"),
+    ([{"role": 1, "content": "a"}], r"^conversation 0, message 0: role must be a str"),
+    ([{"role": "", "content": "a"}], r"^conversation 0, message 0: role must be a non-empty"),
+    ([[{"role": "user", "content": "a"}], [{"role": "user", "content": ["a"]}]],
+     r"^conversation 1, message 0: content must be a str, got \['a'\] \(list\)"),
+    ([[{"role": "user", "content": "a"}], {"role": "user", "content": "a"}],
+     r"^conversation 1 must be a non-empty list"),
+])
+def test_malformed_conversation_is_refused(llm, messages, message):
+    before = engine_state(llm)
+    with pytest.raises(ValueError, match=message):
+        llm.chat(messages, use_tqdm=False)
+    assert engine_state(llm) == before

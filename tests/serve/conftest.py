@@ -1,0 +1,72 @@
+"""A server subprocess over the tiny checkpoint, shared by the module that asks for it."""
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+API_KEY = "test-key"
+NUM_KVCACHE_BLOCKS = 64
+
+
+def start_server(model: str, log_path: Path, *args: str) -> tuple[subprocess.Popen, str]:
+    """Start `python -m nanovllm.serve` on a free port; returns (process, base URL) once
+    /health answers."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    # One thread: the tiny model's ops are small, and threads only contend on a shared box.
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "nanovllm.serve", model, "--port", str(port),
+                             "--device", "cpu", *args], cwd=REPO, env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:  # not listening yet
+            pass
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    stop_server(proc)
+    raise RuntimeError(f"the server did not start:\n{log_path.read_text()[-3000:]}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """Ctrl-C, as a user would; kill only if it does not exit."""
+    if proc.poll() is None:
+        proc.send_signal(2)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    """(base URL, log path) of a server with an API key, stopped after the module."""
+    log_path = tmp_path_factory.mktemp("serve") / "server.log"
+    proc, url = start_server(tiny_model, log_path, "--num-kvcache-blocks",
+                             str(NUM_KVCACHE_BLOCKS), "--api-key", API_KEY,
+                             "--served-model-name", "tiny", "--log-level", "warning")
+    yield url, log_path
+    stop_server(proc)
+    assert proc.returncode == 0, log_path.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server[0], timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+        yield c

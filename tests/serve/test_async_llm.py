@@ -1,0 +1,116 @@
+"""AsyncLLM in-process: streaming, abort, and the incremental detokenizer."""
+import asyncio
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.async_llm import AsyncLLM
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.utils.tokenizer import load_tokenizer
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16)
+
+
+def test_detokenizer_never_splits_a_character(tiny_model):
+    tokenizer = load_tokenizer(tiny_model)
+    text = "héllo 日本語 wörld ✓"
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(token_ids) > len(text.split())  # the rare characters span byte tokens
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    pieces = [detokenizer.update(token_ids[:i]) for i in range(1, len(token_ids) + 1)]
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert "".join(pieces) == tokenizer.decode(token_ids) == text
+
+
+def test_detokenizer_holds_back_a_possible_stop_string(tiny_model):
+    tokenizer = load_tokenizer(tiny_model)
+    token_ids = tokenizer.encode("the cache block", add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tokenizer, stop=("blox",))
+    sent = "".join(detokenizer.update(token_ids[:i]) for i in range(1, len(token_ids) + 1))
+    assert sent == "the cache bl"  # len("blox") - 1 characters held back: "ock"
+    assert sent + detokenizer.finish("the cache block") == "the cache block"
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    engine = AsyncLLM(tiny_model, device="cpu", num_kvcache_blocks=16)
+    yield engine
+    engine.shutdown()
+
+
+async def collect(llm: AsyncLLM, prompt, params, request_id: str) -> tuple[str, list[int], str]:
+    text, token_ids = "", []
+    async for out in llm.generate(prompt, params, request_id):
+        text += out.new_text
+        token_ids += out.new_token_ids
+    return text, token_ids, out.finish_reason
+
+
+def test_concurrent_streams_equal_offline(llm, tiny_model):
+    prompts = [[i + 1] * (3 + i) for i in range(4)]
+    offline = LLM(tiny_model, device="cpu", num_kvcache_blocks=16)
+    expected = [offline.generate(p, GREEDY, use_tqdm=False)[0] for p in prompts]
+    offline.shutdown()
+
+    async def run():
+        return await asyncio.gather(*(collect(llm, p, GREEDY, f"r{i}")
+                                      for i, p in enumerate(prompts)))
+
+    for (text, token_ids, reason), out in zip(asyncio.run(run()), expected):
+        assert (text, token_ids, reason) == (out["text"], out["token_ids"], out["finish_reason"])
+
+
+def test_abort_frees_the_blocks_at_once(llm):
+    long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
+    blocks = llm.engine.scheduler.block_manager
+
+    async def run():
+        stream = llm.generate([1, 2, 3], long, "long")
+        first = await anext(stream)
+        assert first.new_token_ids and first.finish_reason is None
+        await llm.abort("long")
+        # The engine is idle now (nothing else runs): its pool is safe to read from here.
+        assert blocks.num_free_blocks == len(blocks.blocks)
+        last = await anext(stream)
+        assert last.finish_reason == "abort"
+        with pytest.raises(StopAsyncIteration):
+            await anext(stream)
+
+    asyncio.run(run())
+
+
+def test_bad_requests_raise_before_queueing(llm):
+    async def run():
+        with pytest.raises(ValueError, match="max_model_len"):
+            await anext(llm.generate([1] * 5000, GREEDY, "too-long"))
+        busy = llm.generate([1, 2], SamplingParams(max_tokens=200, ignore_eos=True), "dup")
+        await anext(busy)
+        with pytest.raises(ValueError, match="request_id='dup' is already in use"):
+            await anext(llm.generate([1, 2], GREEDY, "dup"))
+        await busy.aclose()  # leaving early aborts it: queued before the next request
+        await collect(llm, [1, 2], GREEDY, "after")
+
+    asyncio.run(run())
+    blocks = llm.engine.scheduler.block_manager
+    assert llm.engine.is_finished() and blocks.num_free_blocks == len(blocks.blocks)
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(llm, monkeypatch):
+    runner = llm.engine.model_runner
+    launch = runner.launch
+
+    def fail_once(*args, **kwargs):
+        monkeypatch.setattr(runner, "launch", launch)
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(runner, "launch", fail_once)
+
+    async def run():
+        with pytest.raises(RuntimeError, match="engine step failed.*out of memory"):
+            await collect(llm, [1, 2, 3], GREEDY, "doomed")
+        return await collect(llm, [1, 2, 3], GREEDY, "next")
+
+    text, token_ids, reason = asyncio.run(run())
+    assert len(token_ids) == GREEDY.max_tokens and reason == "length"
+    blocks = llm.engine.scheduler.block_manager
+    assert llm.engine.is_finished() and blocks.num_free_blocks == len(blocks.blocks)

@@ -1,0 +1,193 @@
+"""The OpenAI-compatible server, through a real HTTP client against a server subprocess."""
+import asyncio
+import json
+import random
+import time
+
+import httpx
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from tests.serve.conftest import API_KEY
+
+PROMPTS = ["hello world the", "the quick brown fox jumps", [5, 17, 42, 99, 3]]
+MAX_TOKENS = 24
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+CHAT = [{"role": "user", "content": "the paged attention kernel"}]
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model):
+    """The offline engine's outputs: one call per request, as the server runs them here."""
+    llm = LLM(tiny_model, device="cpu")
+    try:
+        completions = [llm.generate(p, GREEDY, use_tqdm=False)[0] for p in PROMPTS]
+        chat = llm.chat(CHAT, GREEDY, use_tqdm=False)[0]
+        # A stop string from the middle of the first completion's text.
+        text = completions[0]["text"]
+        stop = text[len(text) // 2:len(text) // 2 + 2]
+        stopped = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                          stop=stop), use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
+    return completions, chat, stop, stopped
+
+
+def stream(client: httpx.Client, route: str, body: dict) -> tuple[list[str], list[dict]]:
+    """POST with "stream": true; returns (text pieces, parsed events before [DONE])."""
+    pieces, events = [], []
+    with client.stream("POST", route, json={**body, "stream": True}) as response:
+        assert response.status_code == 200, response.read()
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        assert line.startswith("data: ")
+        event = json.loads(line[len("data: "):])
+        events.append(event)
+        for choice in event["choices"]:
+            piece = choice["delta"].get("content") if "delta" in choice else choice["text"]
+            pieces.append(piece or "")
+    return pieces, events
+
+
+def completion(prompt, **fields) -> dict:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            **fields}
+
+
+def test_completions_equal_offline_streamed_and_not(client, offline):
+    for prompt, expected in zip(PROMPTS, offline[0]):
+        body = client.post("/v1/completions", json=completion(prompt)).json()
+        assert body["choices"][0]["text"] == expected["text"]
+        assert body["choices"][0]["finish_reason"] == expected["finish_reason"]
+        assert body["usage"]["completion_tokens"] == len(expected["token_ids"])
+        pieces, events = stream(client, "/v1/completions",
+                                completion(prompt, stream_options={"include_usage": True}))
+        assert "".join(pieces) == expected["text"]
+        assert events[-1]["usage"]["completion_tokens"] == len(expected["token_ids"])
+        assert events[-2]["choices"][0]["finish_reason"] == expected["finish_reason"]
+
+
+def test_chat_completions_equal_offline_streamed_and_not(client, offline):
+    expected = offline[1]["text"]
+    body = client.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0}).json()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": expected}
+    pieces, events = stream(client, "/v1/chat/completions", {
+        "messages": CHAT, "max_completion_tokens": MAX_TOKENS, "temperature": 0})
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(pieces) == expected
+
+
+def test_stop_string_is_cut_from_the_stream(client, offline):
+    _, _, stop, expected = offline
+    assert expected["finish_reason"] == "stop" and stop not in expected["text"]
+    pieces, _ = stream(client, "/v1/completions", completion(PROMPTS[0], stop=[stop]))
+    assert "".join(pieces) == expected["text"]
+
+
+@pytest.mark.parametrize("route, body, status, param", [
+    ("/v1/completions", completion("hi", temperature=-1), 400, "temperature"),
+    ("/v1/completions", completion("hi", max_tokens="many"), 400, "max_tokens"),
+    ("/v1/completions", completion([1, 2, 100000]), 400, "prompt"),
+    ("/v1/completions", completion("hi", n=2), 400, "n"),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/completions", completion("hi", model="gpt-9"), 404, "model"),
+])
+def test_bad_requests_get_openai_errors(client, route, body, status, param):
+    for stream_it in (False, True):
+        response = client.post(route, json={**body, "stream": stream_it})
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert error["code"] == status and error["param"] == param and error["message"]
+    assert client.get("/health").status_code == 200
+
+
+def test_api_key_is_required(server, client):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        response = httpx.post(f"{server[0]}/v1/completions", json=completion("hi"),
+                              headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{server[0]}/health").status_code == 200  # no key needed
+    models = client.get("/v1/models").json()["data"]
+    assert [m["id"] for m in models] == ["tiny"]
+
+
+def metrics(client: httpx.Client) -> dict[str, float]:
+    """nanovllm:* samples without labels: name -> value."""
+    values = {}
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("nanovllm:"):
+            name, value = line.rsplit(" ", 1)
+            values[name.split("{")[0]] = float(value)
+    return values
+
+
+def wait_until_idle(client: httpx.Client, timeout: float = 10) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        values = metrics(client)
+        idle = (values["nanovllm:num_requests_running"] == 0
+                and values["nanovllm:num_requests_waiting"] == 0)
+        if idle or time.monotonic() > deadline:
+            return values
+        time.sleep(0.1)
+
+
+def test_disconnect_mid_stream_aborts_the_request(client):
+    body = completion("hello", max_tokens=3000, ignore_eos=True, stream=True)
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert metrics(client)["nanovllm:num_requests_running"] == 1
+    values = wait_until_idle(client, timeout=5)
+    assert values["nanovllm:num_requests_running"] == 0
+    assert values["nanovllm:kv_cache_usage_perc"] == 0
+
+
+def test_disconnect_before_a_full_answer_aborts_the_request(server, client):
+    body = completion("hello", max_tokens=3000, ignore_eos=True)
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{server[0]}/v1/completions", json=body, timeout=1,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    values = wait_until_idle(client, timeout=5)
+    assert values["nanovllm:num_requests_running"] == 0
+    assert values["nanovllm:kv_cache_usage_perc"] == 0
+
+
+async def one_client(http: httpx.AsyncClient, rng: random.Random) -> int:
+    """Stream one request; leave after a few chunks (a long request, which only an abort ends
+    in time), or read a short one to the end."""
+    leave_after = rng.choice([1, 2, 5, None, None])
+    max_tokens = rng.randint(4, 40) if leave_after is None else 2000
+    body = completion([rng.randrange(1, 500) for _ in range(rng.randint(2, 40))],
+                      max_tokens=max_tokens, ignore_eos=True, stream=True)
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        num_chunks = 0
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                num_chunks += 1
+                if num_chunks == leave_after:
+                    return num_chunks
+    return num_chunks
+
+
+def test_200_concurrent_streams_with_disconnects_free_every_block(server, client):
+    async def run() -> list[int]:
+        limits = httpx.Limits(max_connections=250)
+        async with httpx.AsyncClient(base_url=server[0], limits=limits, timeout=60,
+                                     headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+            rng = random.Random(0)
+            return await asyncio.gather(*(one_client(http, rng) for _ in range(200)))
+
+    chunks = asyncio.run(run())
+    assert len(chunks) == 200 and all(n >= 1 for n in chunks)
+    values = wait_until_idle(client)
+    assert values["nanovllm:num_requests_running"] == 0
+    assert values["nanovllm:num_requests_waiting"] == 0
+    assert values["nanovllm:kv_cache_usage_perc"] == 0
+    assert values["nanovllm:generation_tokens_total"] > 0
+    assert client.post("/v1/completions", json=completion("hi")).status_code == 200
