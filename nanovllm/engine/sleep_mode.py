@@ -10,6 +10,7 @@ the engine's references stay valid. wake_up allocates the same number of KV bloc
 scheduler's block ids still mean the same, and captures the CUDA graphs again.
 """
 import torch
+import torch.distributed as dist
 
 from nanovllm.engine.model_runner import ModelRunner
 
@@ -29,6 +30,7 @@ def sleep(runner: ModelRunner, level: int) -> None:
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
         torch.cuda.empty_cache()
+    all_ranks_done(runner)
 
 
 def wake_up(runner: ModelRunner) -> None:
@@ -45,6 +47,17 @@ def wake_up(runner: ModelRunner) -> None:
     runner.create_kv_cache(runner.num_kvcache_blocks)
     if runner.use_cuda_graph:
         runner.capture_cudagraph()
+    all_ranks_done(runner)
+
+
+def all_ranks_done(runner: ModelRunner) -> None:
+    """A barrier that the host waits for: a command without a collective of its own (or with
+    only asynchronous NCCL ones) ends here, so that rank 0 cannot write the next command into
+    the channel before every worker has read this one."""
+    if runner.world_size > 1:
+        dist.barrier()
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:

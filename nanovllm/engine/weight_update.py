@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.sleep_mode import all_ranks_done
 from nanovllm.utils.loader import load_weights
 
 WeightSpec = tuple[str, tuple[int, ...], torch.dtype]  # name, shape, dtype
@@ -20,6 +21,7 @@ def update_weights(runner: ModelRunner, specs: list[WeightSpec],
                    weights: list[torch.Tensor] | None = None) -> None:
     """Load the named tensors; `weights` (rank 0 only) are on any device, in `specs`' order."""
     load_weights(runner.model, _received(runner, specs, weights))
+    all_ranks_done(runner)
 
 
 def _received(runner: ModelRunner, specs: list[WeightSpec],
