@@ -61,14 +61,15 @@ def sleep_cycle(llm, path: str, prompts: list[list[int]]) -> dict:
     for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
         state.update(load_file(file))
     expected, out = tokens(), dict(awake=memory())
-    for level in (1, 2):
+    # Dummy weights (--shape) have no checkpoint to reload after sleep(2): level 1 only.
+    for level in (1, 2) if state else (1,):
         out[f"sleep{level}_s"] = _seconds(llm.sleep, level)
         out[f"sleep{level}"] = memory()
         out[f"wake{level}_s"] = _seconds(llm.wake_up)
         if level == 2:
             out["update_weights_host_s"] = _seconds(llm.update_weights, state.items())
         out[f"identical_after_sleep{level}"] = tokens() == expected
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and state:
         on_gpu = {name: t.cuda() for name, t in state.items()}
         out["update_weights_gpu_s"] = _seconds(llm.update_weights, on_gpu.items())
     out["weights_gib"] = sum(t.numel() * t.element_size() for t in state.values()) / GiB
