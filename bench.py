@@ -13,7 +13,7 @@ from benchmarks.shapes import SHAPES, write_shape
 
 DEFAULT_MODEL = "~/huggingface/Qwen3-0.6B"
 SCENARIO_NAMES = ("throughput", "graphs", "prefix-cache", "kv-pressure", "tp", "dp",
-                  "long-context")
+                  "long-context", "rl")
 
 
 def parse_args() -> argparse.Namespace:

@@ -6,6 +6,7 @@
 #   NANOVLLM_COMMIT=<hash> bash benchmarks/h200_session.sh tp-x2        (kind nvidia-h200-x2)
 #   NANOVLLM_COMMIT=<hash> bash benchmarks/h200_session.sh pipeline-ab  (needs .ab_base/, below)
 #   bash benchmarks/h200_session.sh startup-probe   (first on a fresh machine: import costs)
+#   NANOVLLM_COMMIT=<hash> bash benchmarks/h200_session.sh rl   (logprobs, n, sleep, weights)
 #   NANOVLLM_COMMIT=<hash> bash benchmarks/h200_session.sh cold-and-ab
 #   bash benchmarks/h200_session.sh gpu-suite   (every GPU-marked test, then bf16 agreement)
 # ab-vs-base compares this tree with a worktree of a baseline commit: `git worktree add
@@ -114,5 +115,14 @@ ab-vs-base)
   gpu_tests 170
   timeout 60 python -m pytest -q -p no:cacheprovider tests/kernels/test_sample.py \
     $(ls tests/kernels/test_qk_norm_rope.py tests/kernels/test_fused_ops.py 2>/dev/null) 2>&1 | tail -1
+  ;;
+rl)
+  # RL features: their GPU tests (graphs, float32 parity), then bench.py --scenario rl: the
+  # standard workload plain / logprobs=5 / n=4, memory after sleep(1) and sleep(2), wake_up
+  # and update_weights times.
+  timeout 150 python -m pytest -q -p no:cacheprovider -s tests/gpu/test_rl_gpu.py \
+    tests/layers/test_sampler.py tests/layers/test_penalties.py 2>&1 | tail -3
+  timeout 360 python bench.py --random-weights --scenario rl --json $OUT/rl.json 2>&1 \
+    | grep -vE "Writing|Loading"
   ;;
 esac

@@ -21,6 +21,10 @@ TP: Columns = [("output_tok_s", "out tok/s", ".0f"), ("speedup", "speedup", ".2f
                ("weights_gib_per_gpu", "weights GiB/GPU", ".2f"),
                ("kv_pool_gib_per_gpu", "KV GiB/GPU", ".1f"), ("used", "used GiB per GPU", "s"),
                ("error", "error", "s")]
+RL: Columns = [("output_tok_s", "out tok/s", ".0f"), ("total_s", "total s", ".2f"),
+               ("time_vs_plain", "time vs plain", ".2f"), ("completions", "completions", "d"),
+               ("prefill_tokens", "prefilled tok", "d"), ("cache_hit_blocks", "hit blocks", "d"),
+               ("preemptions", "preemptions", "d")]
 
 DP: Columns = [("output_tok_s", "out tok/s", ".0f"), ("speedup", "speedup", ".2f"),
                ("total_s", "total s", ".2f"), ("tokens", "tokens per replica", "s"),
@@ -103,6 +107,27 @@ def report(name: str, result: dict) -> None:
         print_table(f"dp: data_parallel_size 1 vs {result['data_parallel_size']}, standard "
                     f"workload x {result['data_parallel_size']} = {w['num_seqs']} requests "
                     "(balance = least / most busy replica)", rows(result), DP)
+    elif name == "rl":
+        print_table(f"rl: standard workload ({w['num_seqs']} requests) plain, with logprobs=5 "
+                    "and with n=4 on every request", rows(result), RL)
+        _report_sleep(result["sleep"])
+
+
+def _report_sleep(s: dict) -> None:
+    levels = [k for k in ("awake", "sleep1", "sleep2") if k in s]
+    print("memory: " + "  ".join(f"{k}: {s[k]['allocated_gib']:.2f} GiB allocated, "
+                                 f"{s[k]['device_used_gib']:.2f} GiB used on the GPU"
+                                 for k in levels))
+    print(f"sleep(1) {s['sleep1_s']:.2f}s, wake_up {s['wake1_s']:.2f}s, identical outputs "
+          f"{s['identical_after_sleep1']}")
+    if "sleep2" not in s:
+        print("sleep(2) and update_weights skipped: dummy weights, no checkpoint to reload")
+        return
+    gpu = s.get("update_weights_gpu_s")
+    print(f"sleep(2) {s['sleep2_s']:.2f}s, wake_up {s['wake2_s']:.2f}s, update_weights of "
+          f"{s['weights_gib']:.2f} GiB from host {s['update_weights_host_s']:.2f}s, from GPU "
+          + (f"{gpu:.2f}s" if gpu is not None else "-")
+          + f", identical outputs {s['identical_after_sleep2']}")
 
 
 def _headline(what: str, value: float | None, note: str | None = None) -> None:

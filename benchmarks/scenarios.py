@@ -8,6 +8,7 @@ from dataclasses import replace
 import torch
 
 from benchmarks import workloads
+from benchmarks.rl import rl
 from benchmarks.runs import (
     GiB,
     GpuWaitProbe,
@@ -261,4 +262,4 @@ def _driver_used_gib() -> list[float]:
 
 SCENARIOS: dict[str, Scenario] = {"throughput": throughput, "graphs": graphs,
                                   "prefix-cache": prefix_cache, "kv-pressure": kv_pressure,
-                                  "tp": tp, "dp": dp, "long-context": long_context}
+                                  "tp": tp, "dp": dp, "long-context": long_context, "rl": rl}

@@ -22,9 +22,9 @@ class LogitsProbe:
         self.runner, self.sampler = runner, runner.sampler
         runner.sampler = self
 
-    def __call__(self, logits, params):
+    def __call__(self, logits, *args, **kwargs):
         self.steps.append(logits.float().cpu())
-        return self.sampler(logits, params)
+        return self.sampler(logits, *args, **kwargs)
 
 
 def greedy_run(path: str, tp: int, prompts: list[list[int]], max_tokens: int,

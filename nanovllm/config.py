@@ -34,6 +34,7 @@ class Config:
     dtype: str = "auto"
     attention_backend: str = "auto"
     load_format: str = "auto"
+    logprobs_mode: str = "raw"  # "raw": log_softmax(logits); "processed": what was sampled from
     hf_config: PretrainedConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
 
@@ -76,6 +77,8 @@ class Config:
         check("enforce_eager", self.enforce_eager, isinstance(self.enforce_eager, bool), "a bool")
         check("load_format", self.load_format, self.load_format in LOAD_FORMATS,
               f"one of {list(LOAD_FORMATS)}")
+        check("logprobs_mode", self.logprobs_mode, self.logprobs_mode in ("raw", "processed"),
+              "'raw' or 'processed'")
         backend = self.attention_backend
         check("attention_backend", backend, isinstance(backend, str)
               and backend in ("auto", *BACKENDS), f"one of {['auto', *BACKENDS]}")

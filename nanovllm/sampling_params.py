@@ -19,7 +19,8 @@ MAX_SEED = INT64_MAX  # seeds travel to the device as int64
 class SamplingParams:
     """How to sample one request; temperature 0 means greedy (the filters and seed are ignored).
 
-    Order on the device: logits / temperature, then min_p, then top_k, then top_p (on the
+    Order on the device: the penalties (repetition, then frequency and presence), then
+    logits / temperature, then min_p, then top_k, then top_p (on the
     distribution renormalised after top_k), then a draw. `stop` strings are cut from "text";
     `stop_token_ids` stay in "token_ids", like EOS.
     """
@@ -33,6 +34,12 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None  # same seed, same prompt -> same tokens, whatever the batch
+    n: int = 1  # completions of the prompt; with a seed, completion i draws from (seed, i)
+    logprobs: int | None = None  # per generated token: the sampled token's and the top k's
+    prompt_logprobs: int | None = None  # per prompt token: its own and the top k's (raw)
+    repetition_penalty: float = 1.0  # transformers': seen (prompt + generated) l>0: l/r, else l*r
+    presence_penalty: float = 0.0  # OpenAI's: l -= presence if generated at least once
+    frequency_penalty: float = 0.0  # OpenAI's: l -= frequency * times generated
 
     def __post_init__(self) -> None:
         self.validate()
@@ -56,6 +63,17 @@ class SamplingParams:
         if self.seed is not None:
             self.seed = check_int("seed", self.seed, 0, MAX_SEED,
                                   f"None or an int in [0, {MAX_SEED}]")
+        self.n = check_int("n", self.n, 1, None, "an int >= 1")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                setattr(self, name, check_int(name, getattr(self, name), 0, None,
+                                              "None or an int >= 0"))
+        self.repetition_penalty = check_real(
+            "repetition_penalty", self.repetition_penalty, 0.0, FLOAT32_MAX,
+            f"a number in (0, {FLOAT32_MAX:.4g}] (1 = off)", low_open=True)
+        for name in ("presence_penalty", "frequency_penalty"):
+            setattr(self, name, check_real(name, getattr(self, name), -2.0, 2.0,
+                                           "a number in [-2, 2] (0 = off)"))
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         check("stop", self.stop, stop is None or (isinstance(stop, list | tuple) and all(
             isinstance(s, str) and s for s in stop)),
@@ -71,6 +89,12 @@ class SamplingParams:
     def stop_strings(self) -> tuple[str, ...]:
         """`stop` as a tuple, empty when None."""
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def uses_penalties(self) -> bool:
+        """True when a penalty needs the sequence's token counts."""
+        return (self.repetition_penalty != 1 or self.presence_penalty != 0
+                or self.frequency_penalty != 0)
 
     @property
     def simple(self) -> bool:

@@ -36,11 +36,11 @@ def test_every_scenario_on_cpu(tmp_path):
     png = tmp_path / "timeline.png"
     data, stdout = run_bench(tmp_path, "--scenario", "all", *(["--plot", str(png)] if plot else []))
     for title in ("graphs:", "prefix-cache:", "kv-pressure:", "tp: skipped", "dp: skipped",
-                  "long-context:", "median output"):
+                  "long-context:", "median output", "rl:"):
         assert title in stdout, stdout
     scenarios = data["scenarios"]
     assert list(scenarios) == ["throughput", "graphs", "prefix-cache", "kv-pressure", "tp",
-                              "dp", "long-context"]
+                              "dp", "long-context", "rl"]
     for name in ("graphs", "prefix-cache", "kv-pressure"):
         check_environment(scenarios[name])
 
@@ -85,6 +85,12 @@ def test_every_scenario_on_cpu(tmp_path):
 
     assert "CUDA" in scenarios["tp"]["skipped"]
     assert "--dp N" in scenarios["dp"]["skipped"]  # no GPUs and no --dp: DP needs 2 replicas
+    rl = scenarios["rl"]
+    plain, n4 = rl["runs"]["plain"], rl["runs"]["n=4"]
+    assert n4["completions"] == 4 * plain["completions"]
+    assert n4["output_tokens"] == 4 * plain["output_tokens"]  # ignore_eos: lengths are fixed
+    assert n4["cache_hit_blocks"] > 0  # the prompt's full blocks are shared
+    assert rl["sleep"]["identical_after_sleep1"] and rl["sleep"]["identical_after_sleep2"]
     assert not plot or png.stat().st_size > 0
 
 

@@ -72,6 +72,8 @@ class BlockManager:
         """Block ids of the longest cached prefix of the sequence's full blocks; the block
         holding its last token is never a hit, so a prefill always has a token to sample from."""
         hits, h = [], -1
+        if seq.num_prompt_logprobs is not None:
+            return hits  # prompt logprobs need every prompt position computed
         for i in range((seq.num_tokens - 1) // self.block_size):
             token_ids = seq.block(i)
             h = self.compute_hash(token_ids, h)

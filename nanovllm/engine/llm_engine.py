@@ -3,11 +3,12 @@ import weakref
 from dataclasses import dataclass, field
 from time import perf_counter
 
-import torch
 from tqdm.auto import tqdm
 
 from nanovllm.config import config_from_kwargs
-from nanovllm.engine.model_runner import ModelRunner, SampledIds
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.outputs import RequestTable, record_logprobs, request_output
+from nanovllm.engine.sampled_ids import SampledIds
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stats import StepCounters
@@ -61,6 +62,7 @@ class LLMEngine:
         self._counters = StepCounters()
         self._in_flight: InFlightStep | None = None
         self._unreturned: list[dict] = []  # hand-queued requests that finished in generate()
+        self._requests = RequestTable()
         # Workers build their inputs from host token ids, so tensor parallelism runs lockstep.
         self._pipelined = self.workers is None
         # Runs on `del llm`, garbage collection or interpreter exit, whichever is first; it
@@ -77,9 +79,14 @@ class LLMEngine:
         """Validate and queue one request; returns its request id (see step())."""
         token_ids = validate_request(prompt, sampling_params, self.request_limits(),
                                      self.tokenizer.encode)
-        seq = Sequence(token_ids, sampling_params, self.config.kvcache_block_size)
-        self.scheduler.add(seq)
-        return seq.seq_id
+        return self._queue(token_ids, sampling_params)[0].request_id
+
+    def _queue(self, token_ids: list[int], params: SamplingParams) -> list[Sequence]:
+        """Queue a request's n completions, adjacent: the later ones hit the first's blocks."""
+        seqs = self._requests.add(token_ids, params, self.config.kvcache_block_size)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return seqs
 
     def request_limits(self) -> RequestLimits:
         """What a request may ask for: checked before it is queued."""
@@ -94,7 +101,7 @@ class LLMEngine:
         they include hand-queued requests that finished during an earlier generate()."""
         finished, num_tokens = self._step()
         outputs, self._unreturned = self._unreturned, []
-        return outputs + [self._output(seq) for seq in finished], num_tokens
+        return outputs + [self._output(g) for g in self._requests.finished(finished)], num_tokens
 
     def _step(self) -> tuple[list[Sequence], int]:
         """Advance the in-flight step, launch the next, commit the in-flight one's ids (so the
@@ -128,14 +135,15 @@ class LLMEngine:
         if seqs:
             self._counters.record(is_prefill, len(seqs), abs(num_tokens), t0, perf_counter(),
                                   kv_blocks_in_use)
+        for seq in finished:
+            self.model_runner.token_counts.release(seq.seq_id)
         return finished, num_tokens
 
     def _launch(self, seqs: list[Sequence], is_prefill: bool,
                 previous: InFlightStep | None = None) -> SampledIds:
         """Enqueue a step (with workers: run it on every rank); pending tokens from `previous`."""
         if self.workers is not None:
-            ids = self.workers.execute("run", seqs, is_prefill)
-            return SampledIds(torch.tensor(ids, dtype=torch.int64))
+            return self.workers.execute("run", seqs, is_prefill)
         if previous is None or is_prefill or not previous.advanced:  # no pending token
             return self.model_runner.launch(seqs, is_prefill)
         return self.model_runner.launch(seqs, False, previous.sampled.device,
@@ -144,6 +152,7 @@ class LLMEngine:
     def _commit(self, step: InFlightStep) -> list[Sequence]:
         """Read an advanced step's ids (the one host sync per step); returns the finished."""
         finished = self.scheduler.commit(step.advanced, step.sampled.tolist())
+        record_logprobs(step.seqs, step.advanced, step.sampled)
         return finished + self._check_stop_strings([seq for _, seq in step.advanced])
 
     def _schedule(self) -> tuple[list[Sequence], bool, int, int]:
@@ -205,26 +214,23 @@ class LLMEngine:
                  use_tqdm: bool = True) -> list[dict]:
         """Run one prompt or a list to completion; one SamplingParams for all or one per prompt.
 
-        Returns, in input order, {"request_id", "text", "token_ids", "finish_reason",
-        "metrics"} per prompt; requests queued by add_request that finish meanwhile are kept
-        for step() to return. Every request is validated before any is queued, so a ValueError
-        changes nothing. On any exception (Ctrl-C included) this call's requests are aborted
-        and the engine stays usable.
+        Returns, in input order, one dict per prompt (see outputs.request_output);
+        hand-queued requests that finish meanwhile are kept for step(). Every
+        request is validated before any is queued, so a ValueError changes nothing. On any
+        exception (Ctrl-C included) this call's requests are aborted; the engine stays usable.
         """
         if sampling_params is None:
             sampling_params = SamplingParams()
         requests = validate_requests(prompts, sampling_params, self.request_limits(),
                                      self.tokenizer.encode)
-        block_size = self.config.kvcache_block_size
-        seqs = [Sequence(token_ids, sp, block_size) for token_ids, sp in requests]
-        own = {seq.seq_id for seq in seqs}  # requests queued by add_request are not ours
-        outputs: dict[int, Sequence] = {}
-        pbar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True,
+        groups: list[list[Sequence]] = []
+        pbar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True,
                     disable=not use_tqdm)
         prefill_tps = decode_tps = 0.0
         try:
-            for seq in seqs:
-                self.scheduler.add(seq)
+            for token_ids, sp in requests:
+                groups.append(self._queue(token_ids, sp))
+            own = {group[0].request_id for group in groups}  # add_request's are not ours
             while self._has_work():
                 t = perf_counter()
                 finished, num_tokens = self._step()
@@ -236,48 +242,46 @@ class LLMEngine:
                         decode_tps = -num_tokens / elapsed
                     pbar.set_postfix(Prefill=f"{int(prefill_tps)}tok/s",
                                      Decode=f"{int(decode_tps)}tok/s", refresh=False)
-                for seq in finished:
-                    if seq.seq_id in own:
-                        outputs[seq.seq_id] = seq
+                for group in self._requests.finished(finished):
+                    if group[0].request_id in own:
                         pbar.update(1)
                     else:
-                        self._unreturned.append(self._output(seq))
+                        self._unreturned.append(self._output(group))
         except BaseException:
+            seqs = [seq for group in groups for seq in group]
             self._abort(seqs)
             for seq in seqs:
+                self._requests.drop(seq.request_id)
                 self.stop_checker.forget(seq)
             raise
         finally:
             pbar.close()
-        return [self._output(outputs[seq.seq_id]) for seq in seqs]
+        return [self._output(group) for group in groups]
 
     def _abort(self, seqs: list[Sequence]) -> None:
         """Drop the in-flight step and abort `seqs`; others go back to waiting."""
         in_flight, self._in_flight = self._in_flight, None
         if self.model_runner is not None:
             self.model_runner.wait_idle()  # no queued copy may still read a staging buffer
+            # counts may hold a dropped token: survivors refill theirs when next scheduled
+            self.model_runner.token_counts.clear()
         self.scheduler.abort(seqs, in_flight.seqs if in_flight is not None else ())
 
-    def _output(self, seq: Sequence) -> dict:
-        token_ids = seq.completion_token_ids
-        ttft = seq.first_token_time - seq.arrival_time
-        latency = seq.finish_time - seq.arrival_time
-        text = self.tokenizer.decode(token_ids) if seq.text is None else seq.text
-        return {"request_id": seq.seq_id, "text": text, "token_ids": token_ids,
-                "finish_reason": seq.finish_reason,
-                "metrics": {"ttft_s": ttft, "latency_s": latency}}
+    def _output(self, group: list[Sequence]) -> dict:
+        return request_output(group, self.tokenizer.decode)
 
     # ---- Online serving: what AsyncLLM needs beyond add_request/step ---------------------
 
     def abort_request(self, request_id: int) -> bool:
         """Finish one waiting or running request now and free its KV blocks; returns False when
         it is unknown or already finished. A token of it still in flight is dropped."""
-        for seq in (*self.scheduler.running, *self.scheduler.waiting):
-            if seq.seq_id == request_id:
-                self.scheduler.finish(seq, "abort")
-                self.stop_checker.forget(seq)
-                return True
-        return False
+        aborted = [seq for seq in (*self.scheduler.running, *self.scheduler.waiting)
+                   if seq.request_id == request_id]  # each of its n completions
+        for seq in aborted:
+            self.scheduler.finish(seq, "abort")
+            self.stop_checker.forget(seq)
+        self._requests.finished(aborted)  # step() never returns an aborted request
+        return bool(aborted)
 
     def new_token_ids(self, num_read: dict[int, int]) -> dict[int, list[int]]:
         """For each unfinished request in num_read (request id -> completion tokens already

@@ -6,11 +6,14 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.engine.prompt_logprobs import prompt_logprobs, wants_prompt_logprobs
+from nanovllm.engine.sampled_ids import SampledIds
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import DecodeInputs, prepare_prefill, to_device
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.backends import bind_backend, select_backend
 from nanovllm.layers.linear import tp_rank_and_size
+from nanovllm.layers.penalties import Penalties, TokenCounts
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models.registry import build_model
 from nanovllm.sampling_params import SamplingParams
@@ -21,27 +24,6 @@ from nanovllm.utils.precision import check_float32_matmuls
 logger = logging.getLogger(__name__)
 CPU_KV_POOL_BYTES = 2 << 30  # CPU KV pool of all ranks together when num_kvcache_blocks is -1
 _WARMUP_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
-
-
-class SampledIds:
-    """A step's sampled ids: on the device for the next step's inputs, and copied to pinned
-    host memory as soon as the sampler is done (a plain .tolist() would wait behind the next
-    step, which the pipelined engine has queued by then)."""
-
-    def __init__(self, ids: torch.Tensor):
-        self.device = ids
-        self.host, self.ready = ids, None
-        if ids.is_cuda:
-            self.host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-            self.host.copy_(ids, non_blocking=True)
-            self.ready = torch.cuda.Event()
-            self.ready.record()
-
-    def tolist(self) -> list[int]:
-        """Wait for this step only; the host's one sync per step."""
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.host.tolist()
 
 
 class ModelRunner:
@@ -80,7 +62,8 @@ class ModelRunner:
         check_float32_matmuls(config.device, config.torch_dtype)
         self.use_cuda_graph = (config.device == "cuda" and not config.enforce_eager
                                and self.backend.cuda_graphs)
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.logprobs_mode)
+        self.token_counts = TokenCounts(hf_config.vocab_size, self.device)  # penalties only
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_inputs: dict[int, torch.Tensor] = {}
         self.graph_bs: list[int] = []
@@ -151,15 +134,28 @@ class ModelRunner:
                 f"no room for the KV cache: one block needs {block_bytes} bytes; raise "
                 f"gpu_memory_utilization={config.gpu_memory_utilization} or lower "
                 f"max_num_batched_tokens / max_model_len")
-        layer = self.attn_layers[0]
-        self.kv_cache = torch.empty(2, len(self.attn_layers), num_blocks, self.block_size,
-                                    layer.num_kv_heads, layer.head_dim,
-                                    dtype=config.torch_dtype, device=self.device)
-        for i, attn in enumerate(self.attn_layers):
-            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        self.create_kv_cache(num_blocks)
         logger.info("KV cache: %d blocks of %d tokens, %.1f MiB each", num_blocks,
                     self.block_size, block_bytes / 2**20)
         return num_blocks
+
+    def create_kv_cache(self, num_blocks: int) -> None:
+        """The pool [2, layers, blocks, block_size, kv_heads, head_dim], wired into each layer."""
+        layer = self.attn_layers[0]
+        self.kv_cache = torch.empty(2, len(self.attn_layers), num_blocks, self.block_size,
+                                    layer.num_kv_heads, layer.head_dim,
+                                    dtype=self.config.torch_dtype, device=self.device)
+        for i, attn in enumerate(self.attn_layers):
+            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    def free_kv_cache_and_graphs(self) -> None:
+        """Drop the CUDA graphs (their pool and buffers) and the KV pool."""
+        self.graphs.clear()
+        self.graph_inputs.clear()
+        self.graph_outputs = None
+        for attn in self.attn_layers:
+            attn.k_cache = attn.v_cache = torch.tensor([])
+        self.kv_cache = None
 
     # ---- step inputs --------------------------------------------------------------------
     def graph_size(self, batch: int) -> int | None:
@@ -186,29 +182,48 @@ class ModelRunner:
             input_ids.copy_(torch.where(src >= 0, carried, input_ids))
         return input_ids, positions, context
 
-    def prepare_sample(self, seqs: list[Sequence]) -> torch.Tensor | SamplingTensors:
-        """Temperatures alone for the sampler's fast path, else every per-row parameter."""
+    def prepare_sample(self, seqs: list[Sequence]
+                       ) -> tuple[torch.Tensor | SamplingTensors, Penalties | None, int | None]:
+        """The sampler's inputs: temperatures alone for its fast path, else every per-row
+        parameter; penalties and the number of top logprobs only when some row asks."""
         params = [seq.sampling_params for seq in seqs]
+        device = self.device
         if all(p.simple for p in params):
-            return to_device([p.temperature for p in params], torch.float32, self.device)
-        # seeded noise is keyed by the index the new token will have in its sequence
-        return SamplingTensors.build(params, [len(seq) for seq in seqs],
-                                     lambda data, dtype: to_device(data, dtype, self.device))
+            sample_params = to_device([p.temperature for p in params], torch.float32, device)
+        else:
+            # seeded noise is keyed by the index the new token will have in its sequence
+            sample_params = SamplingTensors.build(
+                params, [len(seq) for seq in seqs],
+                lambda data, dtype: to_device(data, dtype, device))
+        penalties = None
+        if any(p.uses_penalties for p in params):
+            rows = [self.token_counts.slot(seq.seq_id, seq.token_ids[:seq.num_prompt_tokens],
+                                           seq.completion_token_ids)
+                    if p.uses_penalties else 0 for seq, p in zip(seqs, params)]
+            penalties = Penalties.build(self.token_counts, rows, params,
+                                        lambda data, dtype: to_device(data, dtype, device))
+        ks = [p.logprobs for p in params if p.logprobs is not None]
+        return sample_params, penalties, max(ks) if ks else None
 
     # ---- execution ----------------------------------------------------------------------
     @torch.inference_mode()
-    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                  context: Context) -> torch.Tensor | None:
-        """Forward + logits; decode batches replay the graph whose buffers hold the inputs."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                context: Context) -> torch.Tensor:
+        """Hidden states; decode batches replay the graph whose buffers hold the inputs."""
         graph = None if context.is_prefill else self.graphs.get(input_ids.size(0))
         with forward_context(context):
             if graph is None:
-                hidden_states = self.model(input_ids, positions)
-                if context.is_prefill and context.logits_indices is None:
-                    return None  # every chunk ends inside its prompt: nothing to sample
-                return self.model.compute_logits(hidden_states)
+                return self.model(input_ids, positions)
             graph.replay()
-            return self.model.compute_logits(self.graph_outputs[:input_ids.size(0)])
+            return self.graph_outputs[:input_ids.size(0)]
+
+    @torch.inference_mode()
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                  context: Context) -> torch.Tensor | None:
+        """Forward + logits of each sequence's last position (rank 0; None elsewhere)."""
+        hidden = self.forward(input_ids, positions, context)
+        with forward_context(context):
+            return self.model.compute_logits(hidden)
 
     @torch.inference_mode()  # graph input buffers are inference tensors
     def launch(self, seqs: list[Sequence], is_prefill: bool,
@@ -220,16 +235,24 @@ class ModelRunner:
             input_ids, positions, context = prepare_prefill(seqs, self.block_size, self.device)
         else:
             input_ids, positions, context = self.prepare_decode(seqs, previous_ids, source_rows)
-        logits = self.run_model(input_ids, positions, context)
+        hidden = self.forward(input_ids, positions, context)
+        prompt = (prompt_logprobs(self.model, hidden, seqs)
+                  if is_prefill and wants_prompt_logprobs(seqs) else [])
+        if is_prefill:
+            seqs = [seq for seq in seqs if seq.samples_next]  # the rows that get logits
+        if not seqs:  # every chunk ends inside its prompt: nothing to sample
+            if self.rank != 0:
+                return None
+            return SampledIds(torch.empty(0, dtype=torch.int64, device=self.device),
+                              None, prompt, is_prefill)
+        with forward_context(context):
+            logits = self.model.compute_logits(hidden)
         if self.rank != 0:
             return None
-        if is_prefill:
-            seqs = [seq for seq in seqs if seq.samples_next]  # the rows of `logits`
-            if not seqs:
-                return SampledIds(torch.empty(0, dtype=torch.int64, device=self.device))
         # Prepared after the (asynchronous) forward was launched, so it overlaps the GPU.
-        sample_params = self.prepare_sample(seqs)
-        return SampledIds(self.sampler(logits[:len(seqs)], sample_params))
+        sample_params, penalties, num_logprobs = self.prepare_sample(seqs)
+        out = self.sampler(logits[:len(seqs)], sample_params, penalties, num_logprobs)
+        return SampledIds(out.token_ids, out.logprobs, prompt, is_prefill)
 
     def wait_idle(self) -> None:
         """Wait for all queued GPU work, ignoring the error that may have stopped it."""
@@ -239,10 +262,9 @@ class ModelRunner:
             except RuntimeError:
                 pass  # the caller is already handling the failure that raised this
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
-        """Execute one step and wait for it; rank 0 returns the sampled token ids."""
-        sampled = self.launch(seqs, is_prefill)
-        return None if sampled is None else sampled.tolist()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> SampledIds | None:
+        """Execute one step; rank 0 returns its sampled ids (their tolist() waits)."""
+        return self.launch(seqs, is_prefill)
 
     @torch.inference_mode()
     def capture_cudagraph(self) -> None:
@@ -277,12 +299,7 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Free graphs, the KV pool and the weights."""
-        self.graphs.clear()
-        self.graph_inputs.clear()
-        self.graph_outputs = None
-        for attn in self.attn_layers:
-            attn.k_cache = attn.v_cache = torch.tensor([])
-        self.kv_cache = None
+        self.free_kv_cache_and_graphs()
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

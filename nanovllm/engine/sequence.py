@@ -22,6 +22,7 @@ class Sequence:
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int):
         self.seq_id = next(Sequence._ids)
+        self.request_id = self.seq_id  # of its request's first completion (SamplingParams.n)
         self.status = SequenceStatus.WAITING
         self.token_ids = copy(token_ids)
         self.token_offset = 0  # index of token_ids[0] in the sequence (> 0 on worker copies)
@@ -35,6 +36,13 @@ class Sequence:
         self.sampling_params = sampling_params
         self.finish_reason: str | None = None
         self.text: str | None = None  # completion text cut before a stop string, when one hit
+        # {token_id: logprob} per generated token, when asked
+        self.logprobs: list[dict[int, float]] | None = (
+            None if sampling_params.logprobs is None else [])
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None  # first entry None
+        # k while the prompt logprobs are still to compute: every prompt position is then
+        # computed (none read from the prefix cache); None once they are known or not asked
+        self.num_prompt_logprobs = sampling_params.prompt_logprobs
         self.arrival_time = perf_counter()
         self.first_token_time = self.finish_time = 0.0  # set by the scheduler
 
@@ -108,13 +116,14 @@ class Sequence:
 
     def __getstate__(self) -> tuple:
         # What a tensor-parallel worker needs to build its step inputs, and no more: the
-        # step's tokens (a prompt chunk in prefill, one token in decode), the lengths and the
-        # block table. Sampling happens on rank 0 only.
+        # step's tokens (a prompt chunk in prefill, one token in decode), the lengths, the
+        # block table, and the k of prompt logprobs still due (every rank joins their LM head).
+        # Sampling happens on rank 0 only.
         return (self.seq_id, self.num_tokens, self.num_cached_tokens, self.num_scheduled_tokens,
-                self.block_size, self.block_table, self.chunk_token_ids)
+                self.block_size, self.block_table, self.chunk_token_ids, self.num_prompt_logprobs)
 
     def __setstate__(self, state: tuple) -> None:
         (self.seq_id, self.num_tokens, self.num_cached_tokens, self.num_scheduled_tokens,
-         self.block_size, self.block_table, self.token_ids) = state
+         self.block_size, self.block_table, self.token_ids, self.num_prompt_logprobs) = state
         self.token_offset = self.num_cached_tokens
         self.last_token = self.token_ids[-1]

@@ -24,6 +24,8 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.shm_channel import CommandChannel
+from nanovllm.engine.sleep_mode import sleep, wake_up
+from nanovllm.engine.weight_update import update_weights
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +37,8 @@ PARENT_POLL_S = 0.5  # how often an idle worker checks that the engine's process
 DEATH_GRACE_S = 5.0  # a broken collective may be noticed before the dead peer is reaped
 JOIN_TIMEOUT_S = 10.0
 # The fixed set of commands a worker obeys; "shutdown" ends its loop.
-WORKER_COMMANDS: dict[str, Callable] = {"run": ModelRunner.run}
+WORKER_COMMANDS: dict[str, Callable] = {"run": ModelRunner.run, "sleep": sleep,
+                                         "wake_up": wake_up, "update_weights": update_weights}
 
 
 class WorkerDiedError(RuntimeError):
@@ -201,8 +204,9 @@ class WorkerGroup:
                 raise WorkerDiedError(f"tensor-parallel worker died: {', '.join(dead)}") from error
             raise
 
-    def execute(self, method: str, *args) -> object:
-        """Run `method` on every rank: workers through the channel, then rank 0's runner."""
+    def execute(self, method: str, *args, **rank0_kwargs) -> object:
+        """Run `method` on every rank: workers through the channel, then rank 0's runner.
+        `rank0_kwargs` go to rank 0 only (tensors, which reach workers through collectives)."""
         if self.closed:
             raise RuntimeError("the tensor-parallel workers are shut down")
         self.check_alive()
@@ -210,7 +214,7 @@ class WorkerGroup:
             self.channel.write(method, args)
             for wakeup in self.wakeups:
                 wakeup.release()
-            result = WORKER_COMMANDS[method](self.runner, *args)
+            result = WORKER_COMMANDS[method](self.runner, *args, **rank0_kwargs)
         self.check_alive()  # an aborted collective may return garbage instead of raising
         return result
 

@@ -9,6 +9,9 @@ the Gumbel-max draw argmax(l / T - log E) with E = -log U, where U is a counter-
 of (seed, position, vocab index): a seeded row draws the same noise whatever its batch
 mates, its row in the batch, or whether CUDA graphs ran the model.
 Greedy rows (T = 0) take argmax(l) on either path.
+Before either path, penalties (when a row asks for one) rewrite l from token counts kept on
+the device (nanovllm.layers.penalties); after it, logprobs (when asked) are gathered from the
+same logits: nothing of this runs for a batch that asks for none of it.
 """
 import functools
 from collections.abc import Callable
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanovllm.layers.penalties import Penalties
 from nanovllm.sampling_params import MAX_SEED, SamplingParams
 from nanovllm.utils.compile import compile_on_cuda
 
@@ -36,6 +40,18 @@ def _mix64(x: torch.Tensor) -> torch.Tensor:
     x = (x ^ _shr(x, 30)) * _MIX1
     x = (x ^ _shr(x, 27)) * _MIX2
     return x ^ _shr(x, 31)
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """Seed of completion `index` of a request seeded `seed` (SamplingParams.n): the seed
+    itself for completion 0, else splitmix64 of both, in [0, MAX_SEED]."""
+    if index == 0:
+        return seed
+    mask = (1 << 64) - 1
+    x = (seed ^ ((index * 0x9E3779B97F4A7C15) & mask)) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return (x ^ (x >> 31)) & MAX_SEED
 
 
 @functools.cache
@@ -87,21 +103,112 @@ class SamplingTensors:
             use_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in sampled))
 
 
-class Sampler(nn.Module):
-    """logits [B, V] + temperatures [B] (fast path) or SamplingTensors -> token ids [B]."""
+@dataclass
+class LogprobsTensors:
+    """[B, 1 + k]: column 0 is each row's own token (sampled, or the prompt's next), then the
+    k most likely tokens in rank order."""
 
-    def forward(self, logits: torch.Tensor,
-                params: torch.Tensor | SamplingTensors) -> torch.Tensor:
+    token_ids: torch.Tensor  # int64
+    logprobs: torch.Tensor  # float32
+
+    def to_dicts(self, ks: list[int]) -> list[dict[int, float]]:
+        """Per row r: {token_id: logprob} of its top ks[r], then its own token (host copy)."""
+        ids, values = self.token_ids.tolist(), self.logprobs.tolist()
+        rows = []
+        for row_ids, row_values, k in zip(ids, values, ks):
+            row = dict(zip(row_ids[1:k + 1], row_values[1:k + 1]))
+            row.setdefault(row_ids[0], row_values[0])
+            rows.append(row)
+        return rows
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
+    """log_softmax(logits) [N, V] at token_ids [N] and at each row's top k (all V if k > V)."""
+    logits = logits.float()
+    lse = logits.logsumexp(dim=-1, keepdim=True)
+    _, top_ids = logits.topk(min(k, logits.size(1)), dim=-1)
+    ids = torch.cat([token_ids.unsqueeze(1), top_ids], dim=1)
+    return LogprobsTensors(ids, logits.gather(1, ids) - lse)
+
+
+@dataclass
+class SamplerOutput:
+    """A step's sampled ids [B] and, when asked, their logprobs."""
+
+    token_ids: torch.Tensor
+    logprobs: LogprobsTensors | None = None
+
+
+LOGPROBS_MODES = ("raw", "processed")
+
+
+class Sampler(nn.Module):
+    """logits [B, V] + temperatures [B] (fast path) or SamplingTensors -> token ids [B], and
+    optionally penalties first and the top `num_logprobs` logprobs after.
+
+    logprobs_mode "raw": log_softmax of the model's logits; "processed": of the distribution
+    sampled from (after penalties, temperature and filters; greedy rows: after penalties).
+    """
+
+    def __init__(self, logprobs_mode: str = "raw"):
+        super().__init__()
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode={logprobs_mode!r} is invalid: expected one of "
+                             f"{LOGPROBS_MODES}")
+        self.logprobs_mode = logprobs_mode
+
+    def forward(self, logits: torch.Tensor, params: torch.Tensor | SamplingTensors,
+                penalties: Penalties | None = None,
+                num_logprobs: int | None = None) -> SamplerOutput:
+        raw = logits
+        if penalties is not None:
+            counts = penalties.counts
+            logits = self.apply_penalties(logits, counts.output_counts, counts.prompt_mask,
+                                          penalties.rows, penalties.repetition,
+                                          penalties.presence, penalties.frequency)
         if isinstance(params, torch.Tensor):
-            return self.race(logits, params)
+            temperatures, scaled = params, None
+            token_ids = self.race(logits, params)
+        else:
+            temperatures, scaled = params.temperatures, self.filter(logits, params)
+            steps = stream_steps(logits.size(1), logits.device)
+            token_ids = self.gumbel_max(logits, scaled, temperatures, params.seeds,
+                                        params.positions, steps)
+        if penalties is not None:
+            penalties.counts.record(penalties.rows, token_ids)
+        if num_logprobs is None:
+            return SamplerOutput(token_ids)
+        if self.logprobs_mode == "raw":
+            source = raw
+        else:
+            if scaled is None:
+                scaled = logits.float() / temperatures.clamp(min=1e-5).unsqueeze(1)
+            source = torch.where((temperatures == 0).unsqueeze(1), logits.float(), scaled)
+        return SamplerOutput(token_ids, compute_logprobs(source, token_ids, num_logprobs))
+
+    def filter(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+        """l / T, then the min_p, top_k and top_p masks (-inf): the full path's distribution."""
         scaled = logits.float() / params.temperatures.clamp(min=1e-5).unsqueeze(1)
         if params.use_min_p:
             scaled = self.mask_min_p(scaled, params.min_ps)
         if params.use_top_k_top_p:
             scaled = self.mask_top_k_top_p(scaled, params.top_ks, params.top_ps)
-        steps = stream_steps(logits.size(1), logits.device)
-        return self.gumbel_max(logits, scaled, params.temperatures, params.seeds,
-                               params.positions, steps)
+        return scaled
+
+    @compile_on_cuda
+    def apply_penalties(self, logits: torch.Tensor, output_counts: torch.Tensor,
+                        prompt_mask: torch.Tensor, rows: torch.Tensor, repetition: torch.Tensor,
+                        presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+        """Repetition (transformers': over prompt and generated tokens, l > 0: l / r, else
+        l * r), then frequency and presence (OpenAI's: over generated tokens)."""
+        logits = logits.float()
+        counts = output_counts[rows]  # [B, V]
+        generated = counts > 0
+        seen = prompt_mask[rows] | generated
+        r = repetition.unsqueeze(1)
+        logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+        return (logits - frequency.unsqueeze(1) * counts
+                - presence.unsqueeze(1) * generated.float())
 
     def race(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
         """The fast path: exponential race (fused kernel on CUDA), argmax for greedy rows."""

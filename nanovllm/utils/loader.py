@@ -1,6 +1,7 @@
 """Load HF safetensors into a model whose parameters carry their own weight loaders."""
 import glob
 import os
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -12,7 +13,46 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> N
 
 
 def load_model(model: nn.Module, path: str) -> None:
-    """Copy every tensor of every *.safetensors file into the matching parameter.
+    """Copy every tensor of every *.safetensors file into the matching parameter."""
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path!r}")
+    load_weights(model, _safetensors_weights(files))
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy (checkpoint name, tensor) pairs, on any device, through the parameters' loaders."""
+    resolve = _resolver(model)
+    for name, weight in weights:
+        resolved = resolve(name)
+        if resolved is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
+        param, shard = resolved
+        if param is not None:
+            getattr(param, "weight_loader", default_weight_loader)(param, weight, *shard)
+
+
+def check_weight_names(model: nn.Module, names: Iterable[str]) -> None:
+    """Raise ValueError for the first name no parameter of `model` takes."""
+    resolve = _resolver(model)
+    for name in names:
+        if not isinstance(name, str) or resolve(name) is None:
+            raise ValueError(f"weight {name!r} has no matching parameter")
+
+
+def _safetensors_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        with safe_open(file, "pt", "cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+Resolved = tuple[nn.Parameter | None, tuple] | None
+
+
+def _resolver(model: nn.Module) -> Callable[[str], Resolved]:
+    """checkpoint name -> (parameter, extra loader args); (None, ()) to skip it; None when no
+    parameter takes it.
 
     `packed_modules_mapping` maps a checkpoint name fragment (q_proj) to our fused
     parameter (qkv_proj) and the shard it fills (q); `renamed_modules` maps a checkpoint name
@@ -23,38 +63,25 @@ def load_model(model: nn.Module, path: str) -> None:
     packed = getattr(model, "packed_modules_mapping", {})
     renamed = getattr(model, "renamed_modules", {})
     params = dict(model.named_parameters())
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {path!r}")
-    for file in files:
-        with safe_open(file, "pt", "cpu") as f:
-            for name in f.keys():
-                ours = name
-                for fragment, replacement in renamed.items():
-                    ours = ours.replace(fragment, replacement)
-                if target := expert_weight(ours):
-                    param_name, shard_id, expert_id = target
-                    if param_name not in params:
-                        raise ValueError(f"checkpoint tensor {name!r} has no matching "
-                                         f"parameter ({param_name!r})")
-                    param = params[param_name]
-                    param.weight_loader(param, f.get_tensor(name), shard_id, expert_id)
-                    continue
-                _load_one(params, packed, ours, f.get_tensor(name))
 
-
-def _load_one(params: dict, packed: dict, name: str, weight: torch.Tensor) -> None:
-    for fragment, (fused, shard_id) in packed.items():
-        if fragment in name:
-            param = params[name.replace(fragment, fused)]
-            param.weight_loader(param, weight, shard_id)
-            return
-    if name not in params:
+    def resolve(name: str) -> Resolved:
+        for fragment, replacement in renamed.items():
+            name = name.replace(fragment, replacement)
+        if target := expert_weight(name):
+            param_name, shard_id, expert_id = target
+            param = params.get(param_name)
+            return None if param is None else (param, (shard_id, expert_id))
+        for fragment, (fused, shard_id) in packed.items():
+            if fragment in name:
+                param = params.get(name.replace(fragment, fused))
+                return None if param is None else (param, (shard_id,))
+        if name in params:
+            return params[name], ()
         if name == "lm_head.weight":
-            return  # tied embeddings: some checkpoints still store the head
-        raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
-    param = params[name]
-    getattr(param, "weight_loader", default_weight_loader)(param, weight)
+            return None, ()  # tied embeddings: some checkpoints still store the head
+        return None
+
+    return resolve
 
 
 @torch.no_grad()

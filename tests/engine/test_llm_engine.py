@@ -40,7 +40,7 @@ def test_shared_two_block_prefix_shares_physical_blocks(llm):
         llm.add_request(prompt, GREEDY)
         batch, is_prefill = scheduler.schedule()
         assert is_prefill and len(batch) == 1
-        token_ids = llm.model_runner.run(batch, is_prefill)
+        token_ids = llm.model_runner.run(batch, is_prefill).tolist()
         scheduler.commit(scheduler.advance(batch, [True]), token_ids)
         seqs += batch
     assert seqs[0].block_table[:2] == seqs[1].block_table[:2]

@@ -45,7 +45,12 @@ def prompts() -> list[list[int]]:
     (dict(top_p=1.5), "top_p"), (dict(min_p=-0.1), "min_p"), (dict(min_p=1.1), "min_p"),
     (dict(stop=""), "stop"), (dict(stop=["a", 3]), "stop"), (dict(stop_token_ids=[-1]),
                                                               "stop_token_ids"),
-    (dict(seed=-1), "seed"), (dict(seed=2**63), "seed"), (dict(seed=1.0), "seed")])
+    (dict(seed=-1), "seed"), (dict(seed=2**63), "seed"), (dict(seed=1.0), "seed"),
+    (dict(n=0), "n"), (dict(logprobs=-1), "logprobs"), (dict(prompt_logprobs=1.5),
+                                                        "prompt_logprobs"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(presence_penalty=2.5),
+                                                           "presence_penalty"),
+    (dict(frequency_penalty=float("nan")), "frequency_penalty")])
 def test_bad_sampling_params_name_the_value_and_range(kwargs, name):
     with pytest.raises(ValueError, match=rf"^{name}=.* expected"):
         SamplingParams(**kwargs)

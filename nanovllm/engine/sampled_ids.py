@@ -1,0 +1,45 @@
+"""A launched step's results as rank 0 sees them: sampled ids, and logprobs when asked."""
+import torch
+
+from nanovllm.layers.sampler import LogprobsTensors
+
+
+class SampledIds:
+    """A step's sampled ids: on the device for the next step's inputs, and copied to pinned
+    host memory as soon as the sampler is done (a plain .tolist() would wait behind the next
+    step, which the pipelined engine has queued by then). The step's logprobs and prompt
+    logprobs, when some row asks, travel with them, behind the same event."""
+
+    def __init__(self, ids: torch.Tensor, logprobs: LogprobsTensors | None = None,
+                 prompt_logprobs: list[tuple[int, int, LogprobsTensors]] = (),
+                 is_prefill: bool = False):
+        self.device, self.is_prefill = ids, is_prefill
+        self.has_logprobs = logprobs is not None
+        self.prompt_rows = [(row, first) for row, first, _ in prompt_logprobs]
+        tensors = [ids]
+        for lp in [logprobs] * self.has_logprobs + [lp for *_, lp in prompt_logprobs]:
+            tensors += [lp.token_ids, lp.logprobs]
+        self.host, self.ready = tensors, None
+        if ids.is_cuda:
+            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for host, t in zip(self.host, tensors):
+                host.copy_(t, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def tolist(self) -> list[int]:
+        """Wait for this step only; the host's one sync per step."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host[0].tolist()
+
+    def logprobs(self) -> LogprobsTensors | None:
+        """The sampled tokens' logprobs (host tensors); call after tolist()."""
+        return LogprobsTensors(*self.host[1:3]) if self.has_logprobs else None
+
+    def prompt_logprobs(self) -> dict[int, tuple[int, LogprobsTensors]]:
+        """Row -> (first position, its chunk's prompt logprobs as host tensors); call after
+        tolist()."""
+        at = 3 if self.has_logprobs else 1
+        return {row: (first, LogprobsTensors(*self.host[at + 2 * i:at + 2 * i + 2]))
+                for i, (row, first) in enumerate(self.prompt_rows)}

@@ -1,0 +1,73 @@
+"""Sleep mode of one rank: give the GPU back between rollouts, and take it again.
+
+    level 1: KV pool and CUDA graphs freed, weights and buffers moved to (pinned) host memory
+    level 2: KV pool and CUDA graphs freed, weights dropped (each parameter holds an empty
+             tensor and remembers its shape), buffers moved to host; the next
+             update_weights refills the weights
+
+Parameters keep their identity (only `.data` moves), so their weight loaders, tied weights and
+the engine's references stay valid. wake_up allocates the same number of KV blocks, so the
+scheduler's block ids still mean the same, and captures the CUDA graphs again.
+"""
+import torch
+import torch.distributed as dist
+
+from nanovllm.engine.model_runner import ModelRunner
+
+
+def sleep(runner: ModelRunner, level: int) -> None:
+    """Free this rank's KV pool and graphs; move (level 1) or drop (level 2) its weights."""
+    runner.wait_idle()
+    runner.free_kv_cache_and_graphs()
+    runner.token_counts.clear()
+    for param in runner.model.parameters():
+        if level == 1:
+            param.data = _to_host(param.data)
+        else:
+            param.dropped_shape = param.shape
+            param.data = param.data.new_empty(0)
+    _move_buffers(runner, _to_host)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+        torch.cuda.empty_cache()
+    all_ranks_done(runner)
+
+
+def wake_up(runner: ModelRunner) -> None:
+    """Bring weights (or, after level 2, room for them), the KV pool and the graphs back."""
+    device = runner.device
+    for param in runner.model.parameters():
+        shape = getattr(param, "dropped_shape", None)
+        if shape is not None:
+            param.data = param.data.new_empty(shape, device=device)
+            del param.dropped_shape
+        else:
+            param.data = param.data.to(device, non_blocking=True)
+    _move_buffers(runner, lambda t: t.to(device, non_blocking=True))
+    runner.create_kv_cache(runner.num_kvcache_blocks)
+    if runner.use_cuda_graph:
+        runner.capture_cudagraph()
+    all_ranks_done(runner)
+
+
+def all_ranks_done(runner: ModelRunner) -> None:
+    """A barrier that the host waits for: a command without a collective of its own (or with
+    only asynchronous NCCL ones) ends here, so that rank 0 cannot write the next command into
+    the channel before every worker has read this one."""
+    if runner.world_size > 1:
+        dist.barrier()
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy, pinned when it comes from the GPU so that wake_up copies back fast."""
+    if not tensor.is_cuda:
+        return tensor
+    return torch.empty_like(tensor, device="cpu", pin_memory=True).copy_(tensor)
+
+
+def _move_buffers(runner: ModelRunner, move) -> None:
+    for module in runner.model.modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            setattr(module, name, move(buffer))

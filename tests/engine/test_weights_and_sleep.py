@@ -1,0 +1,98 @@
+"""update_weights, sleep and wake_up on CPU: transformers' tokens for the new weights, identical
+outputs across sleep, and the errors a user can cause."""
+import random
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.checkpoint import build_checkpoint
+from tests.reference import hf_greedy, load_hf
+
+NUM_TOKENS = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory) -> str:
+    """The tiny shape with different weights (and the same tokenizer)."""
+    return build_checkpoint(str(tmp_path_factory.mktemp("other")), seed=7)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    # 300 tokens: more than a 256-token block, so a repeat hits the prefix cache
+    return [[rng.randrange(3, 400) for _ in range(n)] for n in (300, 9)]
+
+
+@pytest.fixture()
+def llm(tiny_model):
+    engine = LLM(tiny_model, num_kvcache_blocks=16)
+    yield engine
+    engine.shutdown()
+
+
+def greedy_tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [out["token_ids"] for out in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def test_update_weights_gives_the_new_models_tokens_and_drops_the_prefix_cache(
+        llm, other_model, prompts):
+    greedy_tokens(llm, prompts)  # fills the prefix cache with the old weights' K/V
+    hf = load_hf(other_model)
+    llm.update_weights(hf.state_dict().items())
+    assert greedy_tokens(llm, prompts) == [hf_greedy(hf, p, NUM_TOKENS) for p in prompts]
+    assert llm.stats()["cache_hit_blocks"] == 0
+
+
+def test_sleep_and_wake_up_keep_the_outputs(llm, tiny_model, prompts):
+    before = greedy_tokens(llm, prompts)
+    llm.sleep(1)
+    with pytest.raises(RuntimeError, match="asleep"):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    with pytest.raises(RuntimeError, match="already asleep"):
+        llm.sleep(2)
+    llm.wake_up()
+    assert greedy_tokens(llm, prompts) == before
+    llm.sleep(2)
+    assert all(p.numel() == 0 for p in llm.model_runner.model.parameters())
+    llm.wake_up()
+    with pytest.raises(RuntimeError, match="update_weights"):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    llm.update_weights(load_hf(tiny_model).state_dict().items())  # vLLM's order
+    assert greedy_tokens(llm, prompts) == before
+
+
+def test_errors_name_the_problem_and_change_nothing(llm, prompts):
+    before = greedy_tokens(llm, prompts)
+    with pytest.raises(ValueError, match="level=3"):
+        llm.sleep(3)
+    with pytest.raises(ValueError, match="'model.nope.weight' has no matching parameter"):
+        llm.update_weights([("model.nope.weight", torch.zeros(2))])
+    with pytest.raises(ValueError, match="pairs"):
+        llm.update_weights([torch.zeros(2)])
+    llm.add_request(prompts[1], GREEDY)
+    with pytest.raises(RuntimeError, match="idle"):
+        llm.update_weights([])
+    with pytest.raises(RuntimeError, match="idle"):
+        llm.sleep()
+    while not llm.is_finished():
+        llm.step()
+    assert greedy_tokens(llm, prompts) == before
+
+
+def test_tensor_parallel_update_weights_and_sleep(tiny_model, other_model, prompts):
+    """TP=2 (gloo): every rank loads its shard of the broadcast tensors, and sleeps."""
+    llm = LLM(tiny_model, tensor_parallel_size=2, num_kvcache_blocks=16)
+    try:
+        hf = load_hf(other_model)
+        llm.update_weights(hf.state_dict().items())
+        expected = [hf_greedy(hf, p, NUM_TOKENS) for p in prompts]
+        assert greedy_tokens(llm, prompts) == expected
+        llm.sleep(2)
+        llm.wake_up()
+        llm.update_weights(hf.state_dict().items())
+        assert greedy_tokens(llm, prompts) == expected
+    finally:
+        llm.shutdown()
