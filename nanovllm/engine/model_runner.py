@@ -142,7 +142,10 @@ class ModelRunner:
     def create_kv_cache(self, num_blocks: int) -> None:
         """The pool [2, layers, blocks, block_size, kv_heads, head_dim], wired into each layer."""
         layer = self.attn_layers[0]
-        self.kv_cache = torch.empty(2, len(self.attn_layers), num_blocks, self.block_size,
+        # Zeroed, not empty: FlashAttention-3's paged prefill multiplies the masked keys' zero
+        # probabilities by V slots past the sequence in its last block, and 0 * NaN garbage
+        # (left by earlier allocations) is NaN. Written K/V are finite, so stale slots are safe.
+        self.kv_cache = torch.zeros(2, len(self.attn_layers), num_blocks, self.block_size,
                                     layer.num_kv_heads, layer.head_dim,
                                     dtype=self.config.torch_dtype, device=self.device)
         for i, attn in enumerate(self.attn_layers):
