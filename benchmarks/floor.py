@@ -77,25 +77,44 @@ def matmul_params(shape: dict) -> int:
     return layers * (attn + norms) + mlp + hidden + shape["vocab_size"] * hidden
 
 
+def head_dim(shape: dict) -> int:
+    return shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]
+
+
+def kv_bytes_per_token(shape: dict) -> int:
+    """K and V of one token across all layers."""
+    return shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * head_dim(shape) * BYTES
+
+
+def attention_flops(shape: dict, num_new: int, num_cached: int = 0) -> float:
+    """QK^T and PV FLOPs of num_new causal queries after num_cached keys, all layers."""
+    pairs = num_new * num_cached + num_new * num_new / 2
+    return 4 * shape["num_hidden_layers"] * shape["num_attention_heads"] * head_dim(shape) * pairs
+
+
+def step_seconds(shape: dict, tokens: int, kv_tokens: int, attn_flops: float,
+                 bandwidth: float, flops: float) -> float:
+    """Floor of one step computing `tokens` tokens whose queries read `kv_tokens` tokens' K/V:
+    (weights + K/V bytes) / bandwidth or matmul FLOPs / FLOP rate, whichever is larger."""
+    read = step_params(shape, tokens) * BYTES + kv_tokens * kv_bytes_per_token(shape)
+    work = 2 * active_params(shape) * tokens + attn_flops
+    return max(read / bandwidth, work / flops)
+
+
 def floor(shape: dict, bandwidth: float, flops: float) -> dict:
     """Seconds and tok/s bounds of the workload for one shape."""
     prompt_lens, outputs = workload()
-    heads = shape["num_attention_heads"]
-    head_dim = shape.get("head_dim") or shape["hidden_size"] // heads
-    layers, params = shape["num_hidden_layers"], active_params(shape)
+    params = active_params(shape)
     window = shape.get("sliding_window") if shape["architectures"][0] == "MistralForCausalLM" \
         else None
-    kv_per_token = layers * 2 * shape["num_key_value_heads"] * head_dim * BYTES
-    prefill_flops = sum(2 * params * n + 2 * layers * heads * head_dim * n * n
-                        for n in prompt_lens)
+    prefill_flops = sum(2 * params * n + attention_flops(shape, n) for n in prompt_lens)
     t_decode = 0.0
     for step in range(max(outputs)):
         live = [n for n, m in zip(prompt_lens, outputs) if m > step + 1]
         if not live:
             break
         kv_tokens = sum(min(n + step, window or n + step) for n in live)
-        step_bytes = step_params(shape, len(live)) * BYTES + kv_tokens * kv_per_token
-        t_decode += max(step_bytes / bandwidth, 2 * params * len(live) / flops)
+        t_decode += step_seconds(shape, len(live), kv_tokens, 0.0, bandwidth, flops)
     t_prefill = prefill_flops / flops
     total = sum(outputs)
     return dict(params=step_params(shape, 256), prefill_s=t_prefill, decode_s=t_decode,
@@ -104,10 +123,7 @@ def floor(shape: dict, bandwidth: float, flops: float) -> dict:
 
 def step_floor(shape: dict, batch: int, context_len: int, bandwidth: float) -> dict:
     """Bandwidth bound of one decode step of `batch` sequences of `context_len` tokens each."""
-    heads = shape["num_attention_heads"]
-    head_dim = shape.get("head_dim") or shape["hidden_size"] // heads
-    kv_bytes = batch * context_len * shape["num_hidden_layers"] * 2 \
-        * shape["num_key_value_heads"] * head_dim * BYTES
+    kv_bytes = batch * context_len * kv_bytes_per_token(shape)
     weight_bytes = step_params(shape, batch) * BYTES
     return dict(weight_gb=weight_bytes / 1e9, kv_gb=kv_bytes / 1e9,
                 ms=(weight_bytes + kv_bytes) / bandwidth * 1e3)
