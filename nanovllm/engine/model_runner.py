@@ -266,8 +266,12 @@ class ModelRunner:
                 pass  # the caller is already handling the failure that raised this
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> SampledIds | None:
-        """Execute one step; rank 0 returns its sampled ids (their tolist() waits)."""
-        return self.launch(seqs, is_prefill)
+        """Execute one step and, on rank 0, wait for it (so a tensor-parallel step fails inside
+        WorkerGroup.execute, which names a dead worker); rank 0 returns its sampled ids."""
+        sampled = self.launch(seqs, is_prefill)
+        if sampled is not None:
+            sampled.wait()
+        return sampled
 
     @torch.inference_mode()
     def capture_cudagraph(self) -> None:

@@ -27,10 +27,13 @@ class SampledIds:
             self.ready = torch.cuda.Event()
             self.ready.record()
 
-    def tolist(self) -> list[int]:
+    def wait(self) -> None:
         """Wait for this step only; the host's one sync per step."""
         if self.ready is not None:
             self.ready.synchronize()
+
+    def tolist(self) -> list[int]:
+        self.wait()
         return self.host[0].tolist()
 
     def logprobs(self) -> LogprobsTensors | None:
