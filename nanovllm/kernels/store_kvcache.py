@@ -9,11 +9,26 @@ from nanovllm.kernels.kv_quant import FP8_DTYPE, quantize_kv_torch
 
 
 @triton.jit
+def _round_to_e4m3(x):
+    """float32 x rounded to nearest even on e4m3's grid, in float32 arithmetic: the conversion
+    that follows is then exact, the same bits on a GPU and under the interpreter (whose own
+    float8 rounding drops the carry into the exponent)."""
+    # e4m3 keeps 3 mantissa bits: its step at |x| is 2^(floor(log2|x|) - 3), and 2^-9 below
+    # 2^-6 (subnormals). Powers of two are built from exponent bits, so scaling is exact.
+    exp_bits = tl.maximum(x.to(tl.int32, bitcast=True) & 0x7F800000, (127 - 6) << 23)
+    step = (exp_bits - (3 << 23)).to(tl.float32, bitcast=True)
+    inv_step = ((254 << 23) - exp_bits + (3 << 23)).to(tl.float32, bitcast=True)
+    magic = 12582912.0  # 1.5 * 2^23: adding then subtracting it rounds |y| < 2^22 to integers
+    rounded = ((tl.abs(x) * inv_step + magic) - magic) * step
+    return tl.where(x < 0, -rounded, rounded)  # -0.0 stays -0.0, as in torch
+
+
+@triton.jit
 def quantize_kv(x, inv_scale, dtype, FP8: tl.constexpr):
-    """x in the cache dtype: with FP8, x * (1 / scale) in float32, saturated (the conversion
-    itself would give NaN past 448), then rounded to e4m3."""
+    """x in the cache dtype: with FP8, x * (1 / scale) in float32 rounded to e4m3 and
+    saturated to +-448 (kv_quant.quantize_kv_torch, bit for bit)."""
     if FP8:
-        x = tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0)
+        x = tl.clamp(_round_to_e4m3(x.to(tl.float32) * inv_scale), -448.0, 448.0)
     return x.to(dtype)
 
 
