@@ -21,7 +21,7 @@ from nanovllm.utils.precision import check_float32_matmuls
 
 logger = logging.getLogger(__name__)
 CPU_KV_POOL_BYTES = 2 << 30  # CPU KV pool of all ranks together when num_kvcache_blocks is -1
-CPU_WARMUP_TOKENS = 1024  # CPU runs warm up only to calibrate FP8 KV scales: a small batch
+CPU_WARMUP_TOKENS = 1024  # CPU runs warm up only to calibrate FP8 KV scales: 4 x 256 tokens
 _WARMUP_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 
@@ -120,10 +120,10 @@ class ModelRunner:
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        budget = self.config.max_num_batched_tokens
+        budget, num_seqs = self.config.max_num_batched_tokens, self.config.max_num_seqs
         if not cuda:
-            budget = min(budget, CPU_WARMUP_TOKENS)
-        num_seqs = min(budget, self.config.max_num_seqs)
+            budget, num_seqs = min(budget, CPU_WARMUP_TOKENS), 4
+        num_seqs = min(budget, num_seqs)
         length = min(budget // num_seqs, self.config.max_model_len)
         ids = torch.randint(self.config.hf_config.vocab_size, (num_seqs, length),
                             generator=torch.Generator().manual_seed(0)).tolist()
