@@ -72,11 +72,12 @@ def teacher_forced(llm, batch: list[list[int]], forced: list[list[int]] | None
     return tokens, logits
 
 
-def engine(path: str, backend: str, kv_cache_dtype: str, calculate: bool = False):
+def engine(path: str, backend: str, kv_cache_dtype: str, calculate: bool = False, **overrides):
     from nanovllm import LLM
-    return LLM(path, dtype="bfloat16", attention_backend=backend, kv_cache_dtype=kv_cache_dtype,
-               calculate_kv_scales=calculate, max_model_len=2048, num_kvcache_blocks=64,
-               max_num_seqs=16, max_num_batched_tokens=4096)
+    kwargs = dict(dtype="bfloat16", attention_backend=backend, kv_cache_dtype=kv_cache_dtype,
+                  calculate_kv_scales=calculate, max_model_len=2048, num_kvcache_blocks=64,
+                  max_num_seqs=16, max_num_batched_tokens=4096)
+    return LLM(path, **{**kwargs, **overrides})
 
 
 def compare(ref_tokens: list[list[int]], ref: list[torch.Tensor], fp8: list[torch.Tensor]
