@@ -41,7 +41,7 @@ def open_engine(path: str, args: argparse.Namespace, **overrides) -> Iterator[tu
                   kvcache_block_size=args.block_size, attention_backend=args.attention_backend,
                   load_format=getattr(args, "load_format", "auto"),
                   kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
-                  calculate_kv_scales=getattr(args, "calculate_kv_scales", False))
+                  calculate_kv_scales=getattr(args, "calculate_kv_scales", True))
     kwargs.update(overrides)
     t0 = perf_counter()
     llm = LLM(path, **kwargs)

@@ -37,7 +37,7 @@ class Config:
     attention_backend: str = "auto"
     load_format: str = "auto"
     kv_cache_dtype: str = "auto"
-    calculate_kv_scales: bool = False  # fp8: scales from the warm-up's K/V, else all 1.0
+    calculate_kv_scales: bool = True  # fp8: scales from the warm-up's K/V, else all 1.0
     hf_config: PretrainedConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
     kv_cache_torch_dtype: torch.dtype = field(init=False)

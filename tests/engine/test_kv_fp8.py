@@ -50,7 +50,8 @@ def hf_fp8(tiny_model):
 
 @pytest.fixture(scope="module")
 def llm(tiny_model):
-    engine = LLM(tiny_model, kv_cache_dtype="fp8", num_kvcache_blocks=16)
+    engine = LLM(tiny_model, kv_cache_dtype="fp8", calculate_kv_scales=False,
+                 num_kvcache_blocks=16)
     yield engine
     engine.shutdown()
 
@@ -93,8 +94,8 @@ def test_preemption_and_chunked_prefill_change_nothing(tiny_model, llm):
     prompts = token_prompts(5, (200, 220, 240, 260, 280, 300))
     params = greedy(120)
     expected = ids(llm.generate(prompts, params, use_tqdm=False))
-    small = LLM(tiny_model, kv_cache_dtype="fp8", num_kvcache_blocks=7,
-                max_num_batched_tokens=100)
+    small = LLM(tiny_model, kv_cache_dtype="fp8", calculate_kv_scales=False,
+                num_kvcache_blocks=7, max_num_batched_tokens=100)
     try:
         outs = ids(small.generate(prompts, params, use_tqdm=False))
         assert small.scheduler.num_preemptions > 0
@@ -105,10 +106,9 @@ def test_preemption_and_chunked_prefill_change_nothing(tiny_model, llm):
 
 
 def test_calculated_scales_from_the_warm_up(tiny_model):
-    """calculate_kv_scales: per-layer scales = 2 * amax / 448 over the warm-up's random batch,
-    and greedy tokens still agree with the unit-scale run on most positions."""
-    engine = LLM(tiny_model, kv_cache_dtype="fp8", calculate_kv_scales=True,
-                 num_kvcache_blocks=16)
+    """calculate_kv_scales (the default): per-layer scales = 2 * amax / 448 over the warm-up's
+    random batch; prefill logits barely move; a prefix-cache hit changes nothing."""
+    engine = LLM(tiny_model, kv_cache_dtype="fp8", num_kvcache_blocks=16)
     try:
         layers = engine.model_runner.attn_layers
         k_scales, v_scales = [a.k_scale for a in layers], [a.v_scale for a in layers]
@@ -121,14 +121,18 @@ def test_calculated_scales_from_the_warm_up(tiny_model):
         # the first token comes from prefill logits, which FP8 perturbs only slightly
         assert first == [hf[:1] for hf in ids(LLM(tiny_model).generate(
             prompts, greedy(1), use_tqdm=False))]
+        again = ids(engine.generate(prompts, greedy(), use_tqdm=False))
+        hits = engine.scheduler.block_manager.num_cache_hit_blocks
+        assert again == ids(engine.generate(prompts, greedy(), use_tqdm=False))
+        assert engine.scheduler.block_manager.num_cache_hit_blocks - hits == 1  # the 300
     finally:
         engine.shutdown()
 
 
 def test_tensor_parallel_fp8(tiny_model, hf_fp8):
     """TP=2 (gloo): each rank quantizes its own heads; tokens equal the reference's."""
-    engine = LLM(tiny_model, kv_cache_dtype="fp8", tensor_parallel_size=2,
-                 num_kvcache_blocks=16)
+    engine = LLM(tiny_model, kv_cache_dtype="fp8", calculate_kv_scales=False,
+                 tensor_parallel_size=2, num_kvcache_blocks=16)
     try:
         prompts = token_prompts(7, (40, 300))
         outs = ids(engine.generate(prompts, greedy(), use_tqdm=False))
