@@ -93,9 +93,7 @@ class ModelRunner:
         calibrate = config.kv_cache_dtype == "fp8" and config.calculate_kv_scales
         if config.device == "cuda" or calibrate:
             t0 = perf_counter()
-            with (kv_scale_calibration(self.attn_layers, self.device) if calibrate
-                  else nullcontext()):
-                self.warmup_model()
+            self.warmup_model(calibrate)
             self.startup_s["warmup"] = perf_counter() - t0
         self.num_kvcache_blocks = self.allocate_kv_cache()
         if self.use_cuda_graph:
@@ -111,11 +109,11 @@ class ModelRunner:
         return (2 * len(self.attn_layers) * self.block_size * layer.num_kv_heads
                 * layer.head_dim * self.config.kv_cache_torch_dtype.itemsize)
 
-    def warmup_model(self) -> None:
+    def warmup_model(self, calibrate: bool = False) -> None:
         """Run the largest prefill step once so the activation peak is known before sizing KV:
         the whole token budget, split over as many sequences as a step may hold (each of which
-        samples, so the LM head's rows peak too). Random token ids (the same on every rank)
-        make its K/V representative for FP8 scale calibration. On CPU: a small batch."""
+        samples, so the LM head's rows peak too). Its random token ids (the same on every rank)
+        also calibrate FP8 KV scales (calibrate), on CPU with a small batch."""
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.empty_cache()
@@ -130,7 +128,8 @@ class ModelRunner:
         seqs = [Sequence(row, _WARMUP_PARAMS, self.block_size) for row in ids]
         for seq in seqs:
             seq.num_scheduled_tokens = len(seq)
-        self.run(seqs, True)
+        with kv_scale_calibration(self.attn_layers, self.device) if calibrate else nullcontext():
+            self.run(seqs, True)
         if cuda:
             torch.cuda.empty_cache()
 

@@ -6,7 +6,7 @@ Paged reads dequantize an FP8 cache with the layer's k_scale / v_scale (kernels.
 
 import torch
 
-from nanovllm.kernels.kv_quant import dequantize_kv_torch
+from nanovllm.kernels.kv_quant import FP8_DTYPE, dequantize_kv_torch
 
 # Queries per chunk in prefill: bounds the [H, chunk, Lk] fp32 score matrix.
 _QUERY_CHUNK = 1024
@@ -16,6 +16,8 @@ def _gather_paged(
     cache: torch.Tensor, block_row: torch.Tensor, start: int, end: int
 ) -> torch.Tensor:
     """Gather tokens start..end-1 of one sequence from a paged cache -> [end - start, Hkv, D]."""
+    if cache.dtype == FP8_DTYPE:  # gathered as bytes: not every device has float8 indexing
+        return _gather_paged(cache.view(torch.uint8), block_row, start, end).view(FP8_DTYPE)
     block_size = cache.shape[1]
     first, last = start // block_size, (end + block_size - 1) // block_size
     blocks = block_row[first:last].long()

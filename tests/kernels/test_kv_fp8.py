@@ -41,6 +41,11 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8)
 
 
+def _zeros(shape: tuple[int, ...]) -> torch.Tensor:
+    """A zeroed FP8 tensor (filled as bytes: float8 fill is not on every device)."""
+    return torch.zeros(shape, dtype=torch.uint8, device=DEVICE).view(FP8_DTYPE)
+
+
 def _slots(num_tokens: int, num_slots: int) -> torch.Tensor:
     slots = torch.randperm(num_slots, device=DEVICE)[:num_tokens].to(torch.int32)
     slots[::5] = -1  # padding rows write nothing
@@ -57,15 +62,15 @@ def test_store_kvcache_fp8_matches_torch(dtype: torch.dtype) -> None:
     key[1, 0, 0], value[2, 1, 3] = 1e4, -1e4  # beyond 448 * scale
     slots = _slots(num_tokens, 4 * block_size)
     shape = (4, block_size, KV_HEADS, head_dim)
-    k_cache = torch.zeros(shape, dtype=FP8_DTYPE, device=DEVICE)
-    v_cache, k_ref, v_ref = (torch.zeros_like(k_cache) for _ in range(3))
+    k_cache, v_cache, k_ref, v_ref = (_zeros(shape) for _ in range(4))
     store_kvcache(key, value, k_cache, v_cache, slots, K_SCALE, V_SCALE)
     store_kvcache_torch(key, value, k_ref, v_ref, slots, K_SCALE, V_SCALE)
     assert torch.equal(_bytes(k_cache), _bytes(k_ref)) and torch.equal(_bytes(v_cache),
                                                                        _bytes(v_ref))
     valid = slots >= 0
-    stored_k = k_cache.view(-1, KV_HEADS, head_dim)[slots[valid].long()].float()
-    stored_v = v_cache.view(-1, KV_HEADS, head_dim)[slots[valid].long()].float()
+    rows = slots[valid].long()
+    stored_k, stored_v = (_bytes(c).view(-1, KV_HEADS, head_dim)[rows].view(FP8_DTYPE).float()
+                          for c in (k_cache, v_cache))
     assert stored_k[0, 0, 0] == FP8_MAX  # key row 1 is valid row 0 (row 0 is padding)
     assert stored_v[1, 1, 3] == -FP8_MAX
     for stored, x, scale in ((stored_k, key, K_SCALE), (stored_v, value, V_SCALE)):
@@ -85,8 +90,8 @@ def test_qk_norm_rope_fp8_store_matches_torch() -> None:
     positions = torch.randint(0, 1024, (num_tokens,), device=DEVICE)
     weight = torch.rand(head_dim, device=DEVICE) + 0.5
     slots = _slots(num_tokens, 2 * block_size)
-    k_cache = torch.zeros(2, block_size, KV_HEADS, head_dim, dtype=FP8_DTYPE, device=DEVICE)
-    v_cache, k_ref, v_ref = (torch.zeros_like(k_cache) for _ in range(3))
+    shape = (2, block_size, KV_HEADS, head_dim)
+    k_cache, v_cache, k_ref, v_ref = (_zeros(shape) for _ in range(4))
     _, k_out = qk_norm_rope(q, k, positions, weight, weight.clone(), rope.cos_sin_cache, 1e-6,
                             (v, k_cache, v_cache, slots), (K_SCALE, V_SCALE))
     store_kvcache_torch(k_out, v, k_ref, v_ref, slots, K_SCALE, V_SCALE)
