@@ -10,12 +10,12 @@ source .device/env.sh
 set -uo pipefail
 out=${OUT:-/tmp/out}
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-timeout 120 python -m pytest -q -s -p no:cacheprovider tests/kernels/test_kv_fp8.py \
+timeout 150 python -m pytest -q -s -p no:cacheprovider tests/kernels/test_kv_fp8.py \
   tests/gpu/test_kv_fp8_cuda.py > "$out/fp8_tests.log" 2>&1
 timeout 150 python -m benchmarks.fp8_accuracy --checkpoints qwen3-0.6b --backends triton \
   --json "$out/fp8_accuracy.json" > "$out/fp8_accuracy.log" 2>&1
 mkdir -p "$out/bench"
-OUT="$out/bench" timeout 300 bash benchmarks/h200_ab.sh 3 "--attention-backend triton" \
+OUT="$out/bench" timeout 270 bash benchmarks/h200_ab.sh 3 "--attention-backend triton" \
   "--attention-backend triton --kv-cache-dtype fp8" > "$out/fp8_bench.log" 2>&1
 echo "== tests"; grep -E "passed|failed|^FAILED|^ERROR" "$out/fp8_tests.log" | tail -5
 echo "== accuracy (teacher-forced, FP8 vs bf16 KV)"; tail -4 "$out/fp8_accuracy.log"
