@@ -42,6 +42,10 @@ def parse_args() -> argparse.Namespace:
                    help="replicas for the dp scenario (default: the GPUs present / --tp)")
     p.add_argument("--attention-backend", default="auto",
                    choices=["auto", "flash-attn", "triton", "torch"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="KV cache storage: the model dtype, or float8_e4m3fn")
+    p.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction, default=True,
+                   help="fp8: per-layer K/V scales from the warm-up (default), or all 1.0")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--block-size", type=int, default=256, help="kvcache_block_size")
     p.add_argument("--seed", type=int, default=0, help="workload seed (upstream's is 0)")

@@ -67,7 +67,8 @@ def report_throughput(result: dict) -> None:
     env = result["environment"]
     print(f"median output throughput: {result['median_output_tok_s']:.0f} tok/s "
           f"({env['device']}, {env['attention_backend']}, "
-          f"{'graphs' if env['cuda_graphs'] else 'eager'}, {env['kv_blocks']} KV blocks, "
+          f"{'graphs' if env['cuda_graphs'] else 'eager'}, {env['kv_blocks']} KV blocks "
+          f"({env.get('kv_cache_dtype', '?').removeprefix('torch.')}), "
           f"peak {result['peak_gpu_gib']:.1f} GiB, import {result['import_s']:.1f}s, "
           f"LLM() {result['startup_s']:.1f}s: "
           + ", ".join(f"{k} {v:.1f}s" for k, v in result["startup_parts_s"].items()) + ")")

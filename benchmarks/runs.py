@@ -39,7 +39,9 @@ def open_engine(path: str, args: argparse.Namespace, **overrides) -> Iterator[tu
     kwargs = dict(enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
                   tensor_parallel_size=args.tensor_parallel_size,
                   kvcache_block_size=args.block_size, attention_backend=args.attention_backend,
-                  load_format=getattr(args, "load_format", "auto"))
+                  load_format=getattr(args, "load_format", "auto"),
+                  kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+                  calculate_kv_scales=getattr(args, "calculate_kv_scales", True))
     kwargs.update(overrides)
     t0 = perf_counter()
     llm = LLM(path, **kwargs)
@@ -87,6 +89,7 @@ def engine_env(llm, startup_s: float) -> dict:
     """The engine's side of the conditions: backend, dtype, graphs, block size, KV pool."""
     runner, config = llm.model_runner, llm.config
     return dict(attention_backend=runner.backend.name, dtype=str(config.torch_dtype),
+                kv_cache_dtype=str(config.kv_cache_torch_dtype),
                 cuda_graphs=runner.use_cuda_graph, enforce_eager=config.enforce_eager,
                 tensor_parallel_size=config.tensor_parallel_size,
                 block_size=config.kvcache_block_size, kv_blocks=runner.num_kvcache_blocks,

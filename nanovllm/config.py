@@ -5,6 +5,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import PretrainedConfig
 
+from nanovllm.kernels.kv_quant import FP8_DTYPE
 from nanovllm.layers.backends import BACKENDS, check_attention_backend
 from nanovllm.layers.rotary_embedding import rope_parameters
 from nanovllm.models.registry import architecture, decoder_spec, with_family_defaults
@@ -15,6 +16,7 @@ LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights from config.json alone
 REQUIRED_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers",
                    "num_attention_heads", "vocab_size")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model dtype; fp8: float8_e4m3fn, per-layer scales
 
 
 @dataclass
@@ -35,8 +37,11 @@ class Config:
     attention_backend: str = "auto"
     load_format: str = "auto"
     logprobs_mode: str = "raw"  # "raw": log_softmax(logits); "processed": what was sampled from
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = True  # fp8: scales from the warm-up's K/V, else all 1.0
     hf_config: PretrainedConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
+    kv_cache_torch_dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
         self.model = os.path.expanduser(str(self.model))
@@ -49,7 +54,9 @@ class Config:
         self.device = resolve_device(self.device)
         check_tensor_parallel(self.tensor_parallel_size, self.device, self.hf_config)
         self.torch_dtype = resolve_dtype(self.dtype, self.device, self.hf_config)
-        check_attention_backend(self.attention_backend, self.device, self.torch_dtype)
+        self.kv_cache_torch_dtype = FP8_DTYPE if self.kv_cache_dtype == "fp8" else self.torch_dtype
+        check_attention_backend(self.attention_backend, self.device, self.torch_dtype,
+                                self.kv_cache_dtype)
 
     def _check_ranges(self) -> None:
         # Counts and sizes become int32 tensor sizes and indices on the device.
@@ -74,7 +81,10 @@ class Config:
             value = getattr(self, name)
             check(name, value, isinstance(value, str) and value in allowed,
                   f"one of {list(allowed)}")
-        check("enforce_eager", self.enforce_eager, isinstance(self.enforce_eager, bool), "a bool")
+        for name in ("enforce_eager", "calculate_kv_scales"):
+            check(name, getattr(self, name), isinstance(getattr(self, name), bool), "a bool")
+        check("kv_cache_dtype", self.kv_cache_dtype, isinstance(self.kv_cache_dtype, str)
+              and self.kv_cache_dtype in KV_CACHE_DTYPES, f"one of {list(KV_CACHE_DTYPES)}")
         check("load_format", self.load_format, self.load_format in LOAD_FORMATS,
               f"one of {list(LOAD_FORMATS)}")
         check("logprobs_mode", self.logprobs_mode, self.logprobs_mode in ("raw", "processed"),

@@ -38,7 +38,8 @@ def test_one_replica_is_the_plain_engine_and_never_imports_ray(tiny_model):
     code = ("import sys; from nanovllm import LLM, SamplingParams\n"
             f"llm = LLM({tiny_model!r}, data_parallel_size=1, num_kvcache_blocks=8)\n"
             "assert type(llm) is LLM and llm.scheduler is not None\n"
-            "out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)\n"
+            "out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True),\n"
+            "                   use_tqdm=False)\n"
             "assert len(out[0]['token_ids']) == 2\n"
             "llm.shutdown()\n"
             "assert 'ray' not in sys.modules, 'data_parallel_size=1 imported ray'\n")

@@ -1,5 +1,6 @@
 """Runs the model for one rank: weights, the KV pool, step inputs, CUDA graphs."""
 import logging
+from contextlib import nullcontext
 from time import perf_counter
 
 import torch
@@ -10,7 +11,7 @@ from nanovllm.engine.prompt_logprobs import prompt_logprobs, wants_prompt_logpro
 from nanovllm.engine.sampled_ids import SampledIds
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import DecodeInputs, prepare_prefill, to_device
-from nanovllm.layers.attention import Attention
+from nanovllm.layers.attention import Attention, kv_scale_calibration
 from nanovllm.layers.backends import bind_backend, select_backend
 from nanovllm.layers.linear import tp_rank_and_size
 from nanovllm.layers.penalties import Penalties, TokenCounts
@@ -23,6 +24,7 @@ from nanovllm.utils.precision import check_float32_matmuls
 
 logger = logging.getLogger(__name__)
 CPU_KV_POOL_BYTES = 2 << 30  # CPU KV pool of all ranks together when num_kvcache_blocks is -1
+CPU_WARMUP_TOKENS = 1024  # CPU runs warm up only to calibrate FP8 KV scales: 4 x 256 tokens
 _WARMUP_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 
@@ -57,7 +59,8 @@ class ModelRunner:
             load_model(self.model, config.model)
         self.startup_s = {"load": perf_counter() - t0}
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.backend = select_backend(config.device, config.torch_dtype, config.attention_backend)
+        self.backend = select_backend(config.device, config.torch_dtype, config.attention_backend,
+                                      config.kv_cache_dtype)
         bind_backend(self.model, self.backend)
         check_float32_matmuls(config.device, config.torch_dtype)
         self.use_cuda_graph = (config.device == "cuda" and not config.enforce_eager
@@ -70,9 +73,10 @@ class ModelRunner:
         self.max_num_blocks = -(-config.max_model_len // self.block_size)
         self.decode_inputs = DecodeInputs(config.max_num_seqs, self.max_num_blocks,
                                           self.block_size, pin=config.device == "cuda")
-        if config.device == "cuda":
+        calibrate = config.kv_cache_dtype == "fp8" and config.calculate_kv_scales
+        if config.device == "cuda" or calibrate:
             t0 = perf_counter()
-            self.warmup_model()
+            self.warmup_model(calibrate)
             self.startup_s["warmup"] = perf_counter() - t0
         self.num_kvcache_blocks = self.allocate_kv_cache()
         if self.use_cuda_graph:
@@ -86,22 +90,31 @@ class ModelRunner:
         """Bytes of one KV block across all layers: 2 (K and V) x layers x block x heads x dim."""
         layer = self.attn_layers[0]
         return (2 * len(self.attn_layers) * self.block_size * layer.num_kv_heads
-                * layer.head_dim * self.config.torch_dtype.itemsize)
+                * layer.head_dim * self.config.kv_cache_torch_dtype.itemsize)
 
-    def warmup_model(self) -> None:
+    def warmup_model(self, calibrate: bool = False) -> None:
         """Run the largest prefill step once so the activation peak is known before sizing KV:
         the whole token budget, split over as many sequences as a step may hold (each of which
-        samples, so the LM head's rows peak too)."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        budget = self.config.max_num_batched_tokens
-        num_seqs = min(budget, self.config.max_num_seqs)
+        samples, so the LM head's rows peak too). Its random token ids (the same on every rank)
+        also calibrate FP8 KV scales (calibrate), on CPU with a small batch."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        budget, num_seqs = self.config.max_num_batched_tokens, self.config.max_num_seqs
+        if not cuda:
+            budget, num_seqs = min(budget, CPU_WARMUP_TOKENS), 4
+        num_seqs = min(budget, num_seqs)
         length = min(budget // num_seqs, self.config.max_model_len)
-        seqs = [Sequence([0] * length, _WARMUP_PARAMS, self.block_size) for _ in range(num_seqs)]
+        ids = torch.randint(self.config.hf_config.vocab_size, (num_seqs, length),
+                            generator=torch.Generator().manual_seed(0)).tolist()
+        seqs = [Sequence(row, _WARMUP_PARAMS, self.block_size) for row in ids]
         for seq in seqs:
             seq.num_scheduled_tokens = len(seq)
-        self.run(seqs, True)
-        torch.cuda.empty_cache()
+        with kv_scale_calibration(self.attn_layers, self.device) if calibrate else nullcontext():
+            self.run(seqs, True)
+        if cuda:
+            torch.cuda.empty_cache()
 
     def allocate_kv_cache(self) -> int:
         """Allocate [2, layers, blocks, block_size, kv_heads, head_dim] and wire it per layer.
@@ -135,8 +148,8 @@ class ModelRunner:
                 f"gpu_memory_utilization={config.gpu_memory_utilization} or lower "
                 f"max_num_batched_tokens / max_model_len")
         self.create_kv_cache(num_blocks)
-        logger.info("KV cache: %d blocks of %d tokens, %.1f MiB each", num_blocks,
-                    self.block_size, block_bytes / 2**20)
+        logger.info("KV cache: %d blocks of %d tokens, %.1f MiB each, %s", num_blocks,
+                    self.block_size, block_bytes / 2**20, config.kv_cache_torch_dtype)
         return num_blocks
 
     def create_kv_cache(self, num_blocks: int) -> None:
@@ -147,7 +160,7 @@ class ModelRunner:
         # (left by earlier allocations) is NaN. Written K/V are finite, so stale slots are safe.
         self.kv_cache = torch.zeros(2, len(self.attn_layers), num_blocks, self.block_size,
                                     layer.num_kv_heads, layer.head_dim,
-                                    dtype=self.config.torch_dtype, device=self.device)
+                                    dtype=self.config.kv_cache_torch_dtype, device=self.device)
         for i, attn in enumerate(self.attn_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
@@ -311,3 +324,4 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
+

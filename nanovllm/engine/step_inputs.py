@@ -64,8 +64,9 @@ def prepare_prefill(seqs: list[Sequence], block_size: int,
         cu_seqlens_k=to_device(cu_seqlens_k, torch.int32, device),
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         slot_mapping=to_device(slot_mapping, torch.int32, device) if slot_mapping else None,
+        # also without a cached prefix: an FP8 cache's prefill reads its own K/V back
         block_tables=(to_device(block_table_rows(seqs), torch.int32, device)
-                      if prefix_cached else None),
+                      if slot_mapping else None),
         prefix_cached=prefix_cached,
         logits_indices=(to_device(logits_indices, torch.int64, device) if logits_indices
                         else None))

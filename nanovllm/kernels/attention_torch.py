@@ -1,9 +1,12 @@
 """Plain-torch paged attention (reference for the Triton kernels and the CPU engine path).
 
 sliding_window as in transformers: a query at position q sees key k iff k <= q and q - k < window.
+Paged reads dequantize an FP8 cache with the layer's k_scale / v_scale (kernels.kv_quant).
 """
 
 import torch
+
+from nanovllm.kernels.kv_quant import FP8_DTYPE, dequantize_kv_torch
 
 # Queries per chunk in prefill: bounds the [H, chunk, Lk] fp32 score matrix.
 _QUERY_CHUNK = 1024
@@ -13,6 +16,8 @@ def _gather_paged(
     cache: torch.Tensor, block_row: torch.Tensor, start: int, end: int
 ) -> torch.Tensor:
     """Gather tokens start..end-1 of one sequence from a paged cache -> [end - start, Hkv, D]."""
+    if cache.dtype == FP8_DTYPE:  # gathered as bytes: not every device has float8 indexing
+        return _gather_paged(cache.view(torch.uint8), block_row, start, end).view(FP8_DTYPE)
     block_size = cache.shape[1]
     first, last = start // block_size, (end + block_size - 1) // block_size
     blocks = block_row[first:last].long()
@@ -76,8 +81,11 @@ def prefill_attention_torch(
     scale: float,
     max_seqlen_q: int | None = None,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Causal varlen attention; keys from dense k/v, or the paged cache when block_tables given."""
+    """Causal varlen attention; keys from dense k/v, or the paged cache when block_tables given
+    (an FP8 cache dequantized with k_scale, v_scale)."""
     del max_seqlen_q  # accepted for signature parity with the Triton version
     window = check_sliding_window(sliding_window)
     out = torch.empty_like(q)
@@ -93,8 +101,10 @@ def prefill_attention_torch(
         if block_tables is None:
             keys, values = k[cu_k[b] + first : cu_k[b + 1]], v[cu_k[b] + first : cu_k[b + 1]]
         else:
-            keys = _gather_paged(k_cache, block_tables[b], first, len_k)
-            values = _gather_paged(v_cache, block_tables[b], first, len_k)
+            keys = dequantize_kv_torch(_gather_paged(k_cache, block_tables[b], first, len_k),
+                                       k_scale)
+            values = dequantize_kv_torch(_gather_paged(v_cache, block_tables[b], first, len_k),
+                                         v_scale)
         for c in range(0, len_q, _QUERY_CHUNK):
             c_end = min(c + _QUERY_CHUNK, len_q)
             # Query i sits at position len_k - len_q + i (a cached prefix precedes the new tokens).
@@ -117,8 +127,11 @@ def decode_attention_torch(
     scale: float,
     num_splits: int | None = None,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """One query per sequence (q [B, H, D]) over its context_lens[b] cached keys; 0 -> zeros."""
+    """One query per sequence (q [B, H, D]) over its context_lens[b] cached keys (an FP8 cache
+    dequantized with k_scale, v_scale); 0 -> zeros."""
     del num_splits  # accepted for signature parity with the Triton version
     window = check_sliding_window(sliding_window)
     out = torch.zeros_like(q)
@@ -127,8 +140,9 @@ def decode_attention_torch(
             continue
         # The query sits at position length - 1; keys before the window are never gathered.
         start = _window_start(length - 1, window)
-        keys = _gather_paged(k_cache, block_tables[b], start, length)
-        values = _gather_paged(v_cache, block_tables[b], start, length)
+        keys = dequantize_kv_torch(_gather_paged(k_cache, block_tables[b], start, length), k_scale)
+        values = dequantize_kv_torch(_gather_paged(v_cache, block_tables[b], start, length),
+                                     v_scale)
         q_pos = torch.full((1,), length - 1, device=q.device)
         out[b] = _attend(q[b : b + 1], keys, values, q_pos, scale, start, window)[0]
     return out

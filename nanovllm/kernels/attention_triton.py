@@ -1,4 +1,8 @@
-"""Triton paged attention: flash-attention prefill and split-KV (flash-decoding) decode."""
+"""Triton paged attention: flash-attention prefill and split-KV (flash-decoding) decode.
+
+Paged reads take an FP8 cache too: its rows widen exactly to the query dtype for tl.dot, and
+the layer's scales are folded in, k_scale into the softmax scale and v_scale into the output.
+"""
 
 import torch
 import triton
@@ -52,7 +56,7 @@ def _softmax_step(q, k_t, v, visible, m_i, l_i, acc, qk_scale, PRECISION: tl.con
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr, block_tables_ptr,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
-    stride_bt, qk_scale, num_seqs, window,
+    stride_bt, qk_scale, v_scale, num_seqs, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEQS_P2: tl.constexpr, PAGED: tl.constexpr,
     PRECISION: tl.constexpr, SLIDING: tl.constexpr,
@@ -97,9 +101,9 @@ def _prefill_kernel(
         if SLIDING:
             in_seq &= k_pos >= lo
         k_t = tl.load(k_ptr + rows[None, :] * stride_kn + kv_head * stride_kh + offs_d[:, None],
-                      mask=in_seq[None, :], other=0.0)
+                      mask=in_seq[None, :], other=0.0).to(q.dtype)
         v = tl.load(v_ptr + rows[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :],
-                    mask=in_seq[:, None], other=0.0)
+                    mask=in_seq[:, None], other=0.0).to(q.dtype)
         visible = (k_pos[None, :] <= q_pos[:, None]) & in_seq[None, :]
         if SLIDING:
             visible &= q_pos[:, None] - k_pos[None, :] < window
@@ -107,7 +111,7 @@ def _prefill_kernel(
                                       SLIDING)
     if SLIDING:  # padding rows past len_q may see no key at all: keep them finite
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
-    acc = acc / l_i[:, None]
+    acc = acc / l_i[:, None] * v_scale
     o_ptrs = out_ptr + q_rows[:, None] * stride_on + head * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -138,8 +142,11 @@ def prefill_attention_triton(
     scale: float,
     max_seqlen_q: int | None = None,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Causal varlen flash attention; keys from dense k/v, or the paged cache via block_tables."""
+    """Causal varlen flash attention; keys from dense k/v, or the paged cache via block_tables
+    (an FP8 cache dequantized with k_scale, v_scale)."""
     window = check_sliding_window(sliding_window)
     num_q, num_heads, head_dim = q.shape
     num_seqs = cu_seqlens_q.numel() - 1
@@ -158,13 +165,15 @@ def prefill_attention_triton(
         num_tiles = min(num_tiles, num_seqs * triton.cdiv(max_seqlen_q, block_m))
     if paged:  # the cache is addressed as [num_slots, Hkv, D]
         strides = (keys.stride(1), keys.stride(2), values.stride(1), values.stride(2))
-    else:
+    else:  # this step's own k/v, never quantized
         strides = (keys.stride(0), keys.stride(1), values.stride(0), values.stride(1))
+        k_scale = v_scale = 1.0
     _prefill_kernel[(num_tiles, num_heads)](
         q, keys, values, out, cu_seqlens_q, cu_seqlens_k,
         block_tables if paged else cu_seqlens_q,  # dummy pointer in dense mode
         q.stride(0), q.stride(1), *strides, out.stride(0), out.stride(1),
-        block_tables.stride(0) if paged else 0, scale * _LOG2E, num_seqs, window,
+        block_tables.stride(0) if paged else 0, scale * _LOG2E * k_scale, v_scale, num_seqs,
+        window,
         GROUP=num_heads // keys.shape[-2], HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PRECISION=dot_precision(q.dtype),
         SLIDING=window > 0,
@@ -195,8 +204,8 @@ def _check_shapes(
 @triton.jit(do_not_specialize=["num_splits", "window"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, context_lens_ptr, block_tables_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr, stride_qb, stride_qh, stride_bt, qk_scale, num_splits,
-    window,
+    part_m_ptr, part_l_ptr, part_acc_ptr, stride_qb, stride_qh, stride_bt, qk_scale, v_scale,
+    num_splits, window,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, SLIDING: tl.constexpr,
@@ -234,16 +243,17 @@ def _decode_split_kernel(
             in_split &= start_n + offs_n >= lo
         cache_offs = rows * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
         k_t = tl.load(k_cache_ptr + cache_offs[None, :] + offs_d[:, None],
-                      mask=in_split[None, :], other=0.0)
+                      mask=in_split[None, :], other=0.0).to(q.dtype)
         v = tl.load(v_cache_ptr + cache_offs[:, None] + offs_d[None, :],
-                    mask=in_split[:, None], other=0.0)
+                    mask=in_split[:, None], other=0.0).to(q.dtype)
         m_i, l_i, acc = _softmax_step(q, k_t, v, in_split[None, :], m_i, l_i, acc, qk_scale,
                                       PRECISION)
     # Partials [B, H, splits(, D)]; an empty split stores m=-inf, l=0, acc=0.
     part = ((seq * NUM_KV_HEADS + kv_head) * GROUP + offs_g) * num_splits + split
     tl.store(part_m_ptr + part, m_i, mask=g_mask)
     tl.store(part_l_ptr + part, l_i, mask=g_mask)
-    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc * v_scale,
+             mask=g_mask[:, None])
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -286,8 +296,11 @@ def decode_attention_triton(
     scale: float,
     num_splits: int | None = None,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Flash-decoding: q [B, H, D] (one query per sequence) over its paged context; 0 -> zeros."""
+    """Flash-decoding: q [B, H, D] (one query per sequence) over its paged context (an FP8 cache
+    dequantized with k_scale, v_scale); 0 -> zeros."""
     window = check_sliding_window(sliding_window)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -309,7 +322,8 @@ def decode_attention_triton(
                            device=q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, context_lens, block_tables, part_m, part_l, part_acc,
-        q.stride(0), q.stride(1), block_tables.stride(0), scale * _LOG2E, num_splits, window,
+        q.stride(0), q.stride(1), block_tables.stride(0), scale * _LOG2E * k_scale, v_scale,
+        num_splits, window,
         GROUP=group, GROUP_P2=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         PRECISION=dot_precision(q.dtype), SLIDING=window > 0, num_warps=4,

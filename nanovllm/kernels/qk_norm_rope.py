@@ -5,6 +5,9 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.kv_quant import FP8_DTYPE
+from nanovllm.kernels.store_kvcache import quantize_kv
+
 
 @triton.jit
 def _norm_rope(src, stride_h, w_ptr, cos, sin, eps, dtype, HEADS: tl.constexpr,
@@ -35,9 +38,11 @@ def _norm_rope(src, stride_h, w_ptr, cos, sin, eps, dtype, HEADS: tl.constexpr,
 def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, pos_ptr,
                          cache_ptr, stride_qn, stride_qh, stride_kn, stride_kh, stride_cache,
                          eps, v_ptr, stride_vn, stride_vh, k_cache_ptr, v_cache_ptr, slot_ptr,
+                         k_inv_scale, v_inv_scale,
                          NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                          Q_HEADS_P2: tl.constexpr, KV_HEADS_P2: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, STORE_KV: tl.constexpr, NORM: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, STORE_KV: tl.constexpr, NORM: tl.constexpr,
+                         FP8: tl.constexpr):
     """Grid (N,): normalise and rotate every q and k head of one token (one program per token,
     not per head: prefill launches ~16k programs, not ~400k); with STORE_KV also write the
     rotated k and the v to the token's cache slot."""
@@ -67,22 +72,29 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, p
         if slot >= 0:
             # The cache is contiguous [num_slots, Hkv, D]; int64, it can exceed 2^31 elements.
             offs = (slot * NUM_KV_HEADS + heads) * HEAD_DIM + lo
-            tl.store(k_cache_ptr + offs, k1, mask=mask)
-            tl.store(k_cache_ptr + offs + HALF, k2, mask=mask)
+            kv_dtype = k_cache_ptr.dtype.element_ty
+            tl.store(k_cache_ptr + offs, quantize_kv(k1, k_inv_scale, kv_dtype, FP8), mask=mask)
+            tl.store(k_cache_ptr + offs + HALF, quantize_kv(k2, k_inv_scale, kv_dtype, FP8),
+                     mask=mask)
             v_src = v_ptr + tok * stride_vn + heads * stride_vh + lo
-            tl.store(v_cache_ptr + offs, tl.load(v_src, mask=mask), mask=mask)
-            tl.store(v_cache_ptr + offs + HALF, tl.load(v_src + HALF, mask=mask), mask=mask)
+            v1 = tl.load(v_src, mask=mask)
+            v2 = tl.load(v_src + HALF, mask=mask)
+            tl.store(v_cache_ptr + offs, quantize_kv(v1, v_inv_scale, kv_dtype, FP8), mask=mask)
+            tl.store(v_cache_ptr + offs + HALF, quantize_kv(v2, v_inv_scale, kv_dtype, FP8),
+                     mask=mask)
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                  q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-                 cos_sin_cache: torch.Tensor, eps: float, kv_store: tuple | None = None
+                 cos_sin_cache: torch.Tensor, eps: float, kv_store: tuple | None = None,
+                 kv_scales: tuple[float, float] = (1.0, 1.0)
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE(RMSNorm(q)), RoPE(RMSNorm(k)) as new contiguous tensors; q [N, Hq, D], k [N, Hkv, D].
     Without weights (None) no norm: RoPE(q), RoPE(k).
 
     kv_store = (v, k_cache, v_cache, slot_mapping) also does store_kvcache's work: the rotated
-    k and v [N, Hkv, D] go to caches [num_blocks, block_size, Hkv, D]; a slot < 0 skips.
+    k and v [N, Hkv, D] go to caches [num_blocks, block_size, Hkv, D]; a slot < 0 skips. An
+    FP8 cache stores k / kv_scales[0] and v / kv_scales[1].
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -106,7 +118,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         v, k_cache, v_cache, slot_mapping = kv_store
         assert v.shape == k.shape and v.stride(-1) == 1 and v.dtype == k.dtype
         assert k_cache.is_contiguous() and v_cache.is_contiguous()
-        assert k_cache.dtype == v_cache.dtype == k.dtype
+        assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (k.dtype, FP8_DTYPE)
         assert k_cache.shape[-2:] == (num_kv_heads, head_dim) and v_cache.shape == k_cache.shape
         assert slot_mapping.shape == (num_tokens,)
     if num_tokens > 0:
@@ -114,8 +126,9 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
             q, k, q_out, k_out, q_weight, k_weight, positions, cos_sin_cache,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), eps,
             v, v.stride(0), v.stride(1), k_cache, v_cache, slot_mapping,
+            1.0 / kv_scales[0], 1.0 / kv_scales[1],
             NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
             Q_HEADS_P2=triton.next_power_of_2(num_q_heads),
             KV_HEADS_P2=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
-            STORE_KV=kv_store is not None, NORM=norm)
+            STORE_KV=kv_store is not None, NORM=norm, FP8=k_cache.dtype == FP8_DTYPE)
     return q_out, k_out

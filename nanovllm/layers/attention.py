@@ -1,10 +1,21 @@
 """Attention over the paged KV cache: q/k norm, RoPE, the K/V write, then the backend's kernels."""
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
+from nanovllm.kernels.kv_quant import FP8_MAX
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.utils.context import get_context
+
+logger = logging.getLogger(__name__)
+# Calibrated FP8 scales leave this much headroom over the warm-up's amax: real prompts may run
+# larger, and e4m3 keeps 3 mantissa bits across its normal range, so headroom costs only the
+# smallest values (a factor 2 moves the subnormal edge up by one binade).
+KV_SCALE_MARGIN = 2.0
 
 
 class Attention(nn.Module):
@@ -29,6 +40,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps=qk_norm_eps) if norm else None
         self.k_norm = RMSNorm(head_dim, eps=qk_norm_eps) if norm else None
         self.k_cache = self.v_cache = torch.tensor([])
+        # An FP8 cache holds K / k_scale and V / v_scale (set by the ModelRunner; 1.0 otherwise)
+        self.k_scale = self.v_scale = 1.0
+        self.kv_amax: torch.Tensor | None = None  # [2] running max |K|, |V| while calibrating
         self.backend = None
 
     def kv_store_args(self, v: torch.Tensor) -> tuple | None:
@@ -42,8 +56,32 @@ class Attention(nn.Module):
                 v: torch.Tensor) -> torch.Tensor:
         ctx, backend = get_context(), self.backend
         q, k = backend.rope_and_store(self, positions, q, k, v)
+        if self.kv_amax is not None:
+            amax = torch.stack([k.abs().amax(), v.abs().amax()]).float()
+            self.kv_amax = torch.maximum(self.kv_amax, amax)
+        kv_scales = (self.k_scale, self.v_scale)
         if ctx.is_prefill:
             return backend.prefill(q, k, v, self.k_cache, self.v_cache, ctx, self.scale,
-                                   self.sliding_window)
+                                   self.sliding_window, kv_scales)
         return backend.decode(q, self.k_cache, self.v_cache, ctx, self.scale,
-                              self.sliding_window)
+                              self.sliding_window, kv_scales)
+
+
+@contextmanager
+def kv_scale_calibration(layers: list[Attention], device: torch.device) -> Iterator[None]:
+    """Forward passes inside the block record each layer's max |K| and |V|; when it ends, each
+    layer's k_scale, v_scale = KV_SCALE_MARGIN * amax / 448 (1.0 where the amax is 0)."""
+    for attn in layers:
+        attn.kv_amax = torch.zeros(2, device=device)
+    try:
+        yield
+        amax = torch.stack([attn.kv_amax for attn in layers]).tolist()  # one sync
+        for attn, (k_amax, v_amax) in zip(layers, amax):
+            attn.k_scale, attn.v_scale = (KV_SCALE_MARGIN * a / FP8_MAX if a > 0 else 1.0
+                                          for a in (k_amax, v_amax))
+        logger.info("FP8 KV scales from the warm-up: k %.3g..%.3g, v %.3g..%.3g",
+                    *(f([getattr(a, name) for a in layers]) for name in ("k_scale", "v_scale")
+                      for f in (min, max)))
+    finally:
+        for attn in layers:
+            attn.kv_amax = None

@@ -6,6 +6,11 @@ the reference, on CUDA too (experts as a loop over experts); "triton" and "flash
 q/k norm + RoPE + K/V write into one kernel, run RMSNorm and SiLU-and-mul as Triton kernels on
 CUDA, and run experts with the fused Triton MoE kernel. Kernel modules are imported lazily: CPU
 runs never import Triton.
+
+An FP8 KV cache (kv_cache_dtype="fp8") is written quantized and dequantized by every reader; its
+prefill reads this step's K/V back from the cache too, so that every query sees the same
+quantized keys whether or not its prefix was cached. flash-attn never serves it: the installed
+build takes descale factors through **kwargs and ignores them.
 """
 import importlib.util
 import logging
@@ -14,6 +19,7 @@ import os
 import torch
 from torch import nn
 
+from nanovllm.kernels.kv_quant import FP8_DTYPE
 from nanovllm.utils.context import Context
 
 logger = logging.getLogger(__name__)
@@ -38,31 +44,38 @@ class TorchBackend:
                        k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE(norm(q)), RoPE(norm(k)) (no norm when attn has none), writing K/V to the cache."""
         kv_store = attn.kv_store_args(v)
+        kv_scales = (attn.k_scale, attn.v_scale)
         if self.fused_ops:
             from nanovllm.kernels.qk_norm_rope import qk_norm_rope
             norm = attn.q_norm is not None
             return qk_norm_rope(q, k, positions, attn.q_norm.weight if norm else None,
                                 attn.k_norm.weight if norm else None,
                                 attn.rotary_emb.cos_sin_cache,
-                                attn.q_norm.eps if norm else 0.0, kv_store)
+                                attn.q_norm.eps if norm else 0.0, kv_store, kv_scales)
         if attn.q_norm is not None:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = attn.rotary_emb(positions, q, k)
         if kv_store:
-            self.store_kvcache(k, *kv_store)
+            self.store_kvcache(k, *kv_store, *kv_scales)
         return q, k
 
     def prefill(self, q, k, v, k_cache, v_cache, ctx: Context, scale: float,
-                sliding_window: int | None) -> torch.Tensor:
-        block_tables = ctx.block_tables if ctx.prefix_cached else None
+                sliding_window: int | None, kv_scales: tuple[float, float] = (1.0, 1.0)
+                ) -> torch.Tensor:
+        # An FP8 cache is always read back (see the module docstring); block_tables is set
+        # whenever the step writes the cache.
+        paged = ctx.block_tables is not None and (ctx.prefix_cached or k_cache.dtype == FP8_DTYPE)
         return self._prefill(q, k, v, k_cache, v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
-                             block_tables, scale, max_seqlen_q=ctx.max_seqlen_q,
-                             sliding_window=sliding_window)
+                             ctx.block_tables if paged else None, scale,
+                             max_seqlen_q=ctx.max_seqlen_q, sliding_window=sliding_window,
+                             k_scale=kv_scales[0], v_scale=kv_scales[1])
 
     def decode(self, q, k_cache, v_cache, ctx: Context, scale: float,
-               sliding_window: int | None) -> torch.Tensor:
+               sliding_window: int | None, kv_scales: tuple[float, float] = (1.0, 1.0)
+               ) -> torch.Tensor:
         return self._decode(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables, scale,
-                            sliding_window=sliding_window)
+                            sliding_window=sliding_window, k_scale=kv_scales[0],
+                            v_scale=kv_scales[1])
 
 
 class TritonBackend(TorchBackend):
@@ -104,7 +117,9 @@ class FlashAttnBackend(TorchBackend):
         return {} if sliding_window is None else {"window_size": (sliding_window - 1, 0)}
 
     def prefill(self, q, k, v, k_cache, v_cache, ctx: Context, scale: float,
-                sliding_window: int | None) -> torch.Tensor:
+                sliding_window: int | None, kv_scales: tuple[float, float] = (1.0, 1.0)
+                ) -> torch.Tensor:
+        assert k_cache.dtype != FP8_DTYPE, "select_backend never gives flash-attn an FP8 cache"
         if ctx.prefix_cached:
             k, v = k_cache, v_cache
         return self._varlen(q, k, v, cu_seqlens_q=ctx.cu_seqlens_q, cu_seqlens_k=ctx.cu_seqlens_k,
@@ -114,25 +129,33 @@ class FlashAttnBackend(TorchBackend):
                             block_table=ctx.block_tables if ctx.prefix_cached else None)
 
     def decode(self, q, k_cache, v_cache, ctx: Context, scale: float,
-               sliding_window: int | None) -> torch.Tensor:
+               sliding_window: int | None, kv_scales: tuple[float, float] = (1.0, 1.0)
+               ) -> torch.Tensor:
+        assert k_cache.dtype != FP8_DTYPE, "select_backend never gives flash-attn an FP8 cache"
         out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx.context_lens,
                                  block_table=ctx.block_tables, softmax_scale=scale, causal=True,
                                  **self._window(sliding_window))
         return out.squeeze(1)
 
 
-def check_attention_backend(name: str, device: str, dtype: torch.dtype) -> str:
-    """The backend `name` resolves to ('auto': flash-attn if importable on CUDA with fp16/bf16,
-    else triton on CUDA, torch on CPU); raises, naming the value, when it cannot run."""
+def check_attention_backend(name: str, device: str, dtype: torch.dtype,
+                            kv_cache_dtype: str = "auto") -> str:
+    """The backend `name` resolves to ('auto': flash-attn if importable on CUDA with fp16/bf16
+    and a cache in the model dtype, else triton on CUDA, torch on CPU); raises, naming the
+    value, when it cannot run."""
     if name not in ("auto", *BACKENDS):
         raise ValueError(f"attention_backend={name!r} is invalid: expected one of "
                          f"{['auto', *BACKENDS]}")
+    if name == "flash-attn" and kv_cache_dtype == "fp8":
+        raise ValueError("attention_backend='flash-attn' cannot read kv_cache_dtype='fp8' (the "
+                         "installed flash-attn ignores FP8 descale factors): use 'triton' or "
+                         "'auto'")
     has_flash = importlib.util.find_spec("flash_attn") is not None
     half = dtype in (torch.float16, torch.bfloat16)  # FlashAttention has no float32 kernels
     if name == "auto":
         if device != "cuda":
             return "torch"
-        return "flash-attn" if has_flash and half else "triton"
+        return "flash-attn" if has_flash and half and kv_cache_dtype == "auto" else "triton"
     if name == "flash-attn" and not has_flash:
         raise ImportError("attention_backend='flash-attn' needs flash-attn: "
                           "pip install 'nanovllm[flash]'")
@@ -144,9 +167,10 @@ def check_attention_backend(name: str, device: str, dtype: torch.dtype) -> str:
     return name
 
 
-def select_backend(device: str, dtype: torch.dtype, name: str = "auto") -> TorchBackend:
+def select_backend(device: str, dtype: torch.dtype, name: str = "auto",
+                   kv_cache_dtype: str = "auto") -> TorchBackend:
     """Build the backend `name` resolves to and log the whole kernel choice once."""
-    name = check_attention_backend(name, device, dtype)
+    name = check_attention_backend(name, device, dtype, kv_cache_dtype)
     fused_ops = device == "cuda" and name != "torch"
     backend = {"flash-attn": FlashAttnBackend, "triton": TritonBackend,
                "torch": TorchBackend}[name](fused_ops)
@@ -155,6 +179,9 @@ def select_backend(device: str, dtype: torch.dtype, name: str = "auto") -> Torch
                 "torch loop" if name == "torch" else "fused Triton kernel",
                 "; no CUDA graphs (eager decode)" if device == "cuda" and not backend.cuda_graphs
                 else "")
+    if kv_cache_dtype == "fp8":
+        logger.info("FP8 KV cache: read and written by the %s kernels (never flash-attn: the "
+                    "installed build ignores FP8 descale factors)", name)
     return backend
 
 

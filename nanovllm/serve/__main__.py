@@ -22,7 +22,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             continue
         flag = "--" + f.name.replace("_", "-")
         if f.type is bool:
-            engine.add_argument(flag, action="store_true", help="flag (default off)")
+            engine.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=f"default {'on' if f.default else 'off'}")
         else:  # `int | None` (None: decided by the checkpoint) parses as int
             parse = next((t for t in typing.get_args(f.type) if t is not type(None)), f.type)
             engine.add_argument(flag, type=parse, default=f.default, help=f"default {f.default}")
