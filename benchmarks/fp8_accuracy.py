@@ -69,6 +69,10 @@ def teacher_forced(llm, batch: list[list[int]], forced: list[list[int]] | None
                 seq.block_table.append(next(next_block))
         if step + 1 < NUM_TOKENS:
             logits.append(runner.run_model(*runner.prepare_decode(seqs))[:len(seqs)].float())
+            # prepare_decode packs into two alternating pinned buffers, which is safe only once
+            # the step before last has run (the engine waits on every step's ids; a forced
+            # run reads none, so it must wait here).
+            runner.wait_idle()
     return tokens, logits
 
 
