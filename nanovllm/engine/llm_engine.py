@@ -226,7 +226,7 @@ class LLMEngine:
         groups: list[list[Sequence]] = []
         pbar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True,
                     disable=not use_tqdm)
-        prefill_tps = decode_tps = 0.0
+        tok_s = [0.0, 0.0]  # prefill, decode: the last step's rate of each kind
         try:
             for token_ids, sp in requests:
                 groups.append(self._queue(token_ids, sp))
@@ -235,13 +235,9 @@ class LLMEngine:
                 t = perf_counter()
                 finished, num_tokens = self._step()
                 if use_tqdm and num_tokens:  # formatting costs more than a step's scheduling
-                    elapsed = perf_counter() - t
-                    if num_tokens > 0:
-                        prefill_tps = num_tokens / elapsed
-                    else:
-                        decode_tps = -num_tokens / elapsed
-                    pbar.set_postfix(Prefill=f"{int(prefill_tps)}tok/s",
-                                     Decode=f"{int(decode_tps)}tok/s", refresh=False)
+                    tok_s[num_tokens < 0] = abs(num_tokens) / (perf_counter() - t)
+                    pbar.set_postfix(Prefill=f"{int(tok_s[0])}tok/s",
+                                     Decode=f"{int(tok_s[1])}tok/s", refresh=False)
                 for group in self._requests.finished(finished):
                     if group[0].request_id in own:
                         pbar.update(1)
