@@ -1,4 +1,6 @@
 """Hugging Face transformers as the reference implementation."""
+import random
+
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -25,3 +27,14 @@ def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
 def hf_last_logits(model, prompt: list[int]) -> torch.Tensor:
     device = next(model.parameters()).device
     return model(torch.tensor([prompt], device=device)).logits[0, -1].float().cpu()
+
+
+def token_prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    """Random token-id prompts of the given lengths (ids 1..499: inside every tiny vocabulary)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 500) for _ in range(n)] for n in lengths]
+
+
+def ids(outputs: list[dict]) -> list[list[int]]:
+    """The token ids of generate()'s outputs."""
+    return [o["token_ids"] for o in outputs]

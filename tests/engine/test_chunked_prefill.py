@@ -1,12 +1,11 @@
 """Chunked prefill on every target (tests/targets.py): prompts longer than the token budget are
 prefilled over several steps and give transformers' greedy tokens; chunk edges on and off the
 256-token block edges, with prefix-cache hits, preemption mid-prefill, and TP=2 (gloo)."""
-import random
 
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from tests.reference import hf_greedy, load_hf
+from tests.reference import hf_greedy, ids, load_hf, token_prompts
 from tests.targets import make_target, target_params
 
 N = 8  # generated tokens per request
@@ -21,15 +20,6 @@ def target(request):
 
 def greedy(max_tokens: int = N) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def token_prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1, 500) for _ in range(n)] for n in lengths]
-
-
-def ids(outputs: list[dict]) -> list[list[int]]:
-    return [o["token_ids"] for o in outputs]
 
 
 @pytest.mark.parametrize("budget", [100, 256, 300])  # chunk edges off, on, off block edges

@@ -1,28 +1,18 @@
 """FP8 KV cache end to end on CPU (torch backend): transformers with its K/V rounded the same way
 as the reference, and exact invariance under prefix caching, preemption and chunked prefill."""
-import random
 
 import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels.kv_quant import FP8_DTYPE, dequantize_kv_torch, quantize_kv_torch
-from tests.reference import hf_greedy, load_hf
+from tests.reference import hf_greedy, ids, load_hf, token_prompts
 
 N = 12  # generated tokens per request
 
 
 def greedy(max_tokens: int = N) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def token_prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1, 500) for _ in range(n)] for n in lengths]
-
-
-def ids(outputs: list[dict]) -> list[list[int]]:
-    return [o["token_ids"] for o in outputs]
 
 
 def fake_quant(x: torch.Tensor) -> torch.Tensor:
