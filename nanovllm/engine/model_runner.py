@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.engine.cuda_graphs import capture_decode_graphs
 from nanovllm.engine.prompt_logprobs import prompt_logprobs, wants_prompt_logprobs
 from nanovllm.engine.sampled_ids import SampledIds
 from nanovllm.engine.sequence import Sequence
@@ -286,36 +287,10 @@ class ModelRunner:
             sampled.wait()
         return sampled
 
-    @torch.inference_mode()
     def capture_cudagraph(self) -> None:
-        """Capture decode graphs for batch sizes 2, 3, 4, 6, 8, 12, 16, 24, ... max (powers of
-        two and their midpoints), largest first.
-
-        A decode step reads every weight whatever its batch, so padding a batch up to the next
-        size costs little, and fewer graphs start faster (upstream captures every 16th). No
-        graph of 1 (unless max_num_seqs is 1): a lone sequence runs in the graph of 2. Each
-        graph reads its own packed input buffer (see DecodeInputs) and all write their hidden
-        states into one shared output buffer; graphs share one memory pool.
-        """
-        max_bs = min(self.config.max_num_seqs, 512)
-        ladder = sorted({b * m // 2 for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) for m in (2, 3)})
-        self.graph_bs = [b for b in ladder if 1 < b < max_bs] + [max_bs]
-        self.graph_outputs = torch.zeros(max_bs, self.config.hf_config.hidden_size,
-                                         dtype=self.config.torch_dtype, device=self.device)
-        pool = None
-        for bs in reversed(self.graph_bs):
-            buf = torch.zeros(DecodeInputs.size(bs, self.max_num_blocks), dtype=torch.int32,
-                              device=self.device)
-            input_ids, positions, _, context = DecodeInputs.unpack(buf, bs, self.max_num_blocks)
-            context.slot_mapping.fill_(-1)  # capture runs write nothing into the KV cache
-            graph = torch.cuda.CUDAGraph()
-            with forward_context(context):
-                self.graph_outputs[:bs] = self.model(input_ids, positions)  # warm up
-                with torch.cuda.graph(graph, pool):
-                    self.graph_outputs[:bs] = self.model(input_ids, positions)
-            pool = pool or graph.pool()
-            self.graphs[bs], self.graph_inputs[bs] = graph, buf
-            torch.cuda.synchronize()
+        """Capture the decode graphs (see cuda_graphs.capture_decode_graphs)."""
+        self.graph_bs, self.graphs, self.graph_inputs, self.graph_outputs = (
+            capture_decode_graphs(self.model, self.config, self.max_num_blocks, self.device))
 
     def shutdown(self) -> None:
         """Free graphs, the KV pool and the weights."""

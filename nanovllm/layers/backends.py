@@ -85,12 +85,17 @@ class TritonBackend(TorchBackend):
     cuda_graphs = True
 
     def __init__(self, fused_ops: bool = False) -> None:
-        from nanovllm.kernels import attention_triton, fused_moe, store_kvcache
+        from nanovllm.kernels import (
+            attention_triton,
+            attention_triton_decode,
+            fused_moe,
+            store_kvcache,
+        )
         self.fused_ops = fused_ops
         self.fused_moe = fused_moe.fused_moe
         self.store_kvcache = store_kvcache.store_kvcache
         self._prefill = attention_triton.prefill_attention_triton  # same signatures
-        self._decode = attention_triton.decode_attention_triton
+        self._decode = attention_triton_decode.decode_attention_triton
 
 
 class FlashAttnBackend(TorchBackend):

@@ -20,17 +20,28 @@ def cached_prefix_batch() -> list[list[int]]:
     return batch + [batch[3][:512] + [7, 8, 9, 10, 11]]
 
 
-@pytest.mark.parametrize("backend, eager", [("triton", True), ("triton", False),
-                                            ("torch", False)],
-                         ids=["triton-eager", "triton-graphs", "torch"])
+BACKENDS = pytest.mark.parametrize("backend, eager", [("triton", True), ("triton", False),
+                                                     ("torch", False)],
+                                   ids=["triton-eager", "triton-graphs", "torch"])
+
+
+def float32_engine(path: str, backend: str, eager: bool) -> LLM:
+    """A small float32 engine on CUDA, checked to capture graphs exactly when it should (the
+    torch backend's decode reads lengths on the host: never captured)."""
+    llm = LLM(path, attention_backend=backend, enforce_eager=eager, dtype="float32",
+              max_num_seqs=16, max_model_len=1024, num_kvcache_blocks=64)
+    if llm.model_runner.use_cuda_graph != (backend == "triton" and not eager):
+        llm.shutdown()
+        raise AssertionError(f"use_cuda_graph wrong for {backend}, eager={eager}")
+    return llm
+
+
+@BACKENDS
 @pytest.mark.parametrize("name", list(FAMILY_CHECKPOINTS))
 def test_float32_greedy_matches_transformers(family_checkpoints, name, backend, eager):
     path, batch = family_checkpoints[name], cached_prefix_batch()
-    llm = LLM(path, attention_backend=backend, enforce_eager=eager, dtype="float32",
-              max_num_seqs=16, max_model_len=1024, num_kvcache_blocks=64)
+    llm = float32_engine(path, backend, eager)
     try:
-        # the torch backend's decode reads lengths on the host: never captured in a graph
-        assert llm.model_runner.use_cuda_graph == (backend == "triton" and not eager)
         first = llm.generate(batch[:4], GREEDY, use_tqdm=False)
         llm.reset_stats()
         second = llm.generate(batch[4:], GREEDY, use_tqdm=False)

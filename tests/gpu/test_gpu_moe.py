@@ -3,8 +3,9 @@ kernel (eager and CUDA graphs) and with the plain-torch backend (the loop over e
 import pytest
 import torch
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import SamplingParams
 from tests.conftest import MOE_CHECKPOINTS
+from tests.gpu.test_gpu_families import BACKENDS, float32_engine
 from tests.models.test_families import prompts
 from tests.reference import hf_greedy, load_hf
 
@@ -13,16 +14,12 @@ NUM_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
 
 
-@pytest.mark.parametrize("backend, eager", [("triton", True), ("triton", False),
-                                            ("torch", False)],
-                         ids=["triton-eager", "triton-graphs", "torch"])
+@BACKENDS
 @pytest.mark.parametrize("name", list(MOE_CHECKPOINTS))
 def test_float32_greedy_matches_transformers(moe_checkpoints, name, backend, eager):
     path, batch = moe_checkpoints[name], prompts()
-    llm = LLM(path, attention_backend=backend, enforce_eager=eager, dtype="float32",
-              max_num_seqs=16, max_model_len=1024, num_kvcache_blocks=64)
+    llm = float32_engine(path, backend, eager)
     try:
-        assert llm.model_runner.use_cuda_graph == (backend == "triton" and not eager)
         ours = [o["token_ids"] for o in llm.generate(batch, GREEDY, use_tqdm=False)]
     finally:
         llm.shutdown()

@@ -18,10 +18,10 @@ from nanovllm.kernels.attention_torch import (  # noqa: E402
     decode_attention_torch,
     prefill_attention_torch,
 )
-from nanovllm.kernels.attention_triton import (  # noqa: E402
+from nanovllm.kernels.attention_triton import prefill_attention_triton  # noqa: E402
+from nanovllm.kernels.attention_triton_decode import (  # noqa: E402
     _num_splits,
     decode_attention_triton,
-    prefill_attention_triton,
 )
 from nanovllm.kernels.store_kvcache import store_kvcache  # noqa: E402
 

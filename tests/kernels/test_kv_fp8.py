@@ -16,10 +16,8 @@ from nanovllm.kernels.attention_torch import (  # noqa: E402
     decode_attention_torch,
     prefill_attention_torch,
 )
-from nanovllm.kernels.attention_triton import (  # noqa: E402
-    decode_attention_triton,
-    prefill_attention_triton,
-)
+from nanovllm.kernels.attention_triton import prefill_attention_triton  # noqa: E402
+from nanovllm.kernels.attention_triton_decode import decode_attention_triton  # noqa: E402
 from nanovllm.kernels.kv_quant import FP8_DTYPE, FP8_MAX, quantize_kv_torch  # noqa: E402
 from nanovllm.kernels.qk_norm_rope import qk_norm_rope  # noqa: E402
 from nanovllm.kernels.store_kvcache import store_kvcache, store_kvcache_torch  # noqa: E402

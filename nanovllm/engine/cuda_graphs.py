@@ -1,0 +1,43 @@
+"""CUDA graphs for decode: one captured forward per batch size, replayed by the ModelRunner."""
+import torch
+from torch import nn
+
+from nanovllm.config import Config
+from nanovllm.engine.step_inputs import DecodeInputs
+from nanovllm.utils.context import forward_context
+
+
+@torch.inference_mode()  # graph input buffers are inference tensors
+def capture_decode_graphs(model: nn.Module, config: Config, max_num_blocks: int,
+                          device: torch.device
+                          ) -> tuple[list[int], dict[int, torch.cuda.CUDAGraph],
+                                     dict[int, torch.Tensor], torch.Tensor]:
+    """Capture decode graphs for batch sizes 2, 3, 4, 6, 8, 12, 16, 24, ... max (powers of two
+    and their midpoints), largest first; returns (sizes, graphs, input buffers, output buffer).
+
+    A decode step reads every weight whatever its batch, so padding a batch up to the next size
+    costs little, and fewer graphs start faster (upstream captures every 16th). No graph of 1
+    (unless max_num_seqs is 1): a lone sequence runs in the graph of 2. Each graph reads its own
+    packed input buffer (see DecodeInputs) and all write their hidden states into one shared
+    output buffer; graphs share one memory pool.
+    """
+    max_bs = min(config.max_num_seqs, 512)
+    ladder = sorted({b * m // 2 for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) for m in (2, 3)})
+    graph_bs = [b for b in ladder if 1 < b < max_bs] + [max_bs]
+    outputs = torch.zeros(max_bs, config.hf_config.hidden_size, dtype=config.torch_dtype,
+                          device=device)
+    graphs, inputs, pool = {}, {}, None
+    for bs in reversed(graph_bs):
+        buf = torch.zeros(DecodeInputs.size(bs, max_num_blocks), dtype=torch.int32,
+                          device=device)
+        input_ids, positions, _, context = DecodeInputs.unpack(buf, bs, max_num_blocks)
+        context.slot_mapping.fill_(-1)  # capture runs write nothing into the KV cache
+        graph = torch.cuda.CUDAGraph()
+        with forward_context(context):
+            outputs[:bs] = model(input_ids, positions)  # warm up
+            with torch.cuda.graph(graph, pool):
+                outputs[:bs] = model(input_ids, positions)
+        pool = pool or graph.pool()
+        graphs[bs], inputs[bs] = graph, buf
+        torch.cuda.synchronize()
+    return graph_bs, graphs, inputs, outputs

@@ -1,0 +1,149 @@
+"""Triton split-KV (flash-decoding) decode over the paged cache: each (sequence, KV head, split)
+program attends its slice of the context for the query heads of that KV head, and a reduce
+kernel merges the splits' softmax partials. An FP8 cache is read as in attention_triton.py.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels import attention_triton  # dot_precision looked up per call (tests patch it)
+from nanovllm.kernels.attention_torch import check_sliding_window
+from nanovllm.kernels.attention_triton import LOG2E, check_shapes, softmax_step
+
+_MIN_SPLIT_LEN = 256  # fewest keys worth a split of their own
+_TARGET_PROGRAMS = 512  # enough programs to fill an H100/H200 a few times over
+_MAX_SPLITS = 64
+
+
+@triton.jit(do_not_specialize=["num_splits", "window"])
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, context_lens_ptr, block_tables_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, stride_qb, stride_qh, stride_bt, qk_scale, v_scale,
+    num_splits, window,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, SLIDING: tl.constexpr,
+):
+    """Grid (B, Hkv, splits): all GROUP query heads of one kv head over one slice of the keys."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + seq)
+    # The query (position ctx - 1) sees keys lo..ctx-1: spread them evenly over all splits, in
+    # whole key tiles (tiles never cross pages) from lo rounded down to a tile.
+    lo = 0
+    if SLIDING:
+        lo = tl.maximum(ctx - window, 0)
+    first = lo // BLOCK_N * BLOCK_N
+    split_len = (ctx - first + num_splits * BLOCK_N - 1) // (num_splits * BLOCK_N) * BLOCK_N
+    start = first + split * split_len
+    end = tl.minimum(start + split_len, ctx)
+    offs_g = tl.arange(0, GROUP_P2)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    # GQA packing: [GROUP_P2, D] queries (padded to >= 16 rows for tl.dot) share each K/V load.
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None], other=0.0)
+    m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_P2], tl.float32)
+    acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
+    for start_n in range(start, end, BLOCK_N):
+        block_id = tl.load(block_tables_ptr + seq * stride_bt + start_n // BLOCK_SIZE)
+        rows = block_id.to(tl.int64) * BLOCK_SIZE + start_n % BLOCK_SIZE + offs_n
+        in_split = start_n + offs_n < end
+        if SLIDING:  # only the first tile holds keys before lo; each tile keeps >= 1 visible
+            in_split &= start_n + offs_n >= lo
+        cache_offs = rows * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+        k_t = tl.load(k_cache_ptr + cache_offs[None, :] + offs_d[:, None],
+                      mask=in_split[None, :], other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + cache_offs[:, None] + offs_d[None, :],
+                    mask=in_split[:, None], other=0.0).to(q.dtype)
+        m_i, l_i, acc = softmax_step(q, k_t, v, in_split[None, :], m_i, l_i, acc, qk_scale,
+                                      PRECISION)
+    # Partials [B, H, splits(, D)]; an empty split stores m=-inf, l=0, acc=0.
+    part = ((seq * NUM_KV_HEADS + kv_head) * GROUP + offs_g) * num_splits + split
+    tl.store(part_m_ptr + part, m_i, mask=g_mask)
+    tl.store(part_l_ptr + part, l_i, mask=g_mask)
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc * v_scale,
+             mask=g_mask[:, None])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_reduce_kernel(
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ob, stride_oh, num_splits,
+    NUM_HEADS: tl.constexpr, SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """Grid (B, H): merge the per-split softmax partials of one query head."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_P2)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = splits < num_splits
+    part = (seq * NUM_HEADS + head) * num_splits + splits
+    m = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
+    l_sum = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=s_mask[:, None], other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # context_len 0: every split empty
+    w = tl.exp2(m - m_max)  # empty splits (m = -inf) get weight 0
+    denom = tl.sum(w * l_sum, axis=0)
+    o = tl.sum(w[:, None] * acc, axis=0) / tl.where(denom == 0.0, 1.0, denom)  # zeros if empty
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+def _num_splits(batch: int, num_kv_heads: int, max_context: int) -> int:
+    """Splits per (seq, kv head) from shapes only (CUDA-graph safe): long contexts get more."""
+    by_length = triton.cdiv(max_context, _MIN_SPLIT_LEN)
+    by_occupancy = triton.cdiv(_TARGET_PROGRAMS, batch * num_kv_heads)
+    return max(1, min(by_length, by_occupancy, _MAX_SPLITS))
+
+
+def decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """Flash-decoding: q [B, H, D] (one query per sequence) over its paged context (an FP8 cache
+    dequantized with k_scale, v_scale); 0 -> zeros."""
+    window = check_sliding_window(sliding_window)
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    check_shapes(q, k_cache, v_cache, block_size, paged=True)
+    out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    block_n = min(64 if head_dim <= 128 else 32, block_size)  # divides block_size
+    if num_splits is None:
+        max_keys = block_tables.shape[1] * block_size
+        if window:  # only the window is read (from a tile boundary)
+            max_keys = min(max_keys, window + block_n - 1)
+        num_splits = _num_splits(batch, num_kv_heads, max_keys)
+    group = num_heads // num_kv_heads
+    # fp32 scratch sized from shapes only (no data-dependent allocation under graph capture).
+    part_m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32,
+                           device=q.device)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, context_lens, block_tables, part_m, part_l, part_acc,
+        q.stride(0), q.stride(1), block_tables.stride(0), scale * LOG2E * k_scale, v_scale,
+        num_splits, window,
+        GROUP=group, GROUP_P2=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        PRECISION=attention_triton.dot_precision(q.dtype), SLIDING=window > 0, num_warps=4,
+    )
+    _decode_reduce_kernel[(batch, num_heads)](
+        part_m, part_l, part_acc, out, out.stride(0), out.stride(1), num_splits,
+        NUM_HEADS=num_heads, SPLITS_P2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+    )
+    return out
