@@ -64,7 +64,8 @@ def teacher_forced(llm, batch: list[list[int]], forced: list[list[int]] | None
                   else [f[step] for f in forced])
         for seq, token, out in zip(seqs, chosen, tokens):
             out.append(token)
-            seq.append_token(token)
+            seq.append_pending_token()
+            seq.commit_pending_token(token)
             if len(seq.block_table) < seq.num_blocks:
                 seq.block_table.append(next(next_block))
         if step + 1 < NUM_TOKENS:

@@ -73,16 +73,8 @@ class Sequence:
         return self.num_cached_tokens + self.num_scheduled_tokens == self.num_tokens
 
     @property
-    def num_cached_blocks(self) -> int:
-        return self.num_cached_tokens // self.block_size
-
-    @property
     def num_blocks(self) -> int:
         return (self.num_tokens + self.block_size - 1) // self.block_size
-
-    @property
-    def last_block_num_tokens(self) -> int:
-        return self.num_tokens - (self.num_blocks - 1) * self.block_size
 
     def block(self, i: int) -> list[int]:
         """Token ids of logical block i."""
@@ -93,11 +85,6 @@ class Sequence:
     def num_pending_tokens(self) -> int:
         """Tokens counted in len(self) whose ids a launched step is still sampling (0 or 1)."""
         return self.num_tokens - self.token_offset - len(self.token_ids)
-
-    def append_token(self, token_id: int) -> None:
-        """Add a sampled token (its step wrote, or queued, every earlier token's K/V)."""
-        self.append_pending_token()
-        self.commit_pending_token(token_id)
 
     def append_pending_token(self) -> None:
         """Count the token a launched step is sampling, before its id is known."""

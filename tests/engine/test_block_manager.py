@@ -149,12 +149,15 @@ def test_append_allocates_and_a_block_is_hashed_once_written():
     bm = BlockManager(4, BS)
     s = seq([1, 2, 3])
     bm.allocate(s)
-    s.append_token(4)  # the prefill wrote tokens 1..3; 4 fills block 0 but is not written yet
+    # the prefill wrote tokens 1..3; 4 fills block 0 but is not written yet
+    s.append_pending_token()
+    s.commit_pending_token(4)
     assert bm.can_append(s)
     bm.may_append(s)
     bm.hash_blocks(s)
     assert bm.blocks[0].hash == -1 and not bm.hash_to_block_id
-    s.append_token(5)  # the decode step wrote token 4; 5 starts a new block
+    s.append_pending_token()  # the decode step wrote token 4; 5 starts a new block
+    s.commit_pending_token(5)
     bm.may_append(s)
     assert s.block_table == [0, 1]
     bm.hash_blocks(s)
@@ -166,7 +169,8 @@ def test_can_append_needs_a_free_block_only_at_block_start():
     bm = BlockManager(1, BS)
     s = seq([1, 2, 3, 4])
     bm.allocate(s)
-    s.append_token(5)
+    s.append_pending_token()
+    s.commit_pending_token(5)
     assert not bm.can_append(s)
 
 

@@ -89,10 +89,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         self.bm.allocate(seq)
         assert seq.num_cached_tokens % BS == 0 and seq.num_cached_tokens < len(seq)
-        event(f"prefix hit: {seq.num_cached_blocks > 0}")
+        event(f"prefix hit: {seq.num_cached_tokens > 0}")
         self.waiting.remove(seq)
         self.running.append(seq)
-        seq.append_token(token)  # the prefill's sampled token
+        seq.append_pending_token()  # the prefill's sampled token
+        seq.commit_pending_token(token)
         self.bm.hash_blocks(seq)  # once the prefill has run
 
     @precondition(lambda self: self.running)
@@ -101,7 +102,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(self.running))
         if len(seq) < MAX_MODEL_LEN and self.bm.can_append(seq):
             self.bm.may_append(seq)
-            seq.append_token(token)
+            seq.append_pending_token()
+            seq.commit_pending_token(token)
             self.bm.hash_blocks(seq)
 
     @precondition(lambda self: self.running)

@@ -22,12 +22,13 @@ def test_prefill_sends_the_uncached_prompt_and_decode_only_the_last_token():
     assert copy.token_ids == list(range(1, 8)) and copy.chunk_token_ids == list(range(1, 8))
     assert copy.samples_next
     assert (len(copy), copy.block_table, copy.num_cached_tokens) == (7, [0, 1], 0)
-    seq.append_token(42)  # the prefill cached tokens 1..7
+    seq.append_pending_token()  # the prefill cached tokens 1..7
+    seq.commit_pending_token(42)
     seq.num_scheduled_tokens = 1
     bm.may_append(seq)
     copy = worker_copy(seq)
     assert copy.token_ids == [42] and copy.last_token == 42
-    assert (len(copy), copy.block_table, copy.last_block_num_tokens) == (8, [0, 1], 4)
+    assert (len(copy), copy.block_table, copy.num_blocks) == (8, [0, 1], 2)
     assert not hasattr(copy, "sampling_params")  # rank 0 samples; workers never need it
 
 
@@ -59,7 +60,8 @@ def test_recompute_after_preemption_sends_prompt_and_completion():
     seq = Sequence([1, 2, 3, 4, 5], SamplingParams(), BS)
     bm.allocate(seq)
     for token in (10, 11):
-        seq.append_token(token)
+        seq.append_pending_token()
+        seq.commit_pending_token(token)
         bm.may_append(seq)
     assert worker_copy(seq).token_ids == [11]
     bm.deallocate(seq)  # preempted: its KV is gone and must be recomputed
@@ -85,5 +87,6 @@ def test_drop_pending_token_undoes_only_a_pending_one():
     seq = Sequence([1, 2, 3], SamplingParams(), BS)
     seq.append_pending_token()
     assert seq.drop_pending_token() and len(seq) == 3 and seq.num_pending_tokens == 0
-    seq.append_token(5)
+    seq.append_pending_token()
+    seq.commit_pending_token(5)
     assert not seq.drop_pending_token() and len(seq) == 4 and seq.token_ids == [1, 2, 3, 5]
