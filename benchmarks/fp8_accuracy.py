@@ -22,6 +22,7 @@ import torch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import prepare_prefill
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.context import Context, forward_context
 
 NUM_TOKENS = 64
 LENGTHS = (5, 40, 255, 256, 300, 511, 700, 1000)
@@ -46,6 +47,14 @@ def prompts(vocab: int, num: int) -> list[list[int]]:
     return [[rng.randrange(1, vocab) for _ in range(n)] for n in LENGTHS[:num]]
 
 
+def step_logits(runner, input_ids: torch.Tensor, positions: torch.Tensor,
+                context: Context) -> torch.Tensor:
+    """One step's logits (float32): the runner's forward, then the LM head."""
+    hidden = runner.forward(input_ids, positions, context)
+    with forward_context(context):
+        return runner.model.compute_logits(hidden).float()
+
+
 @torch.inference_mode()
 def teacher_forced(llm, batch: list[list[int]], forced: list[list[int]] | None
                    ) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -57,7 +66,7 @@ def teacher_forced(llm, batch: list[list[int]], forced: list[list[int]] | None
     for seq in seqs:
         seq.block_table = [next(next_block) for _ in range(seq.num_blocks)]
         seq.num_scheduled_tokens = len(seq)
-    logits = [runner.run_model(*prepare_prefill(seqs, block_size, runner.device)).float()]
+    logits = [step_logits(runner, *prepare_prefill(seqs, block_size, runner.device))]
     tokens = [[] for _ in batch]
     for step in range(NUM_TOKENS):
         chosen = (logits[-1][:len(seqs)].argmax(-1).tolist() if forced is None
@@ -69,7 +78,7 @@ def teacher_forced(llm, batch: list[list[int]], forced: list[list[int]] | None
             if len(seq.block_table) < seq.num_blocks:
                 seq.block_table.append(next(next_block))
         if step + 1 < NUM_TOKENS:
-            logits.append(runner.run_model(*runner.prepare_decode(seqs))[:len(seqs)].float())
+            logits.append(step_logits(runner, *runner.prepare_decode(seqs))[:len(seqs)])
             # prepare_decode packs into two alternating pinned buffers, which is safe only once
             # the step before last has run (the engine waits on every step's ids; a forced
             # run reads none, so it must wait here).

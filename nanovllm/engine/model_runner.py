@@ -234,14 +234,6 @@ class ModelRunner:
             graph.replay()
             return self.graph_outputs[:input_ids.size(0)]
 
-    @torch.inference_mode()
-    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                  context: Context) -> torch.Tensor | None:
-        """Forward + logits of each sequence's last position (rank 0; None elsewhere)."""
-        hidden = self.forward(input_ids, positions, context)
-        with forward_context(context):
-            return self.model.compute_logits(hidden)
-
     @torch.inference_mode()  # graph input buffers are inference tensors
     def launch(self, seqs: list[Sequence], is_prefill: bool,
                previous_ids: torch.Tensor | None = None,

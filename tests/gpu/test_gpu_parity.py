@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step_inputs import prepare_prefill
+from tests.models.test_qwen3_parity import prefill_logits
 from tests.reference import hf_greedy, hf_last_logits, load_hf
 
 pytestmark = pytest.mark.gpu
@@ -77,13 +76,7 @@ def test_qwen3_0_6b_shape_bf16_prefill_logits(backend):
     path = qwen3_0_6b_random()
     llm = LLM(path, attention_backend=backend, max_model_len=2048, num_kvcache_blocks=64)
     prompts = batch(151936, seed=3)[:4]
-    seqs = [Sequence(p, SamplingParams(), 256) for p in prompts]
-    for seq in seqs:
-        llm.scheduler.block_manager.allocate(seq)
-        seq.num_scheduled_tokens = len(seq)  # the whole prompt in one step, as scheduled
-    runner = llm.model_runner
-    inputs = prepare_prefill(seqs, runner.block_size, runner.device)
-    logits = runner.run_model(*inputs).float().cpu()
+    logits = prefill_logits(llm, prompts)
     llm.shutdown()
     hf = load_hf(path, torch.bfloat16, "cuda")
     worst = 0.0

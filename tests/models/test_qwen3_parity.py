@@ -7,6 +7,7 @@ import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import prepare_prefill
+from nanovllm.utils.context import forward_context
 from tests.conftest import CHECKPOINTS
 from tests.reference import hf_greedy, hf_last_logits, load_hf
 
@@ -17,6 +18,24 @@ def prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
     """A mixed-length batch; two prompts span more than one 256-token block."""
     rng = random.Random(seed)
     return [[rng.randrange(1, vocab_size) for _ in range(n)] for n in (5, 300, 37, 530, 256)]
+
+
+@torch.inference_mode()
+def prefill_logits(llm: LLM, batch: list[list[int]]) -> torch.Tensor:
+    """Each prompt's last-position logits from one prefill step of the whole batch (float32)."""
+    runner, block_manager = llm.model_runner, llm.scheduler.block_manager
+    seqs = [Sequence(p, SamplingParams(), runner.block_size) for p in batch]
+    for seq in seqs:
+        block_manager.allocate(seq)
+        seq.num_scheduled_tokens = len(seq)  # the whole prompt in one step, as scheduled
+    try:
+        input_ids, positions, context = prepare_prefill(seqs, runner.block_size, runner.device)
+        hidden = runner.forward(input_ids, positions, context)
+        with forward_context(context):
+            return runner.model.compute_logits(hidden).float().cpu()
+    finally:
+        for seq in seqs:
+            block_manager.deallocate(seq)
 
 
 @pytest.fixture(scope="module", params=list(CHECKPOINTS))
@@ -41,17 +60,7 @@ def test_greedy_tokens_match_transformers(pair):
 def test_prefill_logits_match_transformers(pair):
     llm, hf = pair
     batch = prompts(hf.config.vocab_size, seed=1)
-    runner, block_manager = llm.model_runner, llm.scheduler.block_manager
-    seqs = [Sequence(p, SamplingParams(), llm.config.kvcache_block_size) for p in batch]
-    for seq in seqs:
-        block_manager.allocate(seq)
-        seq.num_scheduled_tokens = len(seq)  # the whole prompt in one step, as scheduled
-    try:
-        inputs = prepare_prefill(seqs, runner.block_size, runner.device)
-        logits = runner.run_model(*inputs).float().cpu()
-    finally:
-        for seq in seqs:
-            block_manager.deallocate(seq)
+    logits = prefill_logits(llm, batch)
     for i, prompt in enumerate(batch):
         ref = hf_last_logits(hf, prompt)
         rel = (logits[i] - ref).abs().max() / ref.abs().max()
