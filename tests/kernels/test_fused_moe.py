@@ -10,10 +10,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from nanovllm.kernels.fused_moe import fused_moe, moe_align_block_size  # noqa: E402
-from nanovllm.kernels.fused_moe_torch import (  # noqa: E402
-    fused_moe_torch,
-    moe_align_block_size_torch,
-)
+from nanovllm.kernels.fused_moe_torch import fused_moe_torch  # noqa: E402
 from nanovllm.layers.fused_moe import select_experts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -29,6 +26,30 @@ def _experts(num_experts: int, hidden: int, inter: int, dtype: torch.dtype = tor
 
 def _routing(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return select_experts(logits.to(DEVICE), top_k, renormalize=True)
+
+
+def moe_align_block_size_torch(topk_ids: torch.Tensor, num_experts: int,
+                               block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kernels.fused_moe.moe_align_block_size in torch (slots in order within a group)."""
+    flat = topk_ids.flatten().long()
+    num_slots = flat.numel()
+    # at most min(E, slots) groups, each padded by < block_m rows
+    max_padded = num_slots + min(num_experts, num_slots) * (block_m - 1)
+    max_padded = -(-max_padded // block_m) * block_m
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded_end = torch.cumsum((counts + block_m - 1) // block_m * block_m, 0)
+    padded_start = padded_end - (counts + block_m - 1) // block_m * block_m
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    rank = torch.arange(num_slots, device=flat.device) - (torch.cumsum(counts, 0) - counts)[
+        sorted_experts]
+    sorted_ids = torch.full((max_padded,), num_slots, dtype=torch.int32, device=flat.device)
+    sorted_ids.scatter_(0, padded_start[sorted_experts] + rank, order.int())
+    block_starts = torch.arange(0, max_padded, block_m, device=flat.device)
+    expert_ids = torch.searchsorted(padded_end, block_starts, right=True)
+    expert_ids = expert_ids.clamp_(max=num_experts - 1).int()  # blocks past the end: unused
+    return sorted_ids, expert_ids, padded_end[-1:].int()
 
 
 # (tokens, experts, top_k, hidden, intermediate): batch 1; sizes off the 64-wide tiles
