@@ -99,13 +99,7 @@ class DataParallelLLM:
                  use_tqdm: bool = True) -> list[dict]:
         """As LLMEngine.generate: every request is validated here, then each replica runs its
         share in one call; a failing replica stops them all (see _fail)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts, list)
-                                        and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        requests = validate_requests(prompts, sampling_params,
-                                     self.limits, self.tokenizer.encode)
+        requests = validate_requests(prompts, sampling_params, self.limits, self.tokenizer.encode)
         token_ids = [ids for ids, _ in requests]
         placement = place_requests(token_ids, [p.max_tokens for _, p in requests],
                                    self.data_parallel_size, self.block_size)

@@ -160,10 +160,7 @@ class LLMEngine:
         computes, - sequences a decode extends) and the KV blocks in use once it is scheduled
         (the step's peak: finishing sequences free blocks later)."""
         seqs, is_prefill = self.scheduler.schedule()
-        if is_prefill:
-            num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-        else:
-            num_tokens = -len(seqs)
+        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
         return seqs, is_prefill, num_tokens, self.scheduler.num_used_blocks
 
     def _check_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
@@ -219,8 +216,6 @@ class LLMEngine:
         request is validated before any is queued, so a ValueError changes nothing. On any
         exception (Ctrl-C included) this call's requests are aborted; the engine stays usable.
         """
-        if sampling_params is None:
-            sampling_params = SamplingParams()
         requests = validate_requests(prompts, sampling_params, self.request_limits(),
                                      self.tokenizer.encode)
         groups: list[list[Sequence]] = []

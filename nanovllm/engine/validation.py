@@ -93,11 +93,13 @@ def validate_request(prompt: Prompt, params: SamplingParams, limits: RequestLimi
 
 
 def validate_requests(prompts: list[Prompt],
-                      sampling_params: SamplingParams | list[SamplingParams],
+                      sampling_params: SamplingParams | list[SamplingParams] | None,
                       limits: RequestLimits,
                       encode: Callable[[str], list[int]]) -> list[tuple[list[int], SamplingParams]]:
     """Validate a whole call up front; the error names the first bad request's index."""
     prompts = as_prompt_list(prompts)
+    if sampling_params is None:
+        sampling_params = SamplingParams()
     if isinstance(sampling_params, list | tuple):
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} "
