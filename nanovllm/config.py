@@ -123,10 +123,7 @@ def read_config_json(model: str) -> PretrainedConfig:
     """config.json through transformers' base PretrainedConfig (both formats: `dtype` or
     `torch_dtype`, `rope_parameters` or `rope_theta`/`rope_scaling`), the family's defaults
     filled in, `rope_parameters` in one flat format, checked for fields we do not implement.
-
-    Not AutoConfig: importing Qwen3Config imports transformers' modeling and generation stack
-    for its docstring (7 s on the H200, where sklearn and accelerate are installed).
-    """
+    Not AutoConfig: its family config classes import transformers' whole modeling stack."""
     try:
         config_dict, _ = PretrainedConfig.get_config_dict(model)
     except (OSError, ValueError) as e:

@@ -35,10 +35,8 @@ class LLM(LLMEngine):
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True) -> list[dict]:
-        """Answer one conversation or a list of them through the tokenizer's chat template.
-
-        A conversation is a list of {"role", "content"} dicts; returns what generate() does.
-        """
+        """Answer one conversation (a list of {"role", "content"} dicts) or a list of them through
+        the tokenizer's chat template; returns what generate() does."""
         return self.generate(chat_prompt_ids(self.tokenizer, as_conversation_list(messages)),
                              sampling_params, use_tqdm)
 

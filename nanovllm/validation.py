@@ -50,11 +50,8 @@ def check_int(name: str, value: object, low: int, high: int | None = INT32_MAX,
 
 def check_real(name: str, value: object, low: float, high: float, allowed: str,
                low_open: bool = False) -> float:
-    """A finite number in [low, high] ((low, high] if low_open); returns it as a Python float.
-
-    `not` around the comparisons also refuses NaN; ints beyond float range (10**400) are
-    compared exactly, never converted.
-    """
+    """A finite number in [low, high] ((low, high] if low_open) as a Python float. NaN fails
+    every comparison; ints beyond float range (10**400) are compared exactly, never converted."""
     ok = is_real(value) and (low < value if low_open else low <= value) and value <= high
     check(name, value, ok and math.isfinite(float(value)), allowed)
     return float(value)

@@ -23,11 +23,9 @@ class Block:
 
 class BlockManager:
     """Hands out physical blocks; full blocks are shared through a chained-hash prefix cache.
-
-    Block i of a sequence is keyed by hash(hash of block i-1, tokens of block i), so a hit
-    on block i implies the whole prefix up to it matches. Freed blocks keep their hash and
-    can be revived by a later hit until they are handed out again.
-    """
+    Block i of a sequence is keyed by hash(hash of block i-1, tokens of block i), so a hit on
+    block i implies the whole prefix up to it matches. Freed blocks keep their hash and can be
+    revived by a later hit until they are handed out again."""
 
     def __init__(self, num_blocks: int, block_size: int):
         assert num_blocks > 0 and block_size > 0

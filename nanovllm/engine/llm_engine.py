@@ -210,12 +210,10 @@ class LLMEngine:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict]:
         """Run one prompt or a list to completion; one SamplingParams for all or one per prompt.
-
-        Returns, in input order, one dict per prompt (see outputs.request_output);
-        hand-queued requests that finish meanwhile are kept for step(). Every
-        request is validated before any is queued, so a ValueError changes nothing. On any
-        exception (Ctrl-C included) this call's requests are aborted; the engine stays usable.
-        """
+        Returns one dict per prompt in input order (see outputs.request_output); hand-queued
+        requests that finish meanwhile are kept for step(). Every request is validated before any
+        is queued, so a ValueError changes nothing. On any exception (Ctrl-C included) this call's
+        requests are aborted; the engine stays usable."""
         requests = validate_requests(prompts, sampling_params, self.request_limits(),
                                      self.tokenizer.encode)
         groups: list[list[Sequence]] = []

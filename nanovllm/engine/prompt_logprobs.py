@@ -23,12 +23,10 @@ def wants_prompt_logprobs(seqs: list[Sequence]) -> bool:
 def prompt_logprobs(model: torch.nn.Module, hidden: torch.Tensor, seqs: list[Sequence]
                     ) -> list[tuple[int, int, LogprobsTensors]]:
     """(row, first position, [positions, 1 + k] logprobs) for each sequence of a prefill step
-    that asks and has a position to score in this step's chunk.
-
-    `hidden` [tokens, H] holds the step's chunks, sequence after sequence. A chunk scores each
-    of its positions at the next prompt token; the prompt's last position is not scored. Every
-    rank calls this (the LM head gathers its vocabulary shards); rank 0 alone gets results.
-    """
+    that asks and has a position to score in this step's chunk. `hidden` [tokens, H] holds the
+    step's chunks, sequence after sequence. A chunk scores each of its positions at the next
+    prompt token; the prompt's last position is not scored. Every rank calls this (the LM head
+    gathers its vocabulary shards); rank 0 alone gets results."""
     results, start = [], 0
     for row, seq in enumerate(seqs):
         num_new = seq.num_scheduled_tokens

@@ -21,11 +21,8 @@ class RequestLimits:
 
 def max_blocks_needed(num_prompt_tokens: int, max_tokens: int, max_model_len: int,
                       block_size: int) -> int:
-    """KV blocks a request holds at its peak.
-
-    It ends at min(prompt + max_tokens, max_model_len) tokens, and the last sampled token is
-    never fed back, so K/V is stored for at most one token fewer than that.
-    """
+    """KV blocks a request holds at its peak: it ends at min(prompt + max_tokens, max_model_len)
+    tokens, and the last sampled token is never fed back, so its K/V is never stored."""
     final_len = min(num_prompt_tokens + max_tokens, max_model_len)
     return -(-(final_len - 1) // block_size)
 

@@ -5,12 +5,9 @@ import torch.nn.functional as F
 
 def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """sum_k topk_weights[:, k] * expert_{topk_ids[:, k]}(x); the reference the kernel is tested
-    against and the CPU path.
-
-    x [M, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; topk_* [M, K].
-    Reads the routed experts on the host, so it cannot be captured in a CUDA graph.
-    """
+    """sum_k topk_weights[:, k] * expert_{topk_ids[:, k]}(x): the kernel's reference and the CPU
+    path. x [M, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; topk_* [M, K].
+    Reads the routed experts on the host, so it cannot be captured in a CUDA graph."""
     out = torch.zeros_like(x)
     for expert in torch.unique(topk_ids).tolist():
         token_idx, k_pos = torch.where(topk_ids == expert)

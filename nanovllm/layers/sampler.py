@@ -56,11 +56,9 @@ def derive_seed(seed: int, index: int) -> int:
 
 @functools.cache
 def stream_steps(vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[V] int64: (v + 1) * golden, splitmix64's state increments for vocab index v.
-
-    Made eagerly and passed in: inside torch.compile, Inductor folds arange * constant into
-    an int32 index expression that cannot hold the 64-bit constant.
-    """
+    """[V] int64: (v + 1) * golden, splitmix64's state increments for vocab index v. Made
+    eagerly and passed in: inside torch.compile, Inductor folds arange * constant into an int32
+    index expression that cannot hold the 64-bit constant."""
     return torch.arange(1, vocab_size + 1, device=device) * _GOLDEN
 
 

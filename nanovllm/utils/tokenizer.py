@@ -25,12 +25,8 @@ def load_tokenizer(model: str) -> PreTrainedTokenizerBase:
 
 def tokenizer_class(model: str) -> type | None:
     """The class AutoTokenizer resolves from the name in tokenizer_config.json (the fast
-    variant first, as AutoTokenizer does), or None when AutoTokenizer must decide.
-
-    AutoTokenizer's module imports transformers' modeling and generation stack (and sklearn,
-    accelerate, sympy where installed): 7 of the 12 s `import nanovllm` took on the H200.
-    The class alone costs ~0.1 s.
-    """
+    variant first, as AutoTokenizer does), or None when AutoTokenizer must decide. The class
+    alone imports in ~0.1 s; AutoTokenizer's module imports transformers' whole modeling stack."""
     try:
         with open(os.path.join(model, "tokenizer_config.json")) as f:
             name = json.load(f).get("tokenizer_class")
