@@ -1,6 +1,7 @@
 """Runs the model for one rank: weights, the KV pool, step inputs, CUDA graphs."""
 import logging
 from contextlib import nullcontext
+from functools import partial
 from time import perf_counter
 
 import torch
@@ -183,10 +184,8 @@ class ModelRunner:
                        source_rows: list[int] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, Context]:
         """Decode inputs, written straight into the graph's input buffer when one will run.
-
-        Sequence i with source_rows[i] = r >= 0 takes its input id from row r of
-        `previous_ids`, the sampled ids of the step still in flight, on the device.
-        """
+        Sequence i with source_rows[i] = r >= 0 takes its input id from row r of `previous_ids`,
+        the sampled ids of the step still in flight, on the device."""
         graph_rows = self.graph_size(len(seqs))
         rows, width = ((graph_rows, self.max_num_blocks) if graph_rows is not None
                        else (len(seqs), max(len(seq.block_table) for seq in seqs)))
@@ -204,21 +203,18 @@ class ModelRunner:
         """The sampler's inputs: temperatures alone for its fast path, else every per-row
         parameter; penalties and the number of top logprobs only when some row asks."""
         params = [seq.sampling_params for seq in seqs]
-        device = self.device
+        upload = partial(to_device, device=self.device)
         if all(p.simple for p in params):
-            sample_params = to_device([p.temperature for p in params], torch.float32, device)
+            sample_params = upload([p.temperature for p in params], torch.float32)
         else:
             # seeded noise is keyed by the index the new token will have in its sequence
-            sample_params = SamplingTensors.build(
-                params, [len(seq) for seq in seqs],
-                lambda data, dtype: to_device(data, dtype, device))
+            sample_params = SamplingTensors.build(params, [len(seq) for seq in seqs], upload)
         penalties = None
         if any(p.uses_penalties for p in params):
             rows = [self.token_counts.slot(seq.seq_id, seq.token_ids[:seq.num_prompt_tokens],
                                            seq.completion_token_ids)
                     if p.uses_penalties else 0 for seq, p in zip(seqs, params)]
-            penalties = Penalties.build(self.token_counts, rows, params,
-                                        lambda data, dtype: to_device(data, dtype, device))
+            penalties = Penalties.build(self.token_counts, rows, params, upload)
         ks = [p.logprobs for p in params if p.logprobs is not None]
         return sample_params, penalties, max(ks) if ks else None
 
