@@ -1,5 +1,6 @@
 """Runs the model for one rank: weights, the KV pool, step inputs, CUDA graphs."""
 import logging
+import threading
 from contextlib import nullcontext
 from time import perf_counter
 
@@ -71,6 +72,8 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_inputs: dict[int, torch.Tensor] = {}
         self.graph_bs: list[int] = []
+        # Rank 0 of a tensor-parallel group: set once a worker dies, so a step stops waiting.
+        self.peer_died: threading.Event | None = None
         self.max_num_blocks = -(-config.max_model_len // self.block_size)
         self.decode_inputs = DecodeInputs(config.max_num_seqs, self.max_num_blocks,
                                           self.block_size, pin=config.device == "cuda")
@@ -284,7 +287,7 @@ class ModelRunner:
         WorkerGroup.execute, which names a dead worker); rank 0 returns its sampled ids."""
         sampled = self.launch(seqs, is_prefill)
         if sampled is not None:
-            sampled.wait()
+            sampled.wait(self.peer_died)
         return sampled
 
     def capture_cudagraph(self) -> None:
