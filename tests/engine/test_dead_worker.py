@@ -160,14 +160,17 @@ def test_dead_cuda_worker_raises_within_seconds(tiny_model, monkeypatch, kill_at
         with hard_bound(30), pytest.raises(RuntimeError, match="worker died: rank 1"):
             llm.generate(prompts(), GREEDY, use_tqdm=False)
         raised = time.monotonic()
-        with hard_bound(20):
+        with hard_bound(30):
             llm.shutdown()
-            done = time.monotonic()
             assert wait_until(lambda: process_gone(victim.pid), 5)
-            assert_nothing_left(shm)
+            assert not segment_exists(shm) and mp.active_children() == []
+            done = time.monotonic()
+            group_left = wait_until(lambda: not dist.is_initialized(), 10)  # the abort ended
+            left = time.monotonic()
         print(f"dead worker at step {kill_at_step}: kill -> error {raised - killed[0]:.2f} s, "
-              f"error -> shutdown done {done - raised:.2f} s")
-        assert raised - killed[0] < 10 and done - raised < 5
+              f"error -> shutdown done {done - raised:.2f} s, error -> group left "
+              f"{left - raised:.2f} s{'' if group_left else ' (still there: abort stuck)'}")
+        assert raised - killed[0] < 15 and done - raised < 5 and group_left
     finally:
         with hard_bound(20):
             llm.shutdown()
