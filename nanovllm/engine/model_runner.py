@@ -275,8 +275,9 @@ class ModelRunner:
         return SampledIds(out.token_ids, out.logprobs, prompt, is_prefill)
 
     def wait_idle(self) -> None:
-        """Wait for all queued GPU work, ignoring the error that may have stopped it."""
-        if self.device.type == "cuda":
+        """Wait for all queued GPU work, ignoring the error that may have stopped it; not after
+        a tensor-parallel peer died, as a collective waiting on it may never finish."""
+        if self.device.type == "cuda" and not (self.peer_died and self.peer_died.is_set()):
             try:
                 torch.cuda.synchronize(self.device)
             except RuntimeError:

@@ -139,7 +139,7 @@ class WorkerGroup:
         self.saved_num_threads = torch.get_num_threads()
         if self.device == "cpu":
             torch.set_num_threads(cpu_threads_per_rank(self.world_size))
-        self.worker_died = threading.Event()  # set by the watchdog
+        self.worker_died = threading.Event()  # set once a worker is known dead (outside shutdown)
         self.lock = threading.Lock()  # orders the watchdog's verdict against shutdown
         self.abort_lock = threading.Lock()  # the communicator is aborted once, by one thread
         self.aborted = False
@@ -247,6 +247,7 @@ class WorkerGroup:
         # Leave the group before joining: with NCCL each rank's exit from the group waits for
         # the others', so joining first would always wait out the timeout.
         if peer_died:
+            self.worker_died.set()  # rank 0's runner then never waits on the GPU again
             self._release_after_death()
             join_timeout_s = min(join_timeout_s, 1.0)  # survivors may be stuck in a collective
         else:

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -65,6 +66,16 @@ def test_a_step_waiting_on_a_dead_peer_gives_up_once_told():
     with pytest.raises(RuntimeError, match="step abandoned"):
         sampled.wait(give_up)
     assert 0.2 <= time.monotonic() - started < 2
+
+
+def test_no_device_sync_after_a_peer_died(monkeypatch):
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
+    runner = SimpleNamespace(device=torch.device("cuda", 0), peer_died=threading.Event())
+    ModelRunner.wait_idle(runner)  # a failed step's clean-up, while every rank is alive
+    runner.peer_died.set()
+    ModelRunner.wait_idle(runner)  # the failed step's collective may wait on the dead peer
+    assert synced == [runner.device]
 
 
 def test_watchdog_aborts_the_communicator_when_a_worker_dies(tiny_model, monkeypatch):
