@@ -32,6 +32,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 
 
 def wait_until(condition: Callable[[], object], timeout_s: float) -> bool:
+    """Poll `condition` until it holds (True) or `timeout_s` passes (False)."""
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
@@ -178,10 +179,13 @@ def test_dead_cuda_worker_raises_within_seconds(tiny_model, monkeypatch, kill_at
             done = time.monotonic()
             group_left = wait_until(lambda: not dist.is_initialized(), 10)  # the abort ended
             left = time.monotonic()
+            freed = wait_until(lambda: not any(t.name == "nanovllm-tp-release"
+                                               for t in threading.enumerate()), 5)
         print(f"dead worker at step {kill_at_step}: kill -> error {raised - killed[0]:.2f} s, "
               f"error -> shutdown done {done - raised:.2f} s, error -> group left "
-              f"{left - raised:.2f} s{'' if group_left else ' (still there: abort stuck)'}")
-        assert raised - killed[0] < 15 and done - raised < 5 and group_left
+              f"{left - raised:.2f} s{'' if group_left else ' (still there: abort stuck)'}, "
+              f"rank 0's GPU state freed: {freed}")
+        assert raised - killed[0] < 15 and done - raised < 5 and group_left and freed
     finally:
         with hard_bound(20):
             llm.shutdown()
