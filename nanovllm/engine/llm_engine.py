@@ -286,9 +286,9 @@ class LLMEngine:
 
 
 def _release(workers: WorkerGroup | None, runner: ModelRunner) -> None:
-    """Stop the workers (which frees rank 0's runner first), then free rank 0's runner."""
-    try:
-        if workers is not None:
-            workers.shutdown()
-    finally:
+    """Stop the workers, which frees rank 0's runner (and, after a worker's death, knows not to
+    wait on the GPU for it); without workers, free the runner."""
+    if workers is not None:
+        workers.shutdown()
+    else:
         runner.shutdown()

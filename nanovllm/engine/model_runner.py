@@ -1,5 +1,6 @@
 """Runs the model for one rank: weights, the KV pool, step inputs, CUDA graphs."""
 import logging
+import threading
 from contextlib import nullcontext
 from functools import partial
 from time import perf_counter
@@ -72,6 +73,8 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_inputs: dict[int, torch.Tensor] = {}
         self.graph_bs: list[int] = []
+        # Rank 0 of a tensor-parallel group: set once a worker dies, so a step stops waiting.
+        self.peer_died: threading.Event | None = None
         self.max_num_blocks = -(-config.max_model_len // self.block_size)
         self.decode_inputs = DecodeInputs(config.max_num_seqs, self.max_num_blocks,
                                           self.block_size, pin=config.device == "cuda")
@@ -260,8 +263,9 @@ class ModelRunner:
         return SampledIds(out.token_ids, out.logprobs, prompt, is_prefill)
 
     def wait_idle(self) -> None:
-        """Wait for all queued GPU work, ignoring the error that may have stopped it."""
-        if self.device.type == "cuda":
+        """Wait for all queued GPU work, ignoring the error that may have stopped it; not after
+        a tensor-parallel peer died, as a collective waiting on it may never finish."""
+        if self.device.type == "cuda" and not (self.peer_died and self.peer_died.is_set()):
             try:
                 torch.cuda.synchronize(self.device)
             except RuntimeError:
@@ -272,7 +276,7 @@ class ModelRunner:
         WorkerGroup.execute, which names a dead worker); rank 0 returns its sampled ids."""
         sampled = self.launch(seqs, is_prefill)
         if sampled is not None:
-            sampled.wait()
+            sampled.wait(self.peer_died)
         return sampled
 
     def capture_cudagraph(self) -> None:

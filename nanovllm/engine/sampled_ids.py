@@ -1,4 +1,7 @@
 """A launched step's results as rank 0 sees them: sampled ids, and logprobs when asked."""
+import threading
+import time
+
 import torch
 
 from nanovllm.layers.sampler import LogprobsTensors
@@ -27,10 +30,18 @@ class SampledIds:
             self.ready = torch.cuda.Event()
             self.ready.record()
 
-    def wait(self) -> None:
-        """Wait for this step only; the host's one sync per step."""
-        if self.ready is not None:
+    def wait(self, give_up: threading.Event | None = None) -> None:
+        """Wait for this step only; the host's one sync per step. With `give_up`, poll instead
+        and raise once it is set: a collective waiting on a dead peer may never finish."""
+        if self.ready is None:
+            return
+        if give_up is None:
             self.ready.synchronize()
+            return
+        while not self.ready.query():
+            if give_up.is_set():
+                raise RuntimeError("step abandoned: a tensor-parallel peer died during it")
+            time.sleep(0)  # lets the watchdog thread run
 
     def tolist(self) -> list[int]:
         self.wait()

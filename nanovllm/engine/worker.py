@@ -36,6 +36,9 @@ STARTUP_TIMEOUT_S = 300.0  # spawned ranks must join the process group within th
 PARENT_POLL_S = 0.5  # how often an idle worker checks that the engine's process is alive
 DEATH_GRACE_S = 5.0  # a broken collective may be noticed before the dead peer is reaped
 JOIN_TIMEOUT_S = 10.0
+# After a worker's death, freeing rank 0's GPU state and group waits at most this long: an
+# abort or a device sync may wait forever on the dead peer's collective (NCCL issues 829, 863).
+RELEASE_TIMEOUT_S = 5.0
 # The fixed set of commands a worker obeys; "shutdown" ends its loop.
 WORKER_COMMANDS: dict[str, Callable] = {"run": ModelRunner.run, "sleep": sleep,
                                          "wake_up": wake_up, "update_weights": update_weights}
@@ -136,8 +139,10 @@ class WorkerGroup:
         self.saved_num_threads = torch.get_num_threads()
         if self.device == "cpu":
             torch.set_num_threads(cpu_threads_per_rank(self.world_size))
-        self.worker_died = threading.Event()  # set by the watchdog
-        self.lock = threading.Lock()  # orders the watchdog's abort against shutdown
+        self.worker_died = threading.Event()  # set once a worker is known dead (outside shutdown)
+        self.lock = threading.Lock()  # orders the watchdog's verdict against shutdown
+        self.abort_lock = threading.Lock()  # the communicator is aborted once, by one thread
+        self.aborted = False
         try:
             for process in self.processes:
                 process.start()
@@ -147,6 +152,7 @@ class WorkerGroup:
                              daemon=True).start()
             with self.guard():  # agrees on the KV pool size with the workers' runners
                 self.runner = ModelRunner(config, 0)
+            self.runner.peer_died = self.worker_died
         except BaseException:
             self.shutdown()
             raise
@@ -169,11 +175,19 @@ class WorkerGroup:
             if self.closed:
                 return
         with self.lock:
-            if not self.closed:
-                logger.error("tensor-parallel worker died (%s); aborting the communicator",
-                             ", ".join(self.dead_workers()) or "its process ended")
+            if self.closed:
+                return
+            self.worker_died.set()  # before the abort, which may never return
+        logger.error("tensor-parallel worker died (%s); aborting the communicator",
+                     ", ".join(self.dead_workers()) or "its process ended")
+        self._abort()
+
+    def _abort(self) -> None:
+        """Abort the communicator once; a second caller waits for the first one's abort."""
+        with self.abort_lock:
+            if not self.aborted:
+                self.aborted = True
                 abort_communicator(self.device)
-                self.worker_died.set()
 
     def dead_workers(self) -> list[str]:
         """'rank R (pid P) exit code C' for each worker that has exited."""
@@ -219,27 +233,57 @@ class WorkerGroup:
         return result
 
     def shutdown(self, join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
-        """Tell workers to exit, join (or kill) them, unlink the segment, leave the group."""
+        """Tell workers to exit, join (or kill) them, unlink the segment, leave the group.
+        After a worker's death, nothing here waits on the GPU or the group without a bound."""
         with self.lock:
             if self.closed:
                 return
             self.closed = True
+        peer_died = self.worker_died.is_set() or bool(self.dead_workers())
         started = [p for p in self.processes if p.pid is not None]
         self.channel.write("shutdown", ())
         for wakeup in self.wakeups:
             wakeup.release()
-        if self.runner is not None:
-            self.runner.shutdown()
         # Leave the group before joining: with NCCL each rank's exit from the group waits for
         # the others', so joining first would always wait out the timeout.
-        if dist.is_initialized():
-            dist.destroy_process_group()  # also breaks a worker out of a stuck gloo collective
+        if peer_died:
+            self.worker_died.set()  # rank 0's runner then never waits on the GPU again
+            self._release_after_death()
+            join_timeout_s = min(join_timeout_s, 1.0)  # survivors may be stuck in a collective
+        else:
+            self._leave_group()
         for process in started:
             process.join(join_timeout_s)
         for process in started:
             if process.is_alive():
                 process.kill()
-                process.join()
+                process.join(join_timeout_s)
         self.channel.close()
         self.store = None
         torch.set_num_threads(self.saved_num_threads)
+
+    def _leave_group(self) -> None:
+        """Free rank 0's runner, then leave the group; every rank is alive and does the same."""
+        if self.runner is not None:
+            self.runner.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()  # also breaks a worker out of a stuck gloo collective
+
+    def _release_after_death(self) -> None:
+        """Abort the group, free rank 0's runner and leave the group in a daemon thread, and
+        stop waiting for it after RELEASE_TIMEOUT_S: with a peer gone mid-collective, NCCL's
+        abort, a device sync and destroy_process_group may each wait forever."""
+        def release() -> None:
+            self._abort()  # on CUDA this also leaves the group: destroy would wait on the peer
+            if self.runner is not None:
+                self.runner.shutdown()
+            if dist.is_initialized() and self.device == "cpu":
+                dist.destroy_process_group()  # gloo's sockets fail as soon as a peer is gone
+
+        thread = threading.Thread(target=release, name="nanovllm-tp-release", daemon=True)
+        thread.start()
+        thread.join(RELEASE_TIMEOUT_S)
+        if thread.is_alive():
+            logger.error("rank 0 could not free its GPU state within %.0f s of a worker's death "
+                         "(a collective still waits on the dead peer); the process group stays "
+                         "until this process exits", RELEASE_TIMEOUT_S)
