@@ -304,3 +304,14 @@ def test_prefill_triton_sliding_window_skips_old_prefix() -> None:
     out = prefill_attention_triton(*args, sliding_window=window)
     assert not out.isnan().any()
     _close(out, prefill_attention_torch(*args, sliding_window=window), torch.float32)
+
+
+def test_decode_triton_large_batch() -> None:
+    """Batches with >= 1024 (sequence, kv head) programs take 128-key tiles: same result."""
+    lens = [(7 * i) % 300 for i in range(1024 // KV_HEADS)]
+    block_size, head_dim = 128, 16
+    k_cache, v_cache, tables = _paged_cache(lens, block_size, head_dim, torch.float32)
+    q = torch.randn(len(lens), 2 * KV_HEADS, head_dim, device=DEVICE)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out = decode_attention_triton(q, k_cache, v_cache, ctx, tables, 0.25)
+    _close(out, decode_attention_torch(q, k_cache, v_cache, ctx, tables, 0.25), torch.float32)

@@ -1,0 +1,77 @@
+"""Paged decode attention alone on CUDA: time per layer and K/V read bandwidth.
+
+Qwen3-0.6B's attention shape (16 query heads, 8 KV heads, head_dim 128, block 256) over a bf16 or
+FP8 cache, every sequence at the same context length, blocks scattered over the pool; the
+shipped Triton launch and, for bf16, FlashAttention when importable. Timed inside CUDA graphs.
+
+    python -m benchmarks.decode_kernel [--json out.json]
+"""
+
+import argparse
+import json
+from functools import partial
+
+import torch
+import triton
+
+from nanovllm.kernels.attention_triton_decode import decode_attention_triton
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 256
+SHAPES = [(256, 840), (256, 1300), (128, 1000), (64, 1100), (16, 1200), (1, 1500)]
+
+
+def make_inputs(batch: int, ctx: int, kv_dtype: torch.dtype):
+    """bf16 queries, a paged cache of random K/V (scattered blocks), context lengths, tables."""
+    num_blocks = batch * triton.cdiv(ctx, BLOCK_SIZE)
+    shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    k_cache = (torch.randn(shape, device="cuda") * 0.5).to(kv_dtype)
+    v_cache = (torch.randn(shape, device="cuda") * 0.5).to(kv_dtype)
+    q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, -1)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    return q, k_cache, v_cache, lens, tables
+
+
+def flash_attn_decode():
+    """FlashAttention's paged decode as a function of the same inputs, or None if absent."""
+    try:
+        from flash_attn import flash_attn_with_kvcache
+    except ImportError:
+        return None
+    return lambda q, k, v, lens, tables: flash_attn_with_kvcache(
+        q.unsqueeze(1), k, v, cache_seqlens=lens, block_table=tables,
+        softmax_scale=HEAD_DIM ** -0.5, causal=True)
+
+
+def main() -> None:
+    """Time each shape x cache x kernel; print a table, optionally write JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    triton_decode = lambda q, k, v, lens, tables: decode_attention_triton(  # noqa: E731
+        q, k, v, lens, tables, HEAD_DIM ** -0.5)
+    kernels = [("triton", triton_decode, (torch.bfloat16, torch.float8_e4m3fn))]
+    if (fa := flash_attn_decode()) is not None:
+        kernels.append(("flash-attn", fa, (torch.bfloat16,)))
+    rows = []
+    print(f"{'batch':>5} {'ctx':>5} {'kernel':<11} {'cache':<6} {'us':>7} {'TB/s':>6}")
+    for batch, ctx in SHAPES:
+        for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            inputs = make_inputs(batch, ctx, kv_dtype)
+            gbytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * kv_dtype.itemsize / 1e9
+            for name, fn, dtypes in kernels:
+                if kv_dtype not in dtypes:
+                    continue
+                ms = triton.testing.do_bench_cudagraph(partial(fn, *inputs), rep=200)
+                cache = "fp8" if kv_dtype.itemsize == 1 else "bf16"
+                rows.append(dict(batch=batch, ctx=ctx, kernel=name, cache=cache, ms=ms,
+                                 tb_s=gbytes / ms))
+                print(f"{batch:>5} {ctx:>5} {name:<11} {cache:<6} {ms * 1e3:7.1f} "
+                      f"{gbytes / ms:6.2f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
