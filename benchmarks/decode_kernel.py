@@ -58,6 +58,7 @@ def main() -> None:
     for batch, ctx in SHAPES:
         for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
             inputs = make_inputs(batch, ctx, kv_dtype)
+            torch.cuda.synchronize()  # the benches run on their own stream: inputs must be ready
             gbytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * kv_dtype.itemsize / 1e9
             for name, fn, dtypes in kernels:
                 if kv_dtype not in dtypes:
