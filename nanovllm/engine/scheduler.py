@@ -139,7 +139,10 @@ class Scheduler:
         if seq.status == SequenceStatus.RUNNING:
             seq.status = SequenceStatus.WAITING
             self.running.remove(seq)
-            self.waiting.appendleft(seq)
+            # A partly prefilled prompt at the head keeps its place: ahead of it, this sequence
+            # could wait forever for the blocks that prompt holds.
+            head_holds_blocks = bool(self.waiting and self.waiting[0].block_table)
+            self.waiting.insert(1 if head_holds_blocks else 0, seq)
 
     def abort(self, seqs: list[Sequence], in_flight: list[Sequence] = ()) -> None:
         """Recover from an exception mid-step: drop `seqs` and the `in_flight` batch's pending

@@ -1,4 +1,6 @@
 """Scheduler on tiny pools: prefill-first batching, budgets, preemption order, finishing."""
+import random
+
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
@@ -122,3 +124,30 @@ def test_a_chunk_ending_inside_a_prompt_is_followed_by_decode():
     assert is_prefill and batch == [b] and b.samples_next
     postprocess(s, batch, [8], is_prefill=True)
     assert list(s.running) == [a, b] and b.completion_token_ids == [8]
+
+
+def _random_run(rng: random.Random) -> None:
+    """One engine-like run (adds between steps, every step committed) on a small pool; every
+    scheduled step must carry work while requests are queued."""
+    num_blocks, budget = rng.choice([6, 8, 10]), rng.choice([4, 6, 8])
+    s = make(num_blocks=num_blocks, max_num_seqs=rng.choice([2, 3, 4]),
+             max_tokens_budget=budget, max_model_len=24)
+    for _ in range(200):
+        prompt_len, max_tokens = rng.randint(1, 23), rng.randint(1, 20)
+        if rng.random() < 0.3 and -(-min(prompt_len + max_tokens, 24) // BS) <= num_blocks:
+            s.add(Sequence([rng.randint(1, 2) for _ in range(prompt_len)],
+                           SamplingParams(max_tokens=max_tokens, ignore_eos=True), BS))
+        if s.is_finished():
+            continue
+        batch, is_prefill = s.schedule()
+        assert batch, "a step with requests queued scheduled nothing"
+        postprocess(s, batch, [1] * len(batch), is_prefill)
+
+
+def test_random_runs_always_progress():
+    """Preemption during a chunked prompt never leaves a step empty: a preempted sequence
+    queues behind the partly prefilled prompt that holds blocks, not ahead of it."""
+    for seed in range(150):
+        rng = random.Random(seed)
+        for _ in range(10):
+            _random_run(rng)
