@@ -33,7 +33,7 @@ def _locate_tile(cu_q_ptr, num_seqs, BLOCK_M: tl.constexpr, SEQS_P2: tl.constexp
 
 @triton.jit
 def softmax_step(q, k_t, v, visible, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr,
-                  MAY_BE_HIDDEN: tl.constexpr = False):
+                 MAY_BE_HIDDEN: tl.constexpr = False):
     """One online-softmax update of (m_i, l_i, acc) with a key tile k_t [D, N], v [N, D]."""
     qk = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
     qk = tl.where(visible, qk, float("-inf"))
@@ -106,7 +106,7 @@ def _prefill_kernel(
         if SLIDING:
             visible &= q_pos[:, None] - k_pos[None, :] < window
         m_i, l_i, acc = softmax_step(q, k_t, v, visible, m_i, l_i, acc, qk_scale, PRECISION,
-                                      SLIDING)
+                                     SLIDING)
     if SLIDING:  # padding rows past len_q may see no key at all: keep them finite
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_i[:, None] * v_scale
@@ -196,6 +196,3 @@ def check_shapes(
     if paged:
         assert keys.is_contiguous() and values.is_contiguous(), "KV cache must be contiguous"
 
-
-# num_splits is a plain argument, not specialised: the split count depends on the batch size,
-# and a constant would compile a variant per CUDA-graph size (seconds of cold start-up).

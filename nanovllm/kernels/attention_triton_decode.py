@@ -15,6 +15,8 @@ _TARGET_PROGRAMS = 512  # enough programs to fill an H100/H200 a few times over
 _MAX_SPLITS = 64
 
 
+# num_splits is a plain argument, not specialised: the split count depends on the batch size,
+# and a constant would compile a variant per CUDA-graph size (seconds of cold start-up).
 @triton.jit(do_not_specialize=["num_splits", "window"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, context_lens_ptr, block_tables_ptr,
@@ -66,7 +68,7 @@ def _decode_split_kernel(
         v = tl.load(v_cache_ptr + cache_offs[:, None] + offs_d[None, :],
                     mask=in_split[:, None], other=0.0).to(q.dtype)
         m_i, l_i, acc = softmax_step(q, k_t, v, in_split[None, :], m_i, l_i, acc, qk_scale,
-                                      PRECISION)
+                                     PRECISION)
     if SINGLE_SPLIT:  # context_len 0 (a padding row) keeps l = 0 and acc = 0: zeros out
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
         tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
