@@ -13,6 +13,38 @@ from nanovllm.kernels.attention_triton import LOG2E, check_shapes, softmax_step
 _MIN_SPLIT_LEN = 256  # fewest keys worth a split of their own
 _TARGET_PROGRAMS = 512  # enough programs to fill an H100/H200 a few times over
 _MAX_SPLITS = 64
+# Block-table entries held in registers at a time: a fixed size (one compiled variant), small
+# at any context length; 16 pages are 16-64 key tiles, so the pipeline that drains at each
+# chunk's end (the tile loop is pipelined per chunk) does so rarely.
+_PAGES_PER_CHUNK = 16
+
+
+@triton.jit
+def _attend_chunk(q, k_cache_ptr, v_cache_ptr, pages, page0, lo_n, hi_n, lo, kv_head, m_i, l_i,
+                  acc, qk_scale, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGES_PER_CHUNK: tl.constexpr,
+                  PRECISION: tl.constexpr, SLIDING: tl.constexpr):
+    """Online softmax over the key tiles lo_n..hi_n, whose page ids `pages` (from page0) are held
+    in registers; lo_n is a tile boundary and tiles never cross pages."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_p = tl.arange(0, PAGES_PER_CHUNK)
+    for start_n in range(lo_n, hi_n, BLOCK_N):
+        # The page id comes from registers, not memory: a load here would make each tile's K/V
+        # addresses wait on it, and Triton then keeps one K/V tile in flight at any num_stages.
+        page = tl.sum(tl.where(offs_p == start_n // BLOCK_SIZE - page0, pages, 0))
+        rows = page.to(tl.int64) * BLOCK_SIZE + start_n % BLOCK_SIZE + offs_n
+        visible = start_n + offs_n < hi_n
+        if SLIDING:  # only the first tile holds keys before lo; each tile keeps >= 1 visible
+            visible &= start_n + offs_n >= lo
+        cache_offs = rows * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+        k_t = tl.load(k_cache_ptr + cache_offs[None, :] + offs_d[:, None],
+                      mask=visible[None, :], other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + cache_offs[:, None] + offs_d[None, :],
+                    mask=visible[:, None], other=0.0).to(q.dtype)
+        m_i, l_i, acc = softmax_step(q, k_t, v, visible[None, :], m_i, l_i, acc, qk_scale,
+                                      PRECISION)
+    return m_i, l_i, acc
 
 
 # num_splits is a plain argument, not specialised: the split count depends on the batch size,
@@ -24,8 +56,8 @@ def _decode_split_kernel(
     stride_oh, qk_scale, v_scale, num_splits, window,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, SLIDING: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
-    FP16_DOT: tl.constexpr,
+    PAGES_PER_CHUNK: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, FP16_DOT: tl.constexpr,
 ):
     """Grid (Hkv, B, splits): all GROUP query heads of one kv head over one slice of the keys."""
     # kv heads vary fastest: the programs running together read neighbouring bytes of each
@@ -44,7 +76,6 @@ def _decode_split_kernel(
     start = first + split * split_len
     end = tl.minimum(start + split_len, ctx)
     offs_g = tl.arange(0, GROUP_P2)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
@@ -56,19 +87,18 @@ def _decode_split_kernel(
     m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_P2], tl.float32)
     acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
-    for start_n in range(start, end, BLOCK_N):
-        block_id = tl.load(block_tables_ptr + seq * stride_bt + start_n // BLOCK_SIZE)
-        rows = block_id.to(tl.int64) * BLOCK_SIZE + start_n % BLOCK_SIZE + offs_n
-        in_split = start_n + offs_n < end
-        if SLIDING:  # only the first tile holds keys before lo; each tile keeps >= 1 visible
-            in_split &= start_n + offs_n >= lo
-        cache_offs = rows * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
-        k_t = tl.load(k_cache_ptr + cache_offs[None, :] + offs_d[:, None],
-                      mask=in_split[None, :], other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + cache_offs[:, None] + offs_d[None, :],
-                    mask=in_split[:, None], other=0.0).to(q.dtype)
-        m_i, l_i, acc = softmax_step(q, k_t, v, in_split[None, :], m_i, l_i, acc, qk_scale,
-                                     PRECISION)
+    # The split's block-table entries come PAGES_PER_CHUNK at a time into registers, so the row
+    # held stays small at any context length; each chunk's tiles are one pipelined loop.
+    offs_p = tl.arange(0, PAGES_PER_CHUNK)
+    end_page = tl.cdiv(end, BLOCK_SIZE)
+    for page0 in range(start // BLOCK_SIZE, end_page, PAGES_PER_CHUNK):
+        pages = tl.load(block_tables_ptr + seq * stride_bt + page0 + offs_p,
+                        mask=page0 + offs_p < end_page, other=0)
+        m_i, l_i, acc = _attend_chunk(
+            q, k_cache_ptr, v_cache_ptr, pages, page0, tl.maximum(start, page0 * BLOCK_SIZE),
+            tl.minimum(end, (page0 + PAGES_PER_CHUNK) * BLOCK_SIZE), lo, kv_head, m_i, l_i, acc,
+            qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PAGES_PER_CHUNK, PRECISION,
+            SLIDING)
     if SINGLE_SPLIT:  # context_len 0 (a padding row) keeps l = 0 and acc = 0: zeros out
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
         tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -161,9 +191,12 @@ def decode_attention_triton(
         scale * LOG2E * k_scale, v_scale, num_splits, window,
         GROUP=group, GROUP_P2=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        PRECISION=attention_triton.dot_precision(q.dtype), SLIDING=window > 0,
-        SINGLE_SPLIT=num_splits == 1, FP16_DOT=fp8 and q.dtype == torch.bfloat16,
-        num_warps=4, num_stages=2,
+        PAGES_PER_CHUNK=_PAGES_PER_CHUNK, PRECISION=attention_triton.dot_precision(q.dtype),
+        SLIDING=window > 0, SINGLE_SPLIT=num_splits == 1,
+        FP16_DOT=fp8 and q.dtype == torch.bfloat16,
+        # A third stage keeps two K/V tiles in flight: faster on the H200 for an FP8 cache
+        # (half the bytes per tile), no gain for bf16.
+        num_warps=4, num_stages=3 if fp8 else 2,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](

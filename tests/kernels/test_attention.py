@@ -20,6 +20,7 @@ from nanovllm.kernels.attention_torch import (  # noqa: E402
 )
 from nanovllm.kernels.attention_triton import prefill_attention_triton  # noqa: E402
 from nanovllm.kernels.attention_triton_decode import (  # noqa: E402
+    _PAGES_PER_CHUNK,
     _num_splits,
     decode_attention_triton,
 )
@@ -286,6 +287,38 @@ def test_decode_triton_sliding_window_long_context(num_splits: int | None) -> No
     q = torch.randn(len(lens), 2 * KV_HEADS, head_dim, device=DEVICE)
     ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     args = (q, k_cache, v_cache, ctx, tables, 0.2)
+    out = decode_attention_triton(*args, num_splits=num_splits, sliding_window=window)
+    assert not out.isnan().any()
+    _close(out, decode_attention_torch(*args, sliding_window=window), torch.float32)
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 2])
+def test_decode_triton_page_chunks(num_splits: int | None) -> None:
+    """Splits longer than a chunk of block-table entries (16-key pages; 1 and 2 splits cross
+    chunk edges, from page 0 and from mid-table), contexts ending on and just past an edge."""
+    block_size, head_dim, chunk_keys = 16, 16, _PAGES_PER_CHUNK * 16
+    lens = [2 * chunk_keys + 37, chunk_keys, chunk_keys + 1, 5, 0]
+    k_cache, v_cache, tables = _paged_cache(lens, block_size, head_dim, torch.float32)
+    q = torch.randn(len(lens), 2 * KV_HEADS, head_dim, device=DEVICE)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    args = (q, k_cache, v_cache, ctx, tables, 0.3)
+    out = decode_attention_triton(*args, num_splits=num_splits)
+    _close(out, decode_attention_torch(*args), torch.float32)
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+
+
+@pytest.mark.parametrize(("num_splits", "window"), [(1, 300), (2, 519)])
+def test_decode_triton_sliding_window_page_chunks(num_splits: int, window: int) -> None:
+    """Windows over more than a chunk of 16-key pages, starting mid-page (and, at 300, in the
+    last page of a chunk): only the window's keys are read."""
+    block_size, head_dim, chunk_keys = 16, 16, _PAGES_PER_CHUNK * 16
+    lens = [2 * chunk_keys + 21, chunk_keys + 3, 40, 0]
+    k_cache, v_cache, tables = _paged_cache(lens, block_size, head_dim, torch.float32)
+    for cache in (k_cache, v_cache):
+        _poison_before_window(cache, tables, lens, [max(0, n - window) for n in lens])
+    q = torch.randn(len(lens), 2 * KV_HEADS, head_dim, device=DEVICE)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    args = (q, k_cache, v_cache, ctx, tables, 0.3)
     out = decode_attention_triton(*args, num_splits=num_splits, sliding_window=window)
     assert not out.isnan().any()
     _close(out, decode_attention_torch(*args, sliding_window=window), torch.float32)

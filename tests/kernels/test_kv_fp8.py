@@ -17,7 +17,10 @@ from nanovllm.kernels.attention_torch import (  # noqa: E402
     prefill_attention_torch,
 )
 from nanovllm.kernels.attention_triton import prefill_attention_triton  # noqa: E402
-from nanovllm.kernels.attention_triton_decode import decode_attention_triton  # noqa: E402
+from nanovllm.kernels.attention_triton_decode import (  # noqa: E402
+    _PAGES_PER_CHUNK,
+    decode_attention_triton,
+)
 from nanovllm.kernels.kv_quant import FP8_DTYPE, FP8_MAX, quantize_kv_torch  # noqa: E402
 from nanovllm.kernels.qk_norm_rope import qk_norm_rope  # noqa: E402
 from nanovllm.kernels.store_kvcache import store_kvcache, store_kvcache_torch  # noqa: E402
@@ -183,4 +186,20 @@ def test_decode_triton_fp8(block_size: int, head_dim: int, group: int) -> None:
     out = decode_attention_triton(q, k_cache, v_cache, ctx, tables, head_dim**-0.5, **scales)
     ref = decode_attention_torch(q, k_cache, v_cache, ctx, tables, head_dim**-0.5, **scales)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+
+
+@pytest.mark.parametrize(("num_splits", "window"), [(1, None), (2, None), (1, 300), (2, 519)])
+def test_decode_triton_fp8_page_chunks(num_splits: int, window: int | None) -> None:
+    """FP8 decode (its own pipelined launch) with splits and windows longer than a chunk of
+    block-table entries (16-key pages) == reference."""
+    block_size, head_dim = 16, 16
+    lens = [2 * _PAGES_PER_CHUNK * block_size + 21, _PAGES_PER_CHUNK * block_size, 7, 0]
+    k_cache, v_cache, tables = _fp8_cache(lens, block_size, head_dim)
+    q = torch.randn(len(lens), 2 * KV_HEADS, head_dim, device=DEVICE)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    args = (q, k_cache, v_cache, ctx, tables, head_dim**-0.5)
+    kwargs = dict(k_scale=K_SCALE, v_scale=V_SCALE, sliding_window=window)
+    out = decode_attention_triton(*args, num_splits=num_splits, **kwargs)
+    torch.testing.assert_close(out, decode_attention_torch(*args, **kwargs), atol=1e-4, rtol=1e-4)
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))
