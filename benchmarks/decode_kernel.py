@@ -3,32 +3,41 @@
 Qwen3-0.6B's attention shape (16 query heads, 8 KV heads, head_dim 128, block 256) over a bf16 or
 FP8 cache, every sequence at the same context length, blocks scattered over the pool; the
 shipped Triton launch and, for bf16, FlashAttention when importable. Timed inside CUDA graphs.
+--varied draws each sequence's length (uniform over 1..2*ctx-1, same mean), as in a decode batch
+of the standard bench: equal lengths hide the load imbalance between programs. --splits-sweep adds
+the Triton launch at other program targets (so other split counts).
 
-    python -m benchmarks.decode_kernel [--json out.json]
+    python -m benchmarks.decode_kernel [--json out.json] [--varied] [--splits-sweep]
 """
 
 import argparse
 import json
 from functools import partial
+from unittest import mock
 
 import torch
 import triton
 
+from nanovllm.kernels import attention_triton_decode
 from nanovllm.kernels.attention_triton_decode import decode_attention_triton
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 256
 SHAPES = [(256, 840), (256, 1300), (128, 1000), (64, 1100), (16, 1200), (1, 1500)]
+TARGETS_SWEEP = [1024, 2048, 4096]  # programs the split count aims for (shipped: _TARGET_PROGRAMS)
 
 
-def make_inputs(batch: int, ctx: int, kv_dtype: torch.dtype):
+def make_inputs(batch: int, ctx: int, kv_dtype: torch.dtype, varied: bool = False):
     """bf16 queries, a paged cache of random K/V (scattered blocks), context lengths, tables."""
-    num_blocks = batch * triton.cdiv(ctx, BLOCK_SIZE)
+    max_ctx = 2 * ctx - 1 if varied else ctx
+    num_blocks = batch * triton.cdiv(max_ctx, BLOCK_SIZE)
     shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     k_cache = (torch.randn(shape, device="cuda") * 0.5).to(kv_dtype)
     v_cache = (torch.randn(shape, device="cuda") * 0.5).to(kv_dtype)
     q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, -1)
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    lens = (torch.randint(1, max_ctx + 1, (batch,), device="cuda", dtype=torch.int32, generator=gen)
+            if varied else torch.full((batch,), ctx, dtype=torch.int32, device="cuda"))
     return q, k_cache, v_cache, lens, tables
 
 
@@ -43,23 +52,36 @@ def flash_attn_decode():
         softmax_scale=HEAD_DIM ** -0.5, causal=True)
 
 
+def target_variant(programs: int):
+    """The shipped Triton launch with the split count aimed at another number of programs."""
+    def run(q, k, v, lens, tables):
+        with mock.patch.object(attention_triton_decode, "_TARGET_PROGRAMS", programs):
+            return decode_attention_triton(q, k, v, lens, tables, HEAD_DIM ** -0.5)
+    return run
+
+
 def main() -> None:
     """Time each shape x cache x kernel; print a table, optionally write JSON."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", default=None)
+    parser.add_argument("--varied", action="store_true")
+    parser.add_argument("--splits-sweep", action="store_true")
     args = parser.parse_args()
     triton_decode = lambda q, k, v, lens, tables: decode_attention_triton(  # noqa: E731
         q, k, v, lens, tables, HEAD_DIM ** -0.5)
-    kernels = [("triton", triton_decode, (torch.bfloat16, torch.float8_e4m3fn))]
+    both = (torch.bfloat16, torch.float8_e4m3fn)
+    kernels = [("triton", triton_decode, both)]
+    if args.splits_sweep:
+        kernels += [(f"triton/{t}", target_variant(t), both) for t in TARGETS_SWEEP]
     if (fa := flash_attn_decode()) is not None:
         kernels.append(("flash-attn", fa, (torch.bfloat16,)))
     rows = []
-    print(f"{'batch':>5} {'ctx':>5} {'kernel':<11} {'cache':<6} {'us':>7} {'TB/s':>6}")
+    print(f"{'batch':>5} {'ctx':>5} {'kernel':<12} {'cache':<6} {'us':>7} {'TB/s':>6}")
     for batch, ctx in SHAPES:
         for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
-            inputs = make_inputs(batch, ctx, kv_dtype)
+            inputs = make_inputs(batch, ctx, kv_dtype, args.varied)
             torch.cuda.synchronize()  # the benches run on their own stream: inputs must be ready
-            gbytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * kv_dtype.itemsize / 1e9
+            gbytes = 2 * inputs[3].sum().item() * KV_HEADS * HEAD_DIM * kv_dtype.itemsize / 1e9
             for name, fn, dtypes in kernels:
                 if kv_dtype not in dtypes:
                     continue
@@ -67,7 +89,7 @@ def main() -> None:
                 cache = "fp8" if kv_dtype.itemsize == 1 else "bf16"
                 rows.append(dict(batch=batch, ctx=ctx, kernel=name, cache=cache, ms=ms,
                                  tb_s=gbytes / ms))
-                print(f"{batch:>5} {ctx:>5} {name:<11} {cache:<6} {ms * 1e3:7.1f} "
+                print(f"{batch:>5} {ctx:>5} {name:<12} {cache:<6} {ms * 1e3:7.1f} "
                       f"{gbytes / ms:6.2f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

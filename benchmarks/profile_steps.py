@@ -1,8 +1,8 @@
 """GPU time per kernel for the standard workload's prefill steps and for decode steps (H200).
 
-python -m benchmarks.profile_steps [--model DIR] [--attention-backend B]: prints, for a
-prefill-only pass (every prompt, max_tokens=1) and for 32 decode steps at batch 256, the
-kernels by total GPU time, then the wall time of each phase.
+python -m benchmarks.profile_steps [--model DIR] [--attention-backend B] [--kv-cache-dtype D]:
+prints, for a prefill-only pass (every prompt, max_tokens=1) and for 32 decode steps at batch
+256, the kernels by total GPU time, then the wall time of each phase.
 """
 import argparse
 import time
@@ -30,10 +30,11 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=None)
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--num-seqs", type=int, default=256)
     args = p.parse_args()
     path = args.model or qwen3_0_6b_random()
-    llm = LLM(path, attention_backend=args.attention_backend)
+    llm = LLM(path, attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype)
     prompts, _ = standard(args.num_seqs, (100, 1024), (100, 1024), max_token_id(path), seed=0)
     one = SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True)
     llm.generate(prompts[:8], one, use_tqdm=False)  # warm-up
