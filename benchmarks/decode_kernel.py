@@ -5,8 +5,7 @@ FP8 cache, every sequence at the same context length, blocks scattered over the 
 shipped Triton launch and, for bf16, FlashAttention when importable. Timed inside CUDA graphs.
 --varied draws each sequence's length (uniform over 1..2*ctx-1, same mean), as in a decode batch
 of the standard bench: equal lengths hide the load imbalance between programs. --splits-sweep adds
-the Triton launch with each sequence's own split length ("own", as without max_context_len) and
-with the batch's common one at other program targets (so other split counts).
+the Triton launch at other program targets (so other split counts).
 
     python -m benchmarks.decode_kernel [--json out.json] [--varied] [--splits-sweep]
 """
@@ -24,7 +23,7 @@ from nanovllm.kernels.attention_triton_decode import decode_attention_triton
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 256
 SHAPES = [(256, 840), (256, 1300), (128, 1000), (64, 1100), (16, 1200), (1, 1500)]
-TARGETS_SWEEP = [1024, 2048]  # programs the split count aims for (shipped: _TARGET_PROGRAMS)
+TARGETS_SWEEP = [1024, 2048, 4096]  # programs the split count aims for (shipped: _TARGET_PROGRAMS)
 
 
 def make_inputs(batch: int, ctx: int, kv_dtype: torch.dtype, varied: bool = False):
@@ -39,7 +38,7 @@ def make_inputs(batch: int, ctx: int, kv_dtype: torch.dtype, varied: bool = Fals
     gen = torch.Generator(device="cuda").manual_seed(0)
     lens = (torch.randint(1, max_ctx + 1, (batch,), device="cuda", dtype=torch.int32, generator=gen)
             if varied else torch.full((batch,), ctx, dtype=torch.int32, device="cuda"))
-    return q, k_cache, v_cache, lens, tables, lens.max().reshape(1)
+    return q, k_cache, v_cache, lens, tables
 
 
 def flash_attn_decode():
@@ -48,19 +47,16 @@ def flash_attn_decode():
         from flash_attn import flash_attn_with_kvcache
     except ImportError:
         return None
-    return lambda q, k, v, lens, tables, max_len: flash_attn_with_kvcache(
+    return lambda q, k, v, lens, tables: flash_attn_with_kvcache(
         q.unsqueeze(1), k, v, cache_seqlens=lens, block_table=tables,
         softmax_scale=HEAD_DIM ** -0.5, causal=True)
 
 
-def target_variant(programs: int, common: bool):
-    """The Triton launch with the split count aimed at another number of programs, and with
-    (common) or without a split length shared by the batch."""
-    def run(q, k, v, lens, tables, max_len):
-        with mock.patch.object(attention_triton_decode, "_TARGET_PROGRAMS", programs), \
-                mock.patch.object(attention_triton_decode, "_BALANCE_TARGET", programs):
-            return decode_attention_triton(q, k, v, lens, tables, HEAD_DIM ** -0.5,
-                                           max_context_len=max_len if common else None)
+def target_variant(programs: int):
+    """The shipped Triton launch with the split count aimed at another number of programs."""
+    def run(q, k, v, lens, tables):
+        with mock.patch.object(attention_triton_decode, "_TARGET_PROGRAMS", programs):
+            return decode_attention_triton(q, k, v, lens, tables, HEAD_DIM ** -0.5)
     return run
 
 
@@ -71,14 +67,12 @@ def main() -> None:
     parser.add_argument("--varied", action="store_true")
     parser.add_argument("--splits-sweep", action="store_true")
     args = parser.parse_args()
-    # as the engine calls it: the batch's longest context from the step's inputs
-    triton_decode = lambda q, k, v, lens, tables, max_len: decode_attention_triton(  # noqa: E731
-        q, k, v, lens, tables, HEAD_DIM ** -0.5, max_context_len=max_len)
+    triton_decode = lambda q, k, v, lens, tables: decode_attention_triton(  # noqa: E731
+        q, k, v, lens, tables, HEAD_DIM ** -0.5)
     both = (torch.bfloat16, torch.float8_e4m3fn)
     kernels = [("triton", triton_decode, both)]
     if args.splits_sweep:
-        kernels += [(f"{'common' if c else 'own'}/{t}", target_variant(t, c), both)
-                    for c in (False, True) for t in [512] * (not c) + TARGETS_SWEEP]
+        kernels += [(f"triton/{t}", target_variant(t), both) for t in TARGETS_SWEEP]
     if (fa := flash_attn_decode()) is not None:
         kernels.append(("flash-attn", fa, (torch.bfloat16,)))
     rows = []

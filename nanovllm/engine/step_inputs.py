@@ -78,12 +78,11 @@ class DecodeInputs:
     """Packs a decode step's int32 inputs into one buffer, so they travel in one copy.
 
     Layout for `rows` sequences (the batch padded up to a CUDA-graph size) and `width` blocks:
-        [input_ids | positions | slot_mapping | context_lens | source_rows | max_len | block_tables]
-    block_tables is rows x width; max_len (4 entries, the first used) is the longest context.
-    source_rows[i] is the row of the previous step's sampled ids that holds sequence i's input
-    id (its pending token), or -1 when input_ids[i] holds it. Padding rows have slot -1 (write
-    nothing) and context length 0 (attend to nothing). Each of the first six sections takes a
-    multiple of 4 entries, so every section starts 16-byte
+        [input_ids | positions | slot_mapping | context_lens | source_rows | block_tables]
+    block_tables is rows x width. source_rows[i] is the row of the previous step's sampled ids
+    that holds sequence i's input id (its pending token), or -1 when input_ids[i] holds it.
+    Padding rows have slot -1 (write nothing) and context length 0 (attend to nothing). Each of
+    the first five sections takes a multiple of 4 entries, so every section starts 16-byte
     aligned whatever `rows` is: Triton specialises kernels on pointer alignment, and would
     otherwise compile new variants for some graph sizes.
     """
@@ -99,7 +98,7 @@ class DecodeInputs:
     @staticmethod
     def size(rows: int, width: int) -> int:
         """Entries of a packed buffer for `rows` sequences and `width` blocks each."""
-        return 5 * _aligned(rows) + 4 + rows * width
+        return 5 * _aligned(rows) + rows * width
 
     def pack(self, seqs: list[Sequence], rows: int, width: int,
              source_rows: list[int] | None = None) -> torch.Tensor:
@@ -107,8 +106,7 @@ class DecodeInputs:
         n, seg = len(seqs), _aligned(rows)
         self.turn ^= 1
         buf = self.staging[self.turn][:self.size(rows, width)]
-        ids, pos, slots, ctx, src, max_len, tables = np.split(
-            buf.numpy(), [seg * i for i in range(1, 6)] + [5 * seg + 4])
+        ids, pos, slots, ctx, src, tables = np.split(buf.numpy(), [seg * i for i in range(1, 6)])
         # np.fromiter over generators: this runs every decode step, for every sequence.
         ids[:n] = np.fromiter((seq.last_token for seq in seqs), np.int32, n)
         ctx[:n] = np.fromiter((seq.num_tokens for seq in seqs), np.int32, n)
@@ -117,7 +115,6 @@ class DecodeInputs:
         slots[:n] = slots[:n] * self.block_size + pos[:n] % self.block_size
         src[:n] = -1 if source_rows is None else source_rows
         ids[n:], pos[n:], slots[n:], ctx[n:], src[n:] = 0, 0, -1, 0, -1
-        max_len[0] = ctx.max()
         lens = np.fromiter((len(seq.block_table) for seq in seqs), np.int32, n)
         flat = np.fromiter(chain.from_iterable(seq.block_table for seq in seqs), np.int32,
                            int(lens.sum()))
@@ -133,9 +130,8 @@ class DecodeInputs:
         Context."""
         seg = _aligned(rows)
         ids, pos, slots, ctx, src = (part[:rows] for part in buf[:5 * seg].split(seg))
-        tables = buf[5 * seg + 4:]
+        tables = buf[5 * seg:]
         context = Context(is_prefill=False, slot_mapping=slots, context_lens=ctx,
-                          max_context_len=buf[5 * seg:5 * seg + 1],
                           block_tables=tables.view(rows, width))
         return ids, pos, src, context
 

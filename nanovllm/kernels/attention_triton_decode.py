@@ -13,8 +13,6 @@ from nanovllm.kernels.attention_triton import LOG2E, check_shapes, softmax_step
 
 _MIN_SPLIT_LEN = 256  # fewest keys worth a split of their own
 _TARGET_PROGRAMS = 512  # enough programs to fill an H100/H200 a few times over
-# With a common split length more splits balance varied lengths (long sequences take them all)
-_BALANCE_TARGET = 1024
 _MAX_SPLITS = 64
 # Block-table entries held in registers at a time: fixed (one compiled variant), small at any
 # context length, and 16-64 key tiles per chunk, so the tile pipeline refills only rarely.
@@ -55,13 +53,13 @@ def _attend_chunk(q, k_cache_ptr, v_cache_ptr, pages, page0, lo_n, hi_n, lo, kv_
 # and a constant would compile a variant per CUDA-graph size (seconds of cold start-up).
 @triton.jit(do_not_specialize=["num_splits", "window"])
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, context_lens_ptr, max_len_ptr, block_tables_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, context_lens_ptr, block_tables_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_qb, stride_qh, stride_bt, stride_ob,
     stride_oh, qk_scale, v_scale, num_splits, window,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGES_PER_CHUNK: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr, FP16_DOT: tl.constexpr, COMMON_SPLIT: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, FP16_DOT: tl.constexpr,
 ):
     """Grid (Hkv, B, splits): all GROUP query heads of one kv head over one slice of the keys."""
     # kv heads vary fastest: the programs running together read neighbouring bytes of each
@@ -70,22 +68,13 @@ def _decode_split_kernel(
     seq = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq)
-    # The query (position ctx - 1) sees keys lo..ctx-1, read in whole key tiles (tiles never
-    # cross pages) from lo rounded down to a tile, and spread over the splits.
+    # The query (position ctx - 1) sees keys lo..ctx-1: spread them evenly over all splits, in
+    # whole key tiles (tiles never cross pages) from lo rounded down to a tile.
     lo = 0
     if SLIDING:
         lo = tl.maximum(ctx - window, 0)
     first = lo // BLOCK_N * BLOCK_N
-    span = ctx - first
-    if COMMON_SPLIT:
-        # One split length for the batch, from its longest span: a long sequence fills all its
-        # splits and a short one leaves some empty, so no program reads more than the longest
-        # span / splits keys (with per-sequence lengths the longest sequence's programs set the
-        # kernel's time when lengths vary).
-        span = tl.load(max_len_ptr)
-        if SLIDING:
-            span = tl.minimum(span, window + BLOCK_N - 1)
-    split_len = (span + num_splits * BLOCK_N - 1) // (num_splits * BLOCK_N) * BLOCK_N
+    split_len = (ctx - first + num_splits * BLOCK_N - 1) // (num_splits * BLOCK_N) * BLOCK_N
     start = first + split * split_len
     end = tl.minimum(start + split_len, ctx)
     offs_g = tl.arange(0, GROUP_P2)
@@ -156,11 +145,10 @@ def _block_n(programs: int, head_dim: int, block_size: int, fp8: bool) -> int:
     return min(128 if fp8 or programs >= 1024 else 64, block_size)
 
 
-def _num_splits(batch: int, num_kv_heads: int, max_context: int,
-                target: int = _TARGET_PROGRAMS) -> int:
+def _num_splits(batch: int, num_kv_heads: int, max_context: int) -> int:
     """Splits per (seq, kv head) from shapes only (CUDA-graph safe): long contexts get more."""
     by_length = triton.cdiv(max_context, _MIN_SPLIT_LEN)
-    by_occupancy = triton.cdiv(target, batch * num_kv_heads)
+    by_occupancy = triton.cdiv(_TARGET_PROGRAMS, batch * num_kv_heads)
     return max(1, min(by_length, by_occupancy, _MAX_SPLITS))
 
 
@@ -175,11 +163,9 @@ def decode_attention_triton(
     sliding_window: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    max_context_len: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Flash-decoding: q [B, H, D] (one query per sequence) over its paged context (an FP8 cache
-    dequantized with k_scale, v_scale); 0 -> zeros. With max_context_len (int32 [1], >= every
-    context length) the splits share one length, for balance; otherwise each sequence's own."""
+    dequantized with k_scale, v_scale); 0 -> zeros."""
     window = check_sliding_window(sliding_window)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -193,8 +179,7 @@ def decode_attention_triton(
         max_keys = block_tables.shape[1] * block_size
         if window:  # only the window is read (from a tile boundary)
             max_keys = min(max_keys, window + block_n - 1)
-        num_splits = _num_splits(batch, num_kv_heads, max_keys,
-                                 _TARGET_PROGRAMS if max_context_len is None else _BALANCE_TARGET)
+        num_splits = _num_splits(batch, num_kv_heads, max_keys)
     group = num_heads // num_kv_heads
     # fp32 scratch sized from shapes only (no data-dependent allocation under graph capture);
     # with one split (large batches: programs enough) the kernel writes `out`, and no reduce runs.
@@ -203,16 +188,14 @@ def decode_attention_triton(
     part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32,
                            device=q.device)
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
-        q, k_cache, v_cache, context_lens,
-        context_lens if max_context_len is None else max_context_len, block_tables,
-        part_m, part_l, part_acc, out,
+        q, k_cache, v_cache, context_lens, block_tables, part_m, part_l, part_acc, out,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         scale * LOG2E * k_scale, v_scale, num_splits, window,
         GROUP=group, GROUP_P2=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         PAGES_PER_CHUNK=_PAGES_PER_CHUNK, PRECISION=attention_triton.dot_precision(q.dtype),
         SLIDING=window > 0, SINGLE_SPLIT=num_splits == 1,
-        FP16_DOT=fp8 and q.dtype == torch.bfloat16, COMMON_SPLIT=max_context_len is not None,
+        FP16_DOT=fp8 and q.dtype == torch.bfloat16,
         # A third stage keeps two K/V tiles in flight: faster on the H200 for an FP8 cache
         # (half the bytes per tile), no gain for bf16.
         num_warps=4, num_stages=3 if fp8 else 2,

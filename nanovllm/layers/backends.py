@@ -97,14 +97,6 @@ class TritonBackend(TorchBackend):
         self._prefill = attention_triton.prefill_attention_triton  # same signatures
         self._decode = attention_triton_decode.decode_attention_triton
 
-    def decode(self, q, k_cache, v_cache, ctx: Context, scale: float,
-               sliding_window: int | None, kv_scales: tuple[float, float] = (1.0, 1.0)
-               ) -> torch.Tensor:
-        # the step's longest context lets all splits share one length (balanced programs)
-        return self._decode(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables, scale,
-                            sliding_window=sliding_window, k_scale=kv_scales[0],
-                            v_scale=kv_scales[1], max_context_len=ctx.max_context_len)
-
 
 class FlashAttnBackend(TorchBackend):
     """flash-attn: varlen prefill (paged when a prefix is cached) and paged decode."""

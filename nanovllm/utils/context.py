@@ -16,7 +16,6 @@ class Context:
     max_seqlen_k: int = 0
     slot_mapping: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
-    max_context_len: torch.Tensor | None = None  # decode: [1], >= every context length
     block_tables: torch.Tensor | None = None
     prefix_cached: bool = False  # prefill whose keys include blocks already in the cache
     logits_indices: torch.Tensor | None = None  # prefill rows that sample; None: no row does

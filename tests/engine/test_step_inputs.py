@@ -23,14 +23,12 @@ def test_round_trip_and_alignment(rows: int) -> None:
     buf = inputs.pack(seqs, rows, width, source_rows).clone()  # as if copied to the device
     assert buf.numel() == DecodeInputs.size(rows, width)
     ids, pos, src, ctx = DecodeInputs.unpack(buf, rows, width)
-    parts = (ids, pos, src, ctx.slot_mapping, ctx.context_lens, ctx.max_context_len,
-             ctx.block_tables)
+    parts = (ids, pos, src, ctx.slot_mapping, ctx.context_lens, ctx.block_tables)
     assert all(part.data_ptr() % 16 == 0 for part in parts)  # one Triton variant for all rows
     n = len(seqs)
     assert ids.tolist() == [seq.last_token for seq in seqs] + [0] * (rows - n)
     assert pos.tolist() == [len(seq) - 1 for seq in seqs] + [0] * (rows - n)
     assert ctx.context_lens.tolist() == [len(seq) for seq in seqs] + [0] * (rows - n)
-    assert ctx.max_context_len.tolist() == [max(len(seq) for seq in seqs)]
     slots = [seq.block_table[-1] * BLOCK + (len(seq) - 1) % BLOCK for seq in seqs]
     assert ctx.slot_mapping.tolist() == slots + [-1] * (rows - n)
     tables = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]

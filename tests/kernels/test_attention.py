@@ -95,16 +95,6 @@ def _naive(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: lis
     return out
 
 
-def _max_len(ctx: torch.Tensor, common: str) -> torch.Tensor | None:
-    """max_context_len for the launch: none (each sequence's own split length), the batch's
-    longest context (as the engine passes it), or a bound above it (allowed: >= every length)."""
-    return {"own": None, "max": ctx.max().reshape(1),
-            "above": ctx.max().reshape(1) + 100}[common]
-
-
-COMMON = ["own", "max", "above"]
-
-
 def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
@@ -199,34 +189,28 @@ def test_prefill_triton_paged_matches_dense() -> None:
     _close(paged, dense, torch.float32)
 
 
-@pytest.mark.parametrize("common", ["own", "max"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("block_size", "head_dim", "group"), PAGED_CASES)
-def test_decode_triton(block_size: int, head_dim: int, group: int, dtype: torch.dtype,
-                       common: str) -> None:
+def test_decode_triton(block_size: int, head_dim: int, group: int, dtype: torch.dtype) -> None:
     """Decode over mixed contexts (incl. exact page multiples) with context_len 0 padding rows."""
     lens = [0, 1, 16, 45, 2 * block_size, block_size + 44, 0]
     k_cache, v_cache, tables = _paged_cache(lens, block_size, head_dim, dtype)
     q = torch.randn(len(lens), group * KV_HEADS, head_dim, dtype=dtype, device=DEVICE)
     ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    out = decode_attention_triton(q, k_cache, v_cache, ctx, tables, head_dim**-0.5,
-                                  max_context_len=_max_len(ctx, common))
+    out = decode_attention_triton(q, k_cache, v_cache, ctx, tables, head_dim**-0.5)
     _close(out, decode_attention_torch(q, k_cache, v_cache, ctx, tables, head_dim**-0.5), dtype)
     assert torch.equal(out[0], torch.zeros_like(out[0])) and not out.isnan().any()
 
 
-@pytest.mark.parametrize("common", COMMON)
 @pytest.mark.parametrize("num_splits", [None, 1, 5])
-def test_decode_triton_long_context_splits(num_splits: int | None, common: str) -> None:
-    """Long contexts spread over several splits (auto and forced counts; each sequence's own
-    split length or one for the batch, some splits then empty) give the same result."""
+def test_decode_triton_long_context_splits(num_splits: int | None) -> None:
+    """Long contexts spread over several splits (auto and forced counts) give the same result."""
     lens, block_size, head_dim, heads = [600, 300, 5, 0], 32, 32, 2 * KV_HEADS
     k_cache, v_cache, tables = _paged_cache(lens, block_size, head_dim, torch.float32)
     assert _num_splits(len(lens), KV_HEADS, tables.shape[1] * block_size) > 1
     q = torch.randn(len(lens), heads, head_dim, device=DEVICE)
     ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    out = decode_attention_triton(q, k_cache, v_cache, ctx, tables, 0.2, num_splits=num_splits,
-                                  max_context_len=_max_len(ctx, common))
+    out = decode_attention_triton(q, k_cache, v_cache, ctx, tables, 0.2, num_splits=num_splits)
     _close(out, decode_attention_torch(q, k_cache, v_cache, ctx, tables, 0.2), torch.float32)
 
 
@@ -292,9 +276,8 @@ def _poison_before_window(cache: torch.Tensor, tables: torch.Tensor, lens: list[
             cache[int(tables[b, p // bs]), p % bs] = float("nan")
 
 
-@pytest.mark.parametrize("common", COMMON)
 @pytest.mark.parametrize("num_splits", [None, 1, 5])
-def test_decode_triton_sliding_window_long_context(num_splits: int | None, common: str) -> None:
+def test_decode_triton_sliding_window_long_context(num_splits: int | None) -> None:
     """Contexts far longer than the window read only the window: the splits cover it alone and
     keys before it (poisoned with NaN) are never read."""
     lens, window, block_size, head_dim = [600, 300, 37, 0], 40, 32, 32
@@ -304,15 +287,13 @@ def test_decode_triton_sliding_window_long_context(num_splits: int | None, commo
     q = torch.randn(len(lens), 2 * KV_HEADS, head_dim, device=DEVICE)
     ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     args = (q, k_cache, v_cache, ctx, tables, 0.2)
-    out = decode_attention_triton(*args, num_splits=num_splits, sliding_window=window,
-                                  max_context_len=_max_len(ctx, common))
+    out = decode_attention_triton(*args, num_splits=num_splits, sliding_window=window)
     assert not out.isnan().any()
     _close(out, decode_attention_torch(*args, sliding_window=window), torch.float32)
 
 
-@pytest.mark.parametrize("common", COMMON)
 @pytest.mark.parametrize("num_splits", [None, 1, 2])
-def test_decode_triton_page_chunks(num_splits: int | None, common: str) -> None:
+def test_decode_triton_page_chunks(num_splits: int | None) -> None:
     """Splits longer than a chunk of block-table entries (16-key pages; 1 and 2 splits cross
     chunk edges, from page 0 and from mid-table), contexts ending on and just past an edge."""
     block_size, head_dim, chunk_keys = 16, 16, _PAGES_PER_CHUNK * 16
@@ -321,16 +302,13 @@ def test_decode_triton_page_chunks(num_splits: int | None, common: str) -> None:
     q = torch.randn(len(lens), 2 * KV_HEADS, head_dim, device=DEVICE)
     ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     args = (q, k_cache, v_cache, ctx, tables, 0.3)
-    out = decode_attention_triton(*args, num_splits=num_splits,
-                                  max_context_len=_max_len(ctx, common))
+    out = decode_attention_triton(*args, num_splits=num_splits)
     _close(out, decode_attention_torch(*args), torch.float32)
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))
 
 
-@pytest.mark.parametrize("common", COMMON)
 @pytest.mark.parametrize(("num_splits", "window"), [(1, 300), (2, 519)])
-def test_decode_triton_sliding_window_page_chunks(num_splits: int, window: int,
-                                                  common: str) -> None:
+def test_decode_triton_sliding_window_page_chunks(num_splits: int, window: int) -> None:
     """Windows over more than a chunk of 16-key pages, starting mid-page (and, at 300, in the
     last page of a chunk): only the window's keys are read."""
     block_size, head_dim, chunk_keys = 16, 16, _PAGES_PER_CHUNK * 16
@@ -341,8 +319,7 @@ def test_decode_triton_sliding_window_page_chunks(num_splits: int, window: int,
     q = torch.randn(len(lens), 2 * KV_HEADS, head_dim, device=DEVICE)
     ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     args = (q, k_cache, v_cache, ctx, tables, 0.3)
-    out = decode_attention_triton(*args, num_splits=num_splits, sliding_window=window,
-                                  max_context_len=_max_len(ctx, common))
+    out = decode_attention_triton(*args, num_splits=num_splits, sliding_window=window)
     assert not out.isnan().any()
     _close(out, decode_attention_torch(*args, sliding_window=window), torch.float32)
 
