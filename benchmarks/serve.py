@@ -38,6 +38,10 @@ def parse_args() -> argparse.Namespace:
                         "--tiny: 8,inf)")
     p.add_argument("--slo-ttft", type=float, default=1.0, help="seconds (default 1)")
     p.add_argument("--slo-tpot", type=float, default=0.05, help="seconds (default 0.05)")
+    p.add_argument("--engine", default="process",
+                   help="where the server runs its engine: process, thread, or both "
+                        "comma-separated (each gets its own server, in turn)")
+    p.add_argument("--num-requests", type=int, help="requests of the mix (default: its own)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -86,7 +90,8 @@ def offline(path: str, prompts: list, params: list, options: dict) -> dict:
     return dict(output_tok_s=tokens / elapsed, duration_s=elapsed, output_tokens=tokens)
 
 
-def start_server(path: str, options: dict, log_path: str) -> tuple[subprocess.Popen, str]:
+def start_server(path: str, options: dict, log_path: str,
+                 engine: str) -> tuple[subprocess.Popen, str]:
     """`python -m nanovllm.serve` on a free port; returns once /health answers."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -96,7 +101,8 @@ def start_server(path: str, options: dict, log_path: str) -> tuple[subprocess.Po
         flag = "--" + name.replace("_", "-")
         flags += ([flag] if value else []) if isinstance(value, bool) else [flag, str(value)]
     cmd = [sys.executable, "-m", "nanovllm.serve", path, "--port", str(port),
-           "--served-model-name", "bench", "--log-level", "warning", *flags]
+           "--served-model-name", "bench", "--log-level", "warning", *flags,
+           "--engine-process" if engine == "process" else "--no-engine-process"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -159,11 +165,36 @@ def main() -> None:
         torch.set_num_threads(1)
     rates = args.rates or ("8,inf" if args.tiny else "4,8,16,32,inf")
     path, options = resolve_model(args), engine_options(args)
-    prompts, params = standard(**sizes("throughput", args.tiny), max_id=max_token_id(path),
-                               seed=args.seed)
+    mix = sizes("throughput", args.tiny)
+    mix["num_seqs"] = args.num_requests or mix["num_seqs"]
+    prompts, params = standard(**mix, max_id=max_token_id(path), seed=args.seed)
     ceiling = offline(path, prompts, params, options)
-    log_path = args.log or tempfile.mktemp(prefix="nanovllm-serve-", suffix=".log")
-    proc, url = start_server(path, options, log_path)
+    engines = {engine: serve(args, path, options, engine, prompts, params, rates)
+               for engine in args.engine.split(",")}
+    for engine, (rows, _) in engines.items():
+        print(f"engine in a {engine}:")
+        print_table(rows, ceiling)
+    result = dict(environment=machine_env(args), offline=ceiling,
+                  engines={engine: rows for engine, (rows, _) in engines.items()},
+                  num_requests=len(prompts),
+                  slo=dict(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot), engine=options,
+                  command="python -m benchmarks.serve " + " ".join(sys.argv[1:]))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    if args.plot:
+        plot(next(iter(engines.values()))[0], args.plot)
+    for engine, (rows, exit_code) in engines.items():
+        failed = sum(r["failed"] for r in rows.values())
+        if failed or exit_code != 0:
+            raise SystemExit(f"engine in a {engine}: {failed} requests failed; server exit "
+                             f"code {exit_code}")
+
+
+def serve(args: argparse.Namespace, path: str, options: dict, engine: str, prompts: list,
+          params: list, rates: str) -> tuple[dict[str, dict], int]:
+    """Every rate through one server; returns (figures per rate, the server's exit code)."""
+    log_path = args.log or tempfile.mktemp(prefix=f"nanovllm-serve-{engine}-", suffix=".log")
+    proc, url = start_server(path, options, log_path, engine)
     rows = {}
     try:
         max_tokens = [p.max_tokens for p in params]
@@ -173,22 +204,11 @@ def main() -> None:
                                                      params[0].temperature, float(rate),
                                                      args.seed))
             rows[rate] = summarize(timings, duration, args.slo_ttft, args.slo_tpot)
-            print(f"rate {rate}: {rows[rate]['output_tok_s']:.0f} tok/s", flush=True)
+            print(f"{engine} rate {rate}: {rows[rate]['output_tok_s']:.0f} tok/s", flush=True)
     finally:
         stop_server(proc)
-    print_table(rows, ceiling)
-    result = dict(environment=machine_env(args), offline=ceiling, rates=rows,
-                  num_requests=len(prompts),
-                  slo=dict(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot), engine=options,
-                  command="python -m benchmarks.serve " + " ".join(sys.argv[1:]))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    if args.plot:
-        plot(rows, args.plot)
-    failed = sum(r["failed"] for r in rows.values())
-    if failed or proc.returncode != 0:
-        raise SystemExit(f"{failed} requests failed; server exit code {proc.returncode}; "
-                         f"log: {log_path}")
+    print(f"server log ({engine}): {log_path}")
+    return rows, proc.returncode
 
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@ import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from nanovllm.config import config_from_kwargs
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.engine_thread import EngineStats, EngineThread, Update
+from nanovllm.engine.engine_loop import EngineStats, EngineThread, Update
+from nanovllm.engine.engine_process import EngineProcess
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.validation import Prompt, validate_request
 from nanovllm.sampling_params import SamplingParams
@@ -40,28 +42,32 @@ class _Stream:
 class AsyncLLM:
     """`async for out in llm.generate(prompt, params, request_id)` streams one request;
     requests join the running batch between steps, and `await llm.abort(request_id)` frees a
-    request's KV blocks before the next step."""
+    request's KV blocks before the next step.
 
-    def __init__(self, model: str, **kwargs):
-        self.engine = LLMEngine(model, **kwargs)
-        # Its own tokenizer: the engine thread's may be decoding at the same moment.
-        self.tokenizer = load_tokenizer(self.engine.config.model)
-        self.limits = self.engine.request_limits()
+    The engine runs in a process of its own (`engine_process=True`, as vLLM's engine core), or
+    in a thread of this one, where `engine` is the LLMEngine (tests read its state)."""
+
+    def __init__(self, model: str, engine_process: bool = True, **kwargs):
+        config = config_from_kwargs(model, kwargs)  # a bad keyword fails before any process
+        self.max_model_len = config.max_model_len
+        self.tokenizer = load_tokenizer(config.model)
         self.stats = EngineStats()
         self._streams: dict[int, _Stream] = {}
         self._handles: dict[str, int] = {}  # request id -> handle of its stream
         self._next_handle = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = EngineThread(self.engine, self._publish)
+        self.engine: LLMEngine | None = None
+        if engine_process:
+            self._engine = EngineProcess(model, kwargs, self._publish)
+        else:
+            self.engine = LLMEngine(model, **kwargs)
+            self._engine = EngineThread(self.engine, self._publish)
+        self.limits = self._engine.limits
 
     @property
     def is_running(self) -> bool:
-        """Whether the engine thread is stepping (False after shutdown or a crash)."""
-        return self._thread.is_alive()
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.config.max_model_len
+        """Whether the engine is stepping (False after shutdown or a crash)."""
+        return self._engine.is_alive()
 
     async def generate(self, prompt: Prompt, params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
@@ -80,7 +86,7 @@ class AsyncLLM:
         stream = self._streams[handle] = _Stream(
             IncrementalDetokenizer(self.tokenizer, params.stop_strings))
         self._handles[request_id] = handle
-        self._thread.add(handle, token_ids, params)
+        self._engine.add(handle, token_ids, params)
         finished = False
         try:
             while not finished:
@@ -92,7 +98,7 @@ class AsyncLLM:
         finally:
             del self._streams[handle], self._handles[request_id]
             if not finished:  # an error, a cancelled task or a consumer that stopped reading
-                self._thread.abort(handle)
+                self._engine.abort(handle)
 
     async def abort(self, request_id: str) -> None:
         """Cancel a request; when this returns its KV blocks are free. Unknown ids are ignored."""
@@ -100,17 +106,19 @@ class AsyncLLM:
         if handle is None:
             return
         done = asyncio.get_running_loop().create_future()
-        self._thread.abort(handle, lambda: done.get_loop().call_soon_threadsafe(
+        self._engine.abort(handle, lambda: done.get_loop().call_soon_threadsafe(
             done.set_result, None))
         await done
 
     def shutdown(self) -> None:
-        """Fail the open requests, stop the engine thread, then free the engine; idempotent."""
-        self._thread.shutdown()
-        self.engine.shutdown()
+        """Fail the open requests, stop the engine loop, then free the engine; idempotent."""
+        self._engine.shutdown()
+        if self.engine is not None:
+            self.engine.shutdown()
 
     def _publish(self, updates: list[Update], stats: EngineStats) -> None:
-        """Called by the engine thread: hand the updates to the event loop."""
+        """Called by the engine thread or the process's reader: hand the updates to the event
+        loop."""
         loop = self._loop
         if loop is None:
             return

@@ -32,6 +32,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--served-model-name", help="the name clients ask for (default: MODEL)")
     p.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1 (default: $NANOVLLM_API_KEY)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in a process of its own (default), or with "
+                        "--no-engine-process in a thread of the server's (sharing its GIL)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
 
@@ -52,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"serving needs the serve extra: pip install 'nanovllm[serve]' ({e})")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     try:
-        llm = AsyncLLM(args.model, **engine_kwargs(args))
+        llm = AsyncLLM(args.model, engine_process=args.engine_process, **engine_kwargs(args))
     except ValueError as e:
         sys.exit(f"error: {e}")
     app = build_app(llm, args.served_model_name or args.model, args.api_key)

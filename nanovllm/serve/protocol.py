@@ -24,10 +24,11 @@ class _SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     logprobs: bool | int | None = None
     # vLLM's extras
+    repetition_penalty: float | None = None
     top_k: int | None = None
     min_p: float | None = None
     ignore_eos: bool = False
@@ -36,15 +37,16 @@ class _SamplingRequest(BaseModel):
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The SamplingParams asked for; ValueError names a field that is bad or unsupported."""
         for name, ok, allowed in (("n", self.n == 1, "1"),
-                                  ("presence_penalty", self.presence_penalty == 0, "0"),
-                                  ("frequency_penalty", self.frequency_penalty == 0, "0"),
                                   ("logprobs", self.logprobs in (None, False, 0), "null")):
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported: expected "
                                  f"{allowed}")
         fields = dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                       top_k=self.top_k, min_p=self.min_p, stop=self.stop, seed=self.seed,
-                      stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
+                      stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                      presence_penalty=self.presence_penalty,
+                      frequency_penalty=self.frequency_penalty,
+                      repetition_penalty=self.repetition_penalty)
         fields = {k: v for k, v in fields.items() if v is not None}
         fields.setdefault("max_tokens", default_max_tokens)
         return SamplingParams(**fields)

@@ -1,5 +1,10 @@
-"""AsyncLLM in-process: streaming, abort, and the incremental detokenizer."""
+"""AsyncLLM with its engine in a thread and in a process: streaming, abort, failures, and the
+incremental detokenizer."""
 import asyncio
+import multiprocessing
+import os
+import signal
+import time
 
 import pytest
 
@@ -31,11 +36,24 @@ def test_detokenizer_holds_back_a_possible_stop_string(tiny_model):
     assert sent + detokenizer.finish("the cache block") == "the cache block"
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_model):
-    engine = AsyncLLM(tiny_model, device="cpu", num_kvcache_blocks=16)
+@pytest.fixture(scope="module", params=["thread", "process"])
+def llm(tiny_model, request):
+    before = set(multiprocessing.active_children())
+    engine = AsyncLLM(tiny_model, engine_process=request.param == "process", device="cpu",
+                      num_kvcache_blocks=16)
     yield engine
     engine.shutdown()
+    assert not engine.is_running and set(multiprocessing.active_children()) == before
+
+
+def assert_idle(llm: AsyncLLM) -> None:
+    """Nothing runs and every KV block is free, from the engine itself where it is in this
+    process, else from the last stats it published."""
+    if llm.engine is not None:
+        blocks = llm.engine.scheduler.block_manager
+        assert blocks.num_free_blocks == len(blocks.blocks)
+    stats = llm.stats
+    assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0), stats
 
 
 async def collect(llm: AsyncLLM, prompt, params, request_id: str) -> tuple[str, list[int], str]:
@@ -62,7 +80,6 @@ def test_concurrent_streams_equal_offline(llm, tiny_model):
 
 def test_abort_frees_the_blocks_at_once(llm):
     long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
-    blocks = llm.engine.scheduler.block_manager
 
     async def run():
         stream = llm.generate([1, 2, 3], long, "long")
@@ -70,7 +87,7 @@ def test_abort_frees_the_blocks_at_once(llm):
         assert first.new_token_ids and first.finish_reason is None
         await llm.abort("long")
         # The engine is idle now (nothing else runs): its pool is safe to read from here.
-        assert blocks.num_free_blocks == len(blocks.blocks)
+        assert_idle(llm)
         last = await anext(stream)
         assert last.finish_reason == "abort"
         with pytest.raises(StopAsyncIteration):
@@ -91,11 +108,18 @@ def test_bad_requests_raise_before_queueing(llm):
         await collect(llm, [1, 2], GREEDY, "after")
 
     asyncio.run(run())
-    blocks = llm.engine.scheduler.block_manager
-    assert llm.engine.is_finished() and blocks.num_free_blocks == len(blocks.blocks)
+    assert_idle(llm)
 
 
-def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(llm, monkeypatch):
+@pytest.fixture(scope="module")
+def thread_llm(tiny_model):
+    engine = AsyncLLM(tiny_model, engine_process=False, device="cpu", num_kvcache_blocks=16)
+    yield engine
+    engine.shutdown()
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(thread_llm, monkeypatch):
+    llm = thread_llm
     runner = llm.engine.model_runner
     launch = runner.launch
 
@@ -112,5 +136,35 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(llm, monkeypatc
 
     text, token_ids, reason = asyncio.run(run())
     assert len(token_ids) == GREEDY.max_tokens and reason == "length"
-    blocks = llm.engine.scheduler.block_manager
-    assert llm.engine.is_finished() and blocks.num_free_blocks == len(blocks.blocks)
+    assert_idle(llm)
+
+
+def test_a_bad_keyword_fails_before_the_engine_process_starts(tiny_model):
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match="unknown argument.*num_kv_blocks"):
+        AsyncLLM(tiny_model, device="cpu", num_kv_blocks=16)
+    assert set(multiprocessing.active_children()) == before
+
+
+def test_a_dead_engine_process_fails_the_open_requests(tiny_model):
+    """A killed engine process ends every open stream with an error and stops the engine."""
+    before = set(multiprocessing.active_children())
+    llm = AsyncLLM(tiny_model, device="cpu", num_kvcache_blocks=16)
+    long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
+
+    async def run():
+        stream = llm.generate([1, 2, 3], long, "long")
+        await anext(stream)
+        (process,) = set(multiprocessing.active_children()) - before
+        os.kill(process.pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="the engine process exited"):
+            async for _ in stream:
+                pass
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 10
+    while llm.is_running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not llm.is_running
+    llm.shutdown()
+    assert set(multiprocessing.active_children()) == before

@@ -13,14 +13,14 @@ def test_serving_benchmark_smoke(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT),
                                                         os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "benchmarks.serve", "--tiny", "--rates",
-                           "16,inf", "--json", str(out)], cwd=ROOT, env=env, text=True,
-                          capture_output=True, timeout=300)
+                           "16,inf", "--engine", "process,thread", "--json", str(out)],
+                          cwd=ROOT, env=env, text=True, capture_output=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "offline ceiling:" in proc.stdout and "goodput" in proc.stdout
     result = json.loads(out.read_text())
     assert result["offline"]["output_tok_s"] > 0
-    for rate in ("16", "inf"):
-        row = result["rates"][rate]
+    for engine, rate in [(e, r) for e in ("process", "thread") for r in ("16", "inf")]:
+        row = result["engines"][engine][rate]
         assert row["completed"] == result["num_requests"] and row["failed"] == 0
         assert row["output_tok_s"] > 0 and 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
         assert 0 <= row["goodput_req_s"] <= row["request_s"]

@@ -14,6 +14,7 @@ PROMPTS = ["hello world the", "the quick brown fox jumps", [5, 17, 42, 99, 3]]
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 CHAT = [{"role": "user", "content": "the paged attention kernel"}]
+PENALTIES = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3)
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +29,11 @@ def offline(tiny_model):
         stop = text[len(text) // 2:len(text) // 2 + 2]
         stopped = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                           stop=stop), use_tqdm=False)[0]
+        penalized = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                            **PENALTIES), use_tqdm=False)[0]
     finally:
         llm.shutdown()
-    return completions, chat, stop, stopped
+    return completions, chat, stop, stopped, penalized
 
 
 def stream(client: httpx.Client, route: str, body: dict) -> tuple[list[str], list[dict]]:
@@ -80,10 +83,18 @@ def test_chat_completions_equal_offline_streamed_and_not(client, offline):
 
 
 def test_stop_string_is_cut_from_the_stream(client, offline):
-    _, _, stop, expected = offline
+    _, _, stop, expected, _ = offline
     assert expected["finish_reason"] == "stop" and stop not in expected["text"]
     pieces, _ = stream(client, "/v1/completions", completion(PROMPTS[0], stop=[stop]))
     assert "".join(pieces) == expected["text"]
+
+
+def test_penalties_reach_the_sampler(client, offline):
+    """OpenAI's presence/frequency penalties and vLLM's repetition_penalty, as offline."""
+    expected = offline[4]
+    assert expected["text"] != offline[0][1]["text"]  # the penalties change this answer
+    body = client.post("/v1/completions", json=completion(PROMPTS[1], **PENALTIES)).json()
+    assert body["choices"][0]["text"] == expected["text"]
 
 
 @pytest.mark.parametrize("route, body, status, param", [
@@ -91,6 +102,8 @@ def test_stop_string_is_cut_from_the_stream(client, offline):
     ("/v1/completions", completion("hi", max_tokens="many"), 400, "max_tokens"),
     ("/v1/completions", completion([1, 2, 100000]), 400, "prompt"),
     ("/v1/completions", completion("hi", n=2), 400, "n"),
+    ("/v1/completions", completion("hi", presence_penalty=3), 400, "presence_penalty"),
+    ("/v1/completions", completion("hi", repetition_penalty=0), 400, "repetition_penalty"),
     ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
     ("/v1/completions", completion("hi", model="gpt-9"), 404, "model"),

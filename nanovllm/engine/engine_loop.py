@@ -1,4 +1,4 @@
-"""The engine loop of AsyncLLM: one background thread owns the engine and steps it."""
+"""The engine loop behind AsyncLLM: steps one engine, taking commands between steps."""
 import logging
 import queue
 import threading
@@ -31,44 +31,27 @@ class EngineStats:
 
 
 Publish = Callable[[list[Update], EngineStats], None]
+# ("add", handle, token_ids, params) | ("abort", handle, ack) | ("stop",); None: no command
+NextCommand = Callable[[bool], tuple | None]
 
 
-class EngineThread:
-    """Steps an LLMEngine in a daemon thread; requests come in through a queue between steps,
-    so they join the running batch, and each step's updates go out through `publish`.
+class EngineLoop:
+    """Owns an LLMEngine: applies add/abort commands between steps, so requests join the
+    running batch, and publishes each step's updates. Requests are named by handles chosen by
+    the caller; after an abort, `acknowledge(ack)` tells the caller its blocks are free."""
 
-    A thread, not a process: the pipelined step launches the next batch before it waits for
-    the last one's ids, and that wait releases the GIL, so the HTTP front end runs while the
-    GPU works. Requests are identified by handles chosen by the caller.
-    """
-
-    def __init__(self, engine: LLMEngine, publish: Publish):
+    def __init__(self, engine: LLMEngine, next_command: NextCommand, publish: Publish,
+                 acknowledge: Callable[[object], None]):
         self.engine = engine
+        self.next_command = next_command
         self.publish = publish
-        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self.acknowledge = acknowledge
         self._request_ids: dict[int, int] = {}  # handle -> engine request id
         self._handles: dict[int, int] = {}  # engine request id -> handle
         self._num_read: dict[int, int] = {}  # engine request id -> completion tokens published
-        self._thread = threading.Thread(target=self._run, name="nanovllm-engine", daemon=True)
-        self._thread.start()
 
-    def add(self, handle: int, token_ids: list[int], params: SamplingParams) -> None:
-        self._commands.put(("add", handle, token_ids, params))
-
-    def abort(self, handle: int, done: Callable[[], None] | None = None) -> None:
-        """Abort a request before the next step; `done` is called (in this thread) after."""
-        self._commands.put(("abort", handle, done))
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def shutdown(self) -> None:
-        """Fail the requests still running, stop the loop and wait for it; safe to call twice."""
-        if self._thread.is_alive():
-            self._commands.put(("stop",))
-            self._thread.join()
-
-    def _run(self) -> None:
+    def run(self) -> None:
+        """Step until told to stop; then fail the requests still open."""
         while self._handle_commands(block=self.engine.is_finished()):
             if self.engine.is_finished():
                 continue
@@ -83,22 +66,23 @@ class EngineThread:
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply queued commands (waiting for one when idle); False once told to stop."""
-        updates = []
+        updates, acks = [], []
         try:
-            command = self._commands.get(block=block)
-            while True:
+            command = self.next_command(block)
+            while command is not None:
                 if command[0] == "stop":
                     return False
                 if command[0] == "add":
                     updates += self._add(*command[1:])
                 else:
-                    updates += self._abort(*command[1:])
-                command = self._commands.get_nowait()
-        except queue.Empty:
-            pass
+                    updates += self._abort(command[1])
+                    acks.append(command[2])
+                command = self.next_command(False)
         finally:
             if updates:
                 self.publish(updates, self._stats())
+            for ack in acks:  # after the abort's update: its stream ends before abort() returns
+                self.acknowledge(ack)
         return True
 
     def _add(self, handle: int, token_ids: list[int], params: SamplingParams) -> list[Update]:
@@ -110,16 +94,13 @@ class EngineThread:
         self._num_read[request_id] = 0
         return []
 
-    def _abort(self, handle: int, done: Callable[[], None] | None) -> list[Update]:
-        updates = []
+    def _abort(self, handle: int) -> list[Update]:
         request_id = self._request_ids.pop(handle, None)
-        if request_id is not None:
-            del self._handles[request_id], self._num_read[request_id]
-            self.engine.abort_request(request_id)
-            updates.append(Update(handle, [], final={"finish_reason": "abort", "text": None}))
-        if done is not None:
-            done()
-        return updates
+        if request_id is None:  # finished or failed already
+            return []
+        del self._handles[request_id], self._num_read[request_id]
+        self.engine.abort_request(request_id)
+        return [Update(handle, [], final={"finish_reason": "abort", "text": None})]
 
     def _updates(self, outputs: list[dict]) -> list[Update]:
         """Finished requests with their last tokens, then the new tokens of running ones."""
@@ -150,3 +131,43 @@ class EngineThread:
         blocks = scheduler.block_manager
         return EngineStats(len(scheduler.running), len(scheduler.waiting),
                            len(blocks.used_block_ids) / len(blocks.blocks))
+
+
+class EngineThread:
+    """Runs an EngineLoop over an engine of this process in a daemon thread. Its host work
+    shares the GIL with the caller's (the HTTP server's); see EngineProcess for the other way."""
+
+    def __init__(self, engine: LLMEngine, publish: Publish):
+        self.limits = engine.request_limits()
+        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        loop = EngineLoop(engine, self._next_command, publish, _call)
+        self._thread = threading.Thread(target=loop.run, name="nanovllm-engine", daemon=True)
+        self._thread.start()
+
+    def add(self, handle: int, token_ids: list[int], params: SamplingParams) -> None:
+        self._commands.put(("add", handle, token_ids, params))
+
+    def abort(self, handle: int, done: Callable[[], None] | None = None) -> None:
+        """Abort a request before the next step; `done` is called (in the engine thread) after
+        its blocks are freed."""
+        self._commands.put(("abort", handle, done))
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self) -> None:
+        """Fail the requests still running, stop the loop and wait for it; safe to call twice."""
+        if self._thread.is_alive():
+            self._commands.put(("stop",))
+            self._thread.join()
+
+    def _next_command(self, block: bool) -> tuple | None:
+        try:
+            return self._commands.get(block=block)
+        except queue.Empty:
+            return None
+
+
+def _call(done: Callable[[], None] | None) -> None:
+    if done is not None:
+        done()
