@@ -9,6 +9,7 @@
 #   NANOVLLM_COMMIT=<hash> bash benchmarks/h200_session.sh rl   (logprobs, n, sleep, weights)
 #   NANOVLLM_COMMIT=<hash> bash benchmarks/h200_session.sh cold-and-ab
 #   bash benchmarks/h200_session.sh gpu-suite   (every GPU-marked test, then bf16 agreement)
+#   bash benchmarks/h200_session.sh serve-engines   (serving: engine in a process vs a thread)
 # ab-vs-base compares this tree with a worktree of a baseline commit: `git worktree add
 # .ab_base <commit>; echo <commit> > .ab_base/.commit`, then carry [".device", ".ab_base"].
 # Run with carry [".device"]; logs and JSON land in $OUT.
@@ -124,5 +125,13 @@ rl)
     tests/layers/test_sampler.py tests/layers/test_penalties.py 2>&1 | tail -3
   timeout 360 python bench.py --random-weights --scenario rl --json $OUT/rl.json 2>&1 \
     | grep -vE "Writing|Loading"
+  ;;
+serve-engines)
+  # The serving benchmark at 4, 8, 16, 32 req/s and all at once, one server with the engine in
+  # a process, then one with it in a thread, beside the offline figure (~8 minutes). Needs the
+  # serve extra there: wheels in .whl/ (fastapi starlette uvicorn h11 click httpx httpcore anyio
+  # sniffio idna certifi prometheus_client, for Python 3.12), installed to /tmp/site first.
+  timeout 560 python -m benchmarks.serve --random-weights --engine process,thread \
+    --json $OUT/serve.json --plot $OUT/serve.png 2>&1 | grep -vE "Writing|Loading" | tail -18
   ;;
 esac
