@@ -25,6 +25,9 @@ class RequestOutput:
     num_output_tokens: int  # so far, this increment included
     finish_reason: str | None = None  # "stop", "length" or "abort" on the last output
     metrics: dict | None = None  # the engine's {"ttft_s", "latency_s"} on the last output
+    # {token_id: logprob} per new token (the top SamplingParams.logprobs and the sampled one);
+    # None when the request did not ask
+    new_logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -34,6 +37,7 @@ class _Stream:
     detokenizer: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)  # completion tokens read so far
     pending: list[int] = field(default_factory=list)
+    pending_logprobs: list[dict[int, float]] | None = None  # a list when the request asked
     final: dict | None = None
     error: str | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
@@ -74,6 +78,9 @@ class AsyncLLM:
         """Queue a request and yield its outputs until one has a finish_reason. Raises
         ValueError (before queueing) for a bad request; leaving early aborts the request."""
         token_ids = validate_request(prompt, params, self.limits, self.tokenizer.encode)
+        if params.n != 1:  # the engine would run n completions and stream only the first
+            raise ValueError(f"n={params.n}: a stream is one completion; queue one request per "
+                             f"completion (outputs.completion_params(params))")
         if request_id in self._handles:
             raise ValueError(f"request_id={request_id!r} is already in use")
         loop = asyncio.get_running_loop()
@@ -84,7 +91,8 @@ class AsyncLLM:
             self._loop = loop
         handle = next(self._next_handle)
         stream = self._streams[handle] = _Stream(
-            IncrementalDetokenizer(self.tokenizer, params.stop_strings))
+            IncrementalDetokenizer(self.tokenizer, params.stop_strings),
+            pending_logprobs=None if params.logprobs is None else [])
         self._handles[request_id] = handle
         self._engine.add(handle, token_ids, params)
         finished = False
@@ -134,6 +142,8 @@ class AsyncLLM:
             if stream is None:  # its consumer left: an abort is on its way to the engine
                 continue
             stream.pending += update.new_token_ids
+            if update.new_logprobs is not None:
+                stream.pending_logprobs += update.new_logprobs
             stream.final = stream.final or update.final
             stream.error = stream.error or update.error
             stream.ready.set()
@@ -144,6 +154,9 @@ def _read(stream: _Stream, request_id: str, num_prompt_tokens: int) -> RequestOu
     if stream.error is not None:
         raise RuntimeError(stream.error)
     new_token_ids, stream.pending = stream.pending, []
+    new_logprobs = stream.pending_logprobs
+    if new_logprobs is not None:
+        stream.pending_logprobs = []
     stream.token_ids += new_token_ids
     final = stream.final
     if final is None:
@@ -152,4 +165,4 @@ def _read(stream: _Stream, request_id: str, num_prompt_tokens: int) -> RequestOu
         text = stream.detokenizer.finish(final["text"]) if final["text"] is not None else ""
     return RequestOutput(request_id, new_token_ids, text, num_prompt_tokens,
                          len(stream.token_ids), None if final is None else final["finish_reason"],
-                         None if final is None else final.get("metrics"))
+                         None if final is None else final.get("metrics"), new_logprobs)

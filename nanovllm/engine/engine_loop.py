@@ -17,6 +17,7 @@ class Update:
 
     handle: int
     new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None = None  # one per new token, when asked
     final: dict | None = None
     error: str | None = None
 
@@ -110,10 +111,12 @@ class EngineLoop:
             handle = self._handles.pop(request_id)
             del self._request_ids[handle]
             start = self._num_read.pop(request_id)
-            updates.append(Update(handle, out["token_ids"][start:], final=out))
-        for request_id, token_ids in self.engine.new_token_ids(self._num_read).items():
+            logprobs = out["logprobs"]
+            updates.append(Update(handle, out["token_ids"][start:],
+                                  None if logprobs is None else logprobs[start:], final=out))
+        for request_id, (token_ids, logprobs) in self.engine.new_tokens(self._num_read).items():
             self._num_read[request_id] += len(token_ids)
-            updates.append(Update(self._handles[request_id], token_ids))
+            updates.append(Update(self._handles[request_id], token_ids, logprobs))
         return updates
 
     def _fail_all(self, error: str) -> list[Update]:

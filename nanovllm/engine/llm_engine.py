@@ -272,16 +272,20 @@ class LLMEngine:
         self._requests.finished(aborted)  # step() never returns an aborted request
         return bool(aborted)
 
-    def new_token_ids(self, num_read: dict[int, int]) -> dict[int, list[int]]:
+    def new_tokens(self, num_read: dict[int, int]
+                   ) -> dict[int, tuple[list[int], list[dict[int, float]] | None]]:
         """For each unfinished request in num_read (request id -> completion tokens already
-        read), its sampled completion tokens after those; requests with none are left out."""
+        read), its sampled completion tokens after those and their logprob dicts (None when not
+        asked); requests with none are left out. A committed token's logprobs are recorded in
+        the same step (see _commit), so the two lists stay aligned."""
         new = {}
         for seq in self.scheduler.running:
             start = num_read.get(seq.seq_id)
             if start is not None:
                 ids = seq.completion_token_ids[start:]  # a pending token is not in there yet
                 if ids:
-                    new[seq.seq_id] = ids
+                    logprobs = seq.logprobs
+                    new[seq.seq_id] = ids, None if logprobs is None else logprobs[start:]
         return new
 
 

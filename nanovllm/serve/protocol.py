@@ -5,6 +5,9 @@ from pydantic import BaseModel, ConfigDict
 
 from nanovllm.sampling_params import SamplingParams
 
+MAX_N = 128  # completions per request: each is a sequence in the batch
+MAX_LOGPROBS = 20  # OpenAI's cap on logprobs (completions) and top_logprobs (chat)
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -26,7 +29,6 @@ class _SamplingRequest(BaseModel):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logprobs: bool | int | None = None
     # vLLM's extras
     repetition_penalty: float | None = None
     top_k: int | None = None
@@ -35,18 +37,16 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """The SamplingParams asked for; ValueError names a field that is bad or unsupported."""
-        for name, ok, allowed in (("n", self.n == 1, "1"),
-                                  ("logprobs", self.logprobs in (None, False, 0), "null")):
-            if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not supported: expected "
-                                 f"{allowed}")
+        """The SamplingParams asked for (n completions); ValueError names a field that is bad
+        or unsupported."""
+        check_range("n", self.n, 1, MAX_N)
         fields = dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                       top_k=self.top_k, min_p=self.min_p, stop=self.stop, seed=self.seed,
                       stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                       presence_penalty=self.presence_penalty,
                       frequency_penalty=self.frequency_penalty,
-                      repetition_penalty=self.repetition_penalty)
+                      repetition_penalty=self.repetition_penalty, n=self.n,
+                      logprobs=self.num_logprobs())
         fields = {k: v for k, v in fields.items() if v is not None}
         fields.setdefault("max_tokens", default_max_tokens)
         return SamplingParams(**fields)
@@ -55,10 +55,26 @@ class _SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: the top logprobs asked per token, None for no logprobs."""
+        raise NotImplementedError
+
+
+def check_range(name: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise ValueError(f"{name}={value!r} is not supported: expected an int in "
+                         f"[{low}, {high}]")
+
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
+    logprobs: int | None = None  # the top logprobs per token, plus the sampled token's
+
+    def num_logprobs(self) -> int | None:
+        if self.logprobs is not None:
+            check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt, as a string or token ids; ValueError for a batch or echo."""
@@ -95,3 +111,12 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    logprobs: bool | None = False  # the sampled tokens' logprobs
+    top_logprobs: int | None = None  # and the top k's, with logprobs=true
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=true")
+            check_range("top_logprobs", self.top_logprobs, 0, MAX_LOGPROBS)
+        return (self.top_logprobs or 0) if self.logprobs else None

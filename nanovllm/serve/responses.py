@@ -3,9 +3,14 @@ import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass, field
 from uuid import uuid4
 
 from nanovllm.engine.async_llm import RequestOutput
+from nanovllm.serve.logprobs import LogprobsFormat
+
+# (choice index, its next output): what a request's n completions yield, interleaved
+ChoiceOutput = tuple[int, RequestOutput]
 
 
 def sse(payload: dict | str) -> str:
@@ -13,53 +18,93 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-class ResponseFormat:
-    """Builds one request's response objects, for /v1/completions or /v1/chat/completions."""
+@dataclass
+class Choice:
+    """One completion gathered whole, for a response that is not streamed."""
 
-    def __init__(self, model_name: str, chat: bool):
+    last: RequestOutput | None = None
+    pieces: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None  # a list once an output brought some
+
+    def add(self, out: RequestOutput) -> None:
+        self.last = out
+        self.pieces.append(out.new_text)
+        self.token_ids += out.new_token_ids
+        if out.new_logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs += out.new_logprobs
+
+
+class ResponseFormat:
+    """Builds one request's response objects, for /v1/completions or /v1/chat/completions;
+    `logprobs` formats the tokens' logprobs when the request asked for them."""
+
+    def __init__(self, model_name: str, chat: bool, n: int = 1,
+                 logprobs: LogprobsFormat | None = None):
         self.chat = chat
+        self.n = n
+        self.logprobs = logprobs
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid4().hex}"
         self.model = model_name
         self.created = int(time.time())
 
-    def full(self, text: str, last: RequestOutput) -> dict:
-        """The whole answer at once."""
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": last.finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None,
-                      "finish_reason": last.finish_reason}
-        return self._body([choice], usage=usage(last), stream=False)
+    def full(self, choices: list[Choice]) -> dict:
+        """The whole answer at once: choice i is completion i."""
+        body = []
+        for index, choice in enumerate(choices):
+            logprobs = None
+            if self.logprobs is not None and choice.logprobs is not None:
+                logprobs = self.logprobs.full(choice.token_ids, choice.logprobs)
+            text, reason = "".join(choice.pieces), choice.last.finish_reason
+            if self.chat:
+                body.append({"index": index, "message": {"role": "assistant", "content": text},
+                             "logprobs": logprobs, "finish_reason": reason})
+            else:
+                body.append({"index": index, "text": text, "logprobs": logprobs,
+                             "finish_reason": reason})
+        return self._body(body, usage=usage([c.last for c in choices]), stream=False)
 
-    def chunk(self, text: str, finish_reason: str | None = None, role: bool = False) -> dict:
-        """One streamed piece; a chat stream's first chunk carries the role."""
+    def chunk(self, index: int, out: RequestOutput) -> dict:
+        """One streamed piece of choice `index`, with the logprobs of the tokens it brings."""
+        logprobs = None
+        if self.logprobs is not None and out.new_logprobs is not None:
+            logprobs = self.logprobs.delta(index, out.new_token_ids, out.new_logprobs)
         if self.chat:
-            delta = {"role": "assistant", "content": text} if role else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None,
-                      "finish_reason": finish_reason}
+            choice = {"index": index, "delta": {"content": out.new_text}, "logprobs": logprobs,
+                      "finish_reason": out.finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": out.new_text, "logprobs": logprobs,
+                      "finish_reason": out.finish_reason}
         return self._body([choice])
 
-    async def sse(self, first: RequestOutput, outputs: AsyncIterator[RequestOutput],
+    def role_chunk(self, index: int) -> dict:
+        """A chat stream's first chunk of a choice: the role."""
+        return self._body([{"index": index, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None}])
+
+    async def sse(self, first: ChoiceOutput, outputs: AsyncIterator[ChoiceOutput],
                   include_usage: bool) -> AsyncIterator[str]:
-        """The stream: a chunk per output (its text may be empty while a character or a
-        possible stop string is held back, as in vLLM), then `data: [DONE]`. Closing it (the
-        client left) closes `outputs`, which aborts the request."""
-        last = first
+        """The stream: the role chunk of every choice (chat), a chunk per output of any choice
+        (its text may be empty while a character or a possible stop string is held back, as in
+        vLLM), then `data: [DONE]`. Closing it (the client left) closes `outputs`, which aborts
+        the requests."""
+        lasts = {first[0]: first[1]}
         if self.chat:
-            yield sse(self.chunk("", role=True))
+            for index in range(self.n):
+                yield sse(self.role_chunk(index))
         async with aclosing(outputs):
             try:
-                yield sse(self.chunk(first.new_text, first.finish_reason))
-                async for last in outputs:
-                    yield sse(self.chunk(last.new_text, last.finish_reason))
-            except RuntimeError as e:  # the engine failed this request; the server goes on
+                yield sse(self.chunk(*first))
+                async for index, out in outputs:
+                    lasts[index] = out
+                    yield sse(self.chunk(index, out))
+            except RuntimeError as e:  # the engine failed a request; the server goes on
                 yield sse({"error": {"message": str(e), "type": "internal_error",
                                      "param": None, "code": 500}})
         if include_usage:
-            yield sse(self._body([], usage=usage(last)))
+            yield sse(self._body([], usage=usage(list(lasts.values()))))
         yield sse("[DONE]")
 
     def _body(self, choices: list[dict], usage: dict | None = None, stream: bool = True) -> dict:
@@ -73,6 +118,9 @@ class ResponseFormat:
         return body
 
 
-def usage(out: RequestOutput) -> dict:
-    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
-            "total_tokens": out.num_prompt_tokens + out.num_output_tokens}
+def usage(lasts: list[RequestOutput]) -> dict:
+    """The prompt once (its n completions share it) and every completion's tokens."""
+    prompt = lasts[0].num_prompt_tokens
+    completion = sum(out.num_output_tokens for out in lasts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}

@@ -9,11 +9,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from nanovllm.engine.async_llm import AsyncLLM, RequestOutput
+from nanovllm.engine.outputs import completion_params
+from nanovllm.engine.validation import validate_request
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.serve.errors import APIError, bad_request
+from nanovllm.serve.logprobs import LogprobsFormat
 from nanovllm.serve.metrics import ServerMetrics
 from nanovllm.serve.protocol import ChatCompletionRequest, CompletionRequest, _SamplingRequest
-from nanovllm.serve.responses import ResponseFormat
+from nanovllm.serve.responses import Choice, ChoiceOutput, ResponseFormat
 
 
 class ClientDisconnected(Exception):
@@ -65,24 +68,34 @@ class OpenAIServing:
 
     async def _serve(self, request: Request, body: _SamplingRequest, prompt: str | list[int],
                      params: SamplingParams, chat: bool) -> Response:
-        fmt = ResponseFormat(self.model_name, chat)
-        outputs = self.metrics.track(self.llm.generate(prompt, params, fmt.id))
+        try:  # once for the n completions: each then gets the token ids
+            token_ids = validate_request(prompt, params, self.llm.limits,
+                                         self.llm.tokenizer.encode)
+        except ValueError as e:
+            raise bad_request(e) from None
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = LogprobsFormat(self.llm.tokenizer, chat, params.logprobs)
+        fmt = ResponseFormat(self.model_name, chat, params.n, logprobs)
+        # One request per completion; the later ones hit the prompt's full blocks in the
+        # engine's prefix cache.
+        outputs = interleave([self.metrics.track(self.llm.generate(token_ids, p, f"{fmt.id}-{i}"))
+                              for i, p in enumerate(completion_params(params))])
         try:
-            # Validation runs before the first output: a bad request is a 400, not a stream.
+            # A bad request is a 400, not a stream: generate() validates before its first output.
             first = await until_disconnect(request, anext(outputs))
         except ValueError as e:
             raise bad_request(e) from None
-        except ClientDisconnected:
-            await outputs.aclose()
+        except ClientDisconnected:  # the cancelled anext() closed `outputs`, aborting all
             return Response(status_code=499)  # nobody reads it
         if body.stream:
             return StreamingResponse(fmt.sse(first, outputs, body.include_usage),
                                      media_type="text/event-stream")
         try:
-            text, last = await until_disconnect(request, collect(first, outputs))
+            choices = await until_disconnect(request, collect(first, outputs, params.n))
         except ClientDisconnected:
             return Response(status_code=499)
-        return JSONResponse(fmt.full(text, last))
+        return JSONResponse(fmt.full(choices))
 
 
 def chat_prompt(llm: AsyncLLM, body: ChatCompletionRequest) -> list[int]:
@@ -98,14 +111,53 @@ def chat_prompt(llm: AsyncLLM, body: ChatCompletionRequest) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-async def collect(first: RequestOutput,
-                  outputs: AsyncIterator[RequestOutput]) -> tuple[str, RequestOutput]:
-    """The whole text and the last output."""
-    pieces, last = [first.new_text], first
+async def collect(first: ChoiceOutput, outputs: AsyncIterator[ChoiceOutput],
+                  n: int) -> list[Choice]:
+    """Every choice whole, in index order."""
+    choices = [Choice() for _ in range(n)]
+    choices[first[0]].add(first[1])
     async with aclosing(outputs):
-        async for last in outputs:
-            pieces.append(last.new_text)
-    return "".join(pieces), last
+        async for index, out in outputs:
+            choices[index].add(out)
+    return choices
+
+
+async def interleave(streams: list[AsyncIterator[RequestOutput]]
+                     ) -> AsyncIterator[ChoiceOutput]:
+    """(index, output) of the streams' outputs as they come. An error of one stream is raised
+    here; closing this or an error closes every stream, which aborts its request."""
+    if len(streams) == 1:  # the common case, without tasks
+        async with aclosing(streams[0]) as outputs:
+            async for out in outputs:
+                yield 0, out
+        return
+    # Bounded: while the reader is slow, a stream's engine updates pile up in AsyncLLM and
+    # come out as one output, as they do for a single stream.
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
+    tasks = [asyncio.ensure_future(_pump(index, stream, queue))
+             for index, stream in enumerate(streams)]
+    try:
+        for _ in streams:  # until every stream has ended
+            while (item := await queue.get()) is not None:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()  # in AsyncLLM.generate: aborts the request unless it is finished
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _pump(index: int, stream: AsyncIterator[RequestOutput], queue: asyncio.Queue) -> None:
+    """Put (index, output) per output of `stream` into `queue`, then None, or its error."""
+    try:
+        async with aclosing(stream):
+            async for out in stream:
+                await queue.put((index, out))
+    except Exception as e:
+        await queue.put(e)
+    else:
+        await queue.put(None)
 
 
 async def until_disconnect(request: Request, awaitable: Awaitable):

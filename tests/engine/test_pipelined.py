@@ -99,3 +99,40 @@ def test_exception_in_a_bare_step_requeues_every_request(llm, monkeypatch):
         finished += llm.step()[0]
     by_id = {o["request_id"]: o["token_ids"] for o in finished}
     assert [by_id[i] for i in ids] == expected
+
+
+def test_new_tokens_keep_their_logprobs_aligned_under_preemption(llm):
+    """What AsyncLLM streams: the tokens each step committed, with their logprob dicts, read
+    between steps of the pipelined engine while sequences are preempted and recomputed."""
+    llm.reset_prefix_cache()
+    llm.reset_stats()
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=30, ignore_eos=True,
+                             logprobs=[0, 2, None][i % 3]) for i in range(len(PROMPTS))]
+    ids = [llm.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
+    asked = dict(zip(ids, (sp.logprobs is not None for sp in params)))
+    read = {i: ([], []) for i in ids}
+    num_read, outputs = dict.fromkeys(ids, 0), {}
+    while not llm.is_finished():
+        for out in llm.step()[0]:
+            outputs[out["request_id"]] = out
+            del num_read[out["request_id"]]
+        for request_id, (tokens, logprobs) in llm.new_tokens(num_read).items():
+            num_read[request_id] += len(tokens)
+            read[request_id][0].extend(tokens)
+            if asked[request_id]:
+                assert len(logprobs) == len(tokens)
+                # each dict holds its own sampled token: an off-by-one would miss it
+                assert all(t in entry for t, entry in zip(tokens, logprobs))
+                read[request_id][1].extend(logprobs)
+            else:
+                assert logprobs is None
+    assert llm.stats()["preemptions"] > 0
+    for request_id, (tokens, logprobs) in read.items():
+        out = outputs[request_id]
+        assert len(out["token_ids"]) == 30 and 0 < len(tokens) <= 30
+        assert out["token_ids"][:len(tokens)] == tokens
+        if asked[request_id]:
+            assert len(out["logprobs"]) == 30 and out["logprobs"][:len(logprobs)] == logprobs
+            assert all(t in entry for t, entry in zip(out["token_ids"], out["logprobs"]))
+        else:
+            assert out["logprobs"] is None

@@ -1,4 +1,6 @@
-"""A server subprocess over the tiny checkpoint, shared by the module that asks for it."""
+"""A server subprocess over the tiny checkpoint, shared by the module that asks for it, and
+the helpers that read its streams and metrics."""
+import json
 import os
 import socket
 import subprocess
@@ -70,3 +72,41 @@ def client(server):
     with httpx.Client(base_url=server[0], timeout=60,
                       headers={"Authorization": f"Bearer {API_KEY}"}) as c:
         yield c
+
+
+def stream(client: httpx.Client, route: str, body: dict) -> tuple[list[str], list[dict]]:
+    """POST with "stream": true; returns (text pieces, parsed events before [DONE])."""
+    pieces, events = [], []
+    with client.stream("POST", route, json={**body, "stream": True}) as response:
+        assert response.status_code == 200, response.read()
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        assert line.startswith("data: ")
+        event = json.loads(line[len("data: "):])
+        events.append(event)
+        for choice in event["choices"]:
+            piece = choice["delta"].get("content") if "delta" in choice else choice["text"]
+            pieces.append(piece or "")
+    return pieces, events
+
+
+def metrics(client: httpx.Client) -> dict[str, float]:
+    """nanovllm:* samples without labels: name -> value."""
+    values = {}
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("nanovllm:"):
+            name, value = line.rsplit(" ", 1)
+            values[name.split("{")[0]] = float(value)
+    return values
+
+
+def wait_until_idle(client: httpx.Client, timeout: float = 10) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        values = metrics(client)
+        idle = (values["nanovllm:num_requests_running"] == 0
+                and values["nanovllm:num_requests_waiting"] == 0)
+        if idle or time.monotonic() > deadline:
+            return values
+        time.sleep(0.1)

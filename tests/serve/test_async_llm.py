@@ -78,6 +78,34 @@ def test_concurrent_streams_equal_offline(llm, tiny_model):
         assert (text, token_ids, reason) == (out["text"], out["token_ids"], out["finish_reason"])
 
 
+def test_new_logprobs_concatenate_to_the_offline_logprobs(llm, tiny_model):
+    """Every output carries its new tokens' logprob dicts, the final one included; None for a
+    request that did not ask."""
+    prompt = [7, 8, 9, 10]
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=32, ignore_eos=True, logprobs=2)
+    offline = LLM(tiny_model, device="cpu", num_kvcache_blocks=16)
+    expected = offline.generate(prompt, params, use_tqdm=False)[0]
+    offline.shutdown()
+
+    async def run():
+        asked = [out async for out in llm.generate(prompt, params, "logprobs")]
+        plain = [out async for out in llm.generate(prompt, GREEDY, "plain")]
+        return asked, plain
+
+    asked, plain = asyncio.run(run())
+    assert len(asked) > 1  # running requests' outputs, not only the final one
+    token_ids, logprobs = [], []
+    for out in asked:
+        assert len(out.new_logprobs) == len(out.new_token_ids)
+        token_ids += out.new_token_ids
+        logprobs += out.new_logprobs
+    assert token_ids == expected["token_ids"] and len(logprobs) == 32
+    for got, want in zip(logprobs, expected["logprobs"]):
+        assert got.keys() == want.keys()
+        assert got == pytest.approx(want, abs=1e-5)
+    assert all(out.new_logprobs is None for out in plain)
+
+
 def test_abort_frees_the_blocks_at_once(llm):
     long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
 
@@ -104,6 +132,8 @@ def test_bad_requests_raise_before_queueing(llm):
         await anext(busy)
         with pytest.raises(ValueError, match="request_id='dup' is already in use"):
             await anext(llm.generate([1, 2], GREEDY, "dup"))
+        with pytest.raises(ValueError, match="n=2: a stream is one completion"):
+            await anext(llm.generate([1, 2], SamplingParams(n=2), "n"))
         await busy.aclose()  # leaving early aborts it: queued before the next request
         await collect(llm, [1, 2], GREEDY, "after")
 
