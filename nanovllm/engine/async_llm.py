@@ -61,8 +61,8 @@ class AsyncLLM:
         self._next_handle = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.engine: LLMEngine | None = None
-        if engine_process:
-            self._engine = EngineProcess(model, kwargs, self._publish)
+        if engine_process:  # its updates are read in the event loop's thread: no hand-off
+            self._engine = EngineProcess(model, kwargs, self._deliver)
         else:
             self.engine = LLMEngine(model, **kwargs)
             self._engine = EngineThread(self.engine, self._publish)
@@ -77,6 +77,8 @@ class AsyncLLM:
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs until one has a finish_reason. Raises
         ValueError (before queueing) for a bad request; leaving early aborts the request."""
+        if not self.is_running:
+            raise RuntimeError("the engine is not running (it was shut down or it died)")
         token_ids = validate_request(prompt, params, self.limits, self.tokenizer.encode)
         if params.n != 1:  # the engine would run n completions and stream only the first
             raise ValueError(f"n={params.n}: a stream is one completion; queue one request per "
@@ -89,6 +91,7 @@ class AsyncLLM:
                 raise RuntimeError("AsyncLLM serves one event loop at a time; requests of "
                                    "another loop are still open")
             self._loop = loop
+            self._engine.attach(loop)
         handle = next(self._next_handle)
         stream = self._streams[handle] = _Stream(
             IncrementalDetokenizer(self.tokenizer, params.stop_strings),
@@ -114,8 +117,14 @@ class AsyncLLM:
         if handle is None:
             return
         done = asyncio.get_running_loop().create_future()
-        self._engine.abort(handle, lambda: done.get_loop().call_soon_threadsafe(
-            done.set_result, None))
+
+        def set_done() -> None:  # in the engine thread, or in this loop's for a process
+            try:
+                done.get_loop().call_soon_threadsafe(done.set_result, None)
+            except RuntimeError:  # the loop has closed: nobody awaits this any more
+                pass
+
+        self._engine.abort(handle, set_done)
         await done
 
     def shutdown(self) -> None:
@@ -125,8 +134,7 @@ class AsyncLLM:
             self.engine.shutdown()
 
     def _publish(self, updates: list[Update], stats: EngineStats) -> None:
-        """Called by the engine thread or the process's reader: hand the updates to the event
-        loop."""
+        """Called by the engine thread: hand the updates to the event loop."""
         loop = self._loop
         if loop is None:
             return

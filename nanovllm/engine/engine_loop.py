@@ -155,6 +155,9 @@ class EngineThread:
         its blocks are freed."""
         self._commands.put(("abort", handle, done))
 
+    def attach(self, loop) -> None:
+        """Nothing to do: updates reach the caller through `publish`, from the engine thread."""
+
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 

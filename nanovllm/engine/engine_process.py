@@ -1,12 +1,15 @@
 """EngineProcess: the engine loop in a process of its own, so the engine's host work and the
 caller's (an HTTP server streaming hundreds of responses) do not share one GIL."""
+import asyncio
+import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
+import pickle
 import signal
-import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.util import Finalize
 
 from nanovllm.engine.engine_loop import EngineLoop, EngineStats, Publish, Update
 from nanovllm.engine.validation import RequestLimits
@@ -18,13 +21,15 @@ _STOP_TIMEOUT_S = 60  # a clean stop frees the model, the KV pool and any tensor
 
 class EngineProcess:
     """Spawns a process that builds LLMEngine(model, **kwargs) and runs an EngineLoop over it.
-    Commands go to it over one pipe; its updates come back over another, and a reader thread
-    hands them to `publish`. The same interface as EngineThread."""
+    Commands go to it over one pipe; its updates come back over another, which the caller's
+    event loop reads (`attach`) and hands to `publish` in that loop's thread: a reader thread
+    would wait for the GIL on every read while the loop is busy, and the engine would then
+    block on a full pipe. The same interface as EngineThread otherwise."""
 
     def __init__(self, model: str, kwargs: dict, publish: Publish):
         self.publish = publish
         ctx = mp.get_context("spawn")  # a clean interpreter: no CUDA or threads inherited
-        updates_in, updates_out = ctx.Pipe(duplex=False)
+        self._updates, updates_out = ctx.Pipe(duplex=False)
         commands_in, self._commands = ctx.Pipe(duplex=False)
         # Not a daemon: the engine starts tensor-parallel workers of its own.
         self._process = ctx.Process(target=_engine_main, name="nanovllm-engine",
@@ -32,47 +37,66 @@ class EngineProcess:
         self._process.start()
         commands_in.close()
         updates_out.close()
-        self._updates = updates_in
-        self._send_lock = threading.Lock()
+        # At interpreter exit, before multiprocessing joins its children: close our end of
+        # the command pipe, which stops the engine (a script that never called shutdown).
+        self._finalizer = Finalize(self, self._commands.close, exitpriority=10)
         self._open: set[int] = set()  # handles added and not yet finished, failed or aborted
         self._acks: dict[int, Callable[[], None]] = {}
         self._next_ack = itertools.count()
-        self.limits = self._wait_until_ready()
-        self._reader = threading.Thread(target=self._read, name="nanovllm-engine-reader",
-                                        daemon=True)
-        self._reader.start()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        try:
+            self.limits = self._wait_until_ready()
+        except BaseException:  # a start-up error, or Ctrl-C while the model loads (the engine
+            self._kill(_STOP_TIMEOUT_S)  # then stops once loaded: its command pipe is closed)
+            raise
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read updates in `loop` from now on (the loop that calls add and abort)."""
+        if self._loop is not loop and not self._closed:
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(self._updates.fileno())
+            loop.add_reader(self._updates.fileno(), self._drain)
+            self._loop = loop
 
     def add(self, handle: int, token_ids: list[int], params: SamplingParams) -> None:
+        if self._closed:
+            self.publish([Update(handle, [], error="the engine process exited")], EngineStats())
+            return
         self._open.add(handle)
         self._send(("add", handle, token_ids, params))
 
     def abort(self, handle: int, done: Callable[[], None] | None = None) -> None:
-        """Abort a request before the next step; `done` is called (in the reader thread)
-        after its blocks are freed."""
+        """Abort a request before the next step; `done` is called (in the attached loop) after
+        its blocks are freed."""
+        if self._closed:
+            _call(done)
+            return
         ack = next(self._next_ack)
         if done is not None:
             self._acks[ack] = done
         self._send(("abort", handle, ack))
 
     def is_alive(self) -> bool:
-        return self._process.is_alive() and self._reader.is_alive()
+        return not self._closed and self._process.is_alive()
 
     def shutdown(self) -> None:
-        """Fail the requests still running, stop the process and wait for it; idempotent."""
+        """Fail the requests still running, stop the process and wait for it; idempotent.
+        Call it from the attached loop's thread, or once that loop has ended."""
         if self._process.is_alive():
             self._send(("stop",))
-            self._process.join(_STOP_TIMEOUT_S)
-        if self._process.is_alive():
-            logger.error("the engine process did not stop in %d s: killing it", _STOP_TIMEOUT_S)
-            self._process.kill()
-            self._process.join()
-        self._reader.join()
+        for _ in range(_STOP_TIMEOUT_S * 20):  # drain: its last updates must not block it
+            if not self._process.is_alive():
+                break
+            if self._updates.poll(0.05):
+                self._drain()
+        self._kill(timeout=0)
+        self._drain()  # what is left, then EOF: the open requests fail
 
     def _send(self, command: tuple) -> None:
         try:
-            with self._send_lock:
-                self._commands.send(command)
-        except OSError:  # the process is gone; the reader fails the open requests
+            self._commands.send(command)
+        except OSError:  # the process is gone; reading its pipe's EOF fails the open requests
             pass
 
     def _wait_until_ready(self) -> RequestLimits:
@@ -84,46 +108,75 @@ class EngineProcess:
             kind, payload = "error", RuntimeError("the engine process exited while starting "
                                                   f"(exit code {self._process.exitcode})")
         if kind == "error":
-            self._process.join()
             raise payload
         return payload
 
-    def _read(self) -> None:
-        """Hand each step's updates to `publish` until the process ends; then fail what is open."""
+    def _drain(self) -> None:
+        """Hand every message waiting in the pipe to `publish`; at EOF, fail what is open."""
+        if self._closed:
+            return
         try:
-            while True:
+            while self._updates.poll(0):
                 kind, *payload = self._updates.recv()
                 if kind == "ack":
-                    done = self._acks.pop(payload[0], None)
-                    if done is not None:
-                        done()
-                    continue
-                updates, stats = payload
-                for update in updates:
-                    if update.final is not None or update.error is not None:
-                        self._open.discard(update.handle)
-                self.publish(updates, stats)
+                    _call(self._acks.pop(payload[0], None))
+                else:
+                    self._publish(*payload)
         except (EOFError, OSError):
-            pass
-        lost = [Update(h, [], error="the engine process exited") for h in list(self._open)]
+            self._close()
+
+    def _publish(self, rows: list[tuple], stats: tuple) -> None:
+        updates = [Update(*row) for row in rows]
+        for update in updates:
+            if update.final is not None or update.error is not None:
+                self._open.discard(update.handle)
+        self.publish(updates, EngineStats(*stats))
+
+    def _close(self) -> None:
+        """The process has ended: stop reading, fail the open requests and pending aborts."""
+        self._closed = True
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._updates.fileno())
+        lost = [Update(handle, [], error="the engine process exited") for handle in self._open]
         self._open.clear()
         self.publish(lost, EngineStats())
-        for done in self._acks.values():
-            done()
+        acks, self._acks = self._acks, {}
+        for done in acks.values():
+            _call(done)
+
+    def _kill(self, timeout: float) -> None:
+        """Close the command pipe (a live engine stops at its next poll), wait `timeout` s for
+        the process, then kill it."""
+        self._finalizer()
+        self._process.join(timeout)
+        if self._process.is_alive():
+            logger.error("the engine process did not stop in time: killing it")
+            self._process.kill()
+            self._process.join()
+
+
+def _call(done: Callable[[], None] | None) -> None:
+    """Run an abort's callback; one that fails (its event loop has closed) is only logged."""
+    if done is None:
+        return
+    try:
+        done()
+    except Exception:
+        logger.exception("an abort callback failed")
 
 
 def _engine_main(model: str, kwargs: dict, commands: Connection, updates: Connection) -> None:
     """The engine process: build the engine, report ready (or why not), run the loop."""
-    # Ctrl-C reaches the whole process group; the parent decides when the engine stops.
+    # Signals sent to the whole process group (Ctrl-C, a service manager's SIGTERM) are the
+    # server's to handle: it drains its streams, then stops the engine through the pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from nanovllm.engine.llm_engine import LLMEngine
     try:
         engine = LLMEngine(model, **kwargs)
     except Exception as e:
-        try:
-            updates.send(("error", e))
-        except Exception:  # not picklable: its message then
-            updates.send(("error", RuntimeError(f"{type(e).__name__}: {e}")))
+        logger.exception("the engine failed to start")
+        updates.send(("error", _portable(e)))
         return
     updates.send(("ready", engine.request_limits()))
 
@@ -133,8 +186,12 @@ def _engine_main(model: str, kwargs: dict, commands: Connection, updates: Connec
         except EOFError:  # the parent is gone
             return ("stop",)
 
-    loop = EngineLoop(engine, next_command,
-                      publish=lambda batch, stats: updates.send(("step", batch, stats)),
+    def publish(batch: list[Update], stats: EngineStats) -> None:
+        # Plain tuples: a quarter of the pickled bytes and a tenth of the time of dataclasses.
+        updates.send(("step", [tuple(vars(u).values()) for u in batch],
+                      dataclasses.astuple(stats)))
+
+    loop = EngineLoop(engine, next_command, publish,
                       acknowledge=lambda ack: updates.send(("ack", ack)))
     try:
         loop.run()
@@ -142,3 +199,11 @@ def _engine_main(model: str, kwargs: dict, commands: Connection, updates: Connec
         pass
     finally:
         engine.shutdown()
+
+
+def _portable(error: Exception) -> Exception:
+    """`error` if it survives a pickle round trip, else a RuntimeError with its message."""
+    try:
+        return pickle.loads(pickle.dumps(error))
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")

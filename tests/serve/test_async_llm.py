@@ -2,9 +2,6 @@
 incremental detokenizer."""
 import asyncio
 import multiprocessing
-import os
-import signal
-import time
 
 import pytest
 
@@ -167,34 +164,3 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(thread_llm, mon
     text, token_ids, reason = asyncio.run(run())
     assert len(token_ids) == GREEDY.max_tokens and reason == "length"
     assert_idle(llm)
-
-
-def test_a_bad_keyword_fails_before_the_engine_process_starts(tiny_model):
-    before = set(multiprocessing.active_children())
-    with pytest.raises(ValueError, match="unknown argument.*num_kv_blocks"):
-        AsyncLLM(tiny_model, device="cpu", num_kv_blocks=16)
-    assert set(multiprocessing.active_children()) == before
-
-
-def test_a_dead_engine_process_fails_the_open_requests(tiny_model):
-    """A killed engine process ends every open stream with an error and stops the engine."""
-    before = set(multiprocessing.active_children())
-    llm = AsyncLLM(tiny_model, device="cpu", num_kvcache_blocks=16)
-    long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
-
-    async def run():
-        stream = llm.generate([1, 2, 3], long, "long")
-        await anext(stream)
-        (process,) = set(multiprocessing.active_children()) - before
-        os.kill(process.pid, signal.SIGKILL)
-        with pytest.raises(RuntimeError, match="the engine process exited"):
-            async for _ in stream:
-                pass
-
-    asyncio.run(run())
-    deadline = time.monotonic() + 10
-    while llm.is_running and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not llm.is_running
-    llm.shutdown()
-    assert set(multiprocessing.active_children()) == before
