@@ -2,6 +2,7 @@
 the helpers that read its streams and metrics."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -27,9 +28,10 @@ def start_server(model: str, log_path: Path, *args: str) -> tuple[subprocess.Pop
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     log = open(log_path, "w")
+    # Its own process group, so that Ctrl-C reaches the server and its engine, as in a shell.
     proc = subprocess.Popen([sys.executable, "-m", "nanovllm.serve", model, "--port", str(port),
                              "--device", "cpu", *args], cwd=REPO, env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
+                            stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
@@ -45,9 +47,9 @@ def start_server(model: str, log_path: Path, *args: str) -> tuple[subprocess.Pop
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    """Ctrl-C, as a user would; kill only if it does not exit."""
+    """Ctrl-C to its process group, as a terminal sends it; kill only if it does not exit."""
     if proc.poll() is None:
-        proc.send_signal(2)
+        os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -63,8 +65,36 @@ def server(tiny_model, tmp_path_factory):
                              str(NUM_KVCACHE_BLOCKS), "--api-key", API_KEY,
                              "--served-model-name", "tiny", "--log-level", "warning")
     yield url, log_path
+    engine = descendants(proc.pid)
+    assert engine, "the engine runs in a process of its own"
     stop_server(proc)
     assert proc.returncode == 0, log_path.read_text()[-3000:]
+    deadline = time.monotonic() + 10
+    while any(map(alive, engine)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(alive, engine)), "a process outlived the server"
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc)."""
+    found, todo = [], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:  # it ended meanwhile
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its parent to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @pytest.fixture(scope="module")
