@@ -1,5 +1,4 @@
-"""AsyncLLM with its engine in a thread and in a process: streaming, abort, failures, and the
-incremental detokenizer."""
+"""AsyncLLM with its engine in a thread and in a process: streaming, abort, failures."""
 import asyncio
 import multiprocessing
 
@@ -7,30 +6,8 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.async_llm import AsyncLLM
-from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.utils.tokenizer import load_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
-
-
-def test_detokenizer_never_splits_a_character(tiny_model):
-    tokenizer = load_tokenizer(tiny_model)
-    text = "héllo 日本語 wörld ✓"
-    token_ids = tokenizer.encode(text, add_special_tokens=False)
-    assert len(token_ids) > len(text.split())  # the rare characters span byte tokens
-    detokenizer = IncrementalDetokenizer(tokenizer)
-    pieces = [detokenizer.update(token_ids[:i]) for i in range(1, len(token_ids) + 1)]
-    assert all("\ufffd" not in piece for piece in pieces)
-    assert "".join(pieces) == tokenizer.decode(token_ids) == text
-
-
-def test_detokenizer_holds_back_a_possible_stop_string(tiny_model):
-    tokenizer = load_tokenizer(tiny_model)
-    token_ids = tokenizer.encode("the cache block", add_special_tokens=False)
-    detokenizer = IncrementalDetokenizer(tokenizer, stop=("blox",))
-    sent = "".join(detokenizer.update(token_ids[:i]) for i in range(1, len(token_ids) + 1))
-    assert sent == "the cache bl"  # len("blox") - 1 characters held back: "ock"
-    assert sent + detokenizer.finish("the cache block") == "the cache block"
 
 
 @pytest.fixture(scope="module", params=["thread", "process"])
