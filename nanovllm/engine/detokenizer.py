@@ -9,25 +9,26 @@ class IncrementalDetokenizer:
     text) plus the new ones, and settles the new suffix unless it ends in U+FFFD (a character
     still incomplete). The work per update is the window's, not the completion's. With stop
     strings, the last max(len(stop)) - 1 characters are held back: they may begin a stop
-    string, which the final text will not contain.
+    string, which the final text will not contain. `start`: where the completion begins in
+    the token lists given (the engine passes a sequence's prompt and completion).
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), start: int = 0):
         self.tokenizer = tokenizer
         self.holdback = max(map(len, stop), default=1) - 1
         self.text = ""  # sent so far
-        self._decoded = ""  # the text of the settled tokens
-        self._prefix = self._read = 0  # the window's context starts at _prefix; settled: _read
-        self._prefix_text = ""  # decode(token_ids[_prefix:_read])
+        self.decoded = ""  # the text of the settled tokens
+        # token offsets from `start`: the window's context begins at _prefix; settled: _read
+        self._start, self._prefix, self._read = start, 0, 0
+        self._prefix_text = ""  # the decode of the context alone
 
     def update(self, token_ids: list[int]) -> str:
         """The new text, given every completion token so far ("" while held back)."""
-        if len(token_ids) > self._read:
-            self._settle(token_ids)
-        end = len(self._decoded) - self.holdback
-        if end <= len(self.text) or not self._decoded.startswith(self.text):
+        self.read(token_ids)
+        end = len(self.decoded) - self.holdback
+        if end <= len(self.text) or not self.decoded.startswith(self.text):
             return ""
-        piece = self._decoded[len(self.text):end]
+        piece = self.decoded[len(self.text):end]
         self.text += piece
         return piece
 
@@ -37,13 +38,18 @@ class IncrementalDetokenizer:
         self.text += piece
         return piece
 
-    def _settle(self, token_ids: list[int]) -> None:
-        window = self.tokenizer.decode(token_ids[self._prefix:])
+    def read(self, token_ids: list[int]) -> None:
+        """Settle the text of the tokens past the last settled ones into `decoded`."""
+        num_tokens = len(token_ids) - self._start
+        if num_tokens <= self._read:
+            return
+        window = self.tokenizer.decode(token_ids[self._start + self._prefix:])
         if window.endswith("\ufffd"):  # wait for the character's last bytes
             return
         if window.startswith(self._prefix_text):
-            self._decoded += window[len(self._prefix_text):]
+            self.decoded += window[len(self._prefix_text):]
         else:  # a tokenizer whose decoding of the context changed: the whole text, once
-            self._decoded = self.tokenizer.decode(token_ids)
-        self._prefix, self._read = self._read, len(token_ids)
-        self._prefix_text = self.tokenizer.decode(token_ids[self._prefix:self._read])
+            self.decoded = self.tokenizer.decode(token_ids[self._start:])
+        self._prefix, self._read = self._read, num_tokens
+        self._prefix_text = self.tokenizer.decode(
+            token_ids[self._start + self._prefix:self._start + self._read])
