@@ -14,6 +14,10 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.tokenizer import load_tokenizer
 
 
+class EngineDeadError(RuntimeError):
+    """The engine is not running: it was shut down, or its process died."""
+
+
 @dataclass
 class RequestOutput:
     """One increment of a request: its new tokens and text; finish_reason ends the stream."""
@@ -78,7 +82,7 @@ class AsyncLLM:
         """Queue a request and yield its outputs until one has a finish_reason. Raises
         ValueError (before queueing) for a bad request; leaving early aborts the request."""
         if not self.is_running:
-            raise RuntimeError("the engine is not running (it was shut down or it died)")
+            raise EngineDeadError("the engine is not running (it was shut down or it died)")
         token_ids = validate_request(prompt, params, self.limits, self.tokenizer.encode)
         if params.n != 1:  # the engine would run n completions and stream only the first
             raise ValueError(f"n={params.n}: a stream is one completion; queue one request per "
@@ -103,7 +107,12 @@ class AsyncLLM:
             while not finished:
                 await stream.ready.wait()
                 stream.ready.clear()
-                out = _read(stream, request_id, len(token_ids))
+                try:
+                    out = _read(stream, request_id, len(token_ids))
+                except RuntimeError as e:
+                    if self.is_running:  # the engine failed this request's step
+                        raise
+                    raise EngineDeadError(str(e)) from None
                 finished = out.finish_reason is not None
                 yield out
         finally:

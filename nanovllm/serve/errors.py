@@ -5,6 +5,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from nanovllm.engine.async_llm import EngineDeadError
+
 
 class APIError(Exception):
     """An error answered with OpenAI's body: {"error": {"message", "type", "param", "code"}}."""
@@ -16,6 +18,13 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         return JSONResponse({"error": {"message": self.message, "type": self.kind,
                                        "param": self.param, "code": self.status}}, self.status)
+
+
+def error_body(error: RuntimeError) -> dict:
+    """OpenAI's error object for an engine failure: 503 once the engine is gone, else 500."""
+    dead = isinstance(error, EngineDeadError)
+    return {"message": str(error), "type": "service_unavailable" if dead else "internal_error",
+            "param": None, "code": 503 if dead else 500}
 
 
 def bad_request(error: ValueError) -> APIError:
@@ -42,6 +51,11 @@ def add_error_handlers(app: FastAPI) -> None:
         param = ".".join(str(part) for part in first["loc"] if part != "body") or None
         return APIError(400, f"{param}: {first['msg']}", "invalid_request_error",
                         param).response()
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, error: EngineDeadError) -> JSONResponse:
+        body = error_body(error)
+        return JSONResponse({"error": body}, body["code"])
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, error: Exception) -> JSONResponse:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from uuid import uuid4
 
 from nanovllm.engine.async_llm import RequestOutput
+from nanovllm.serve.errors import error_body
 from nanovllm.serve.logprobs import LogprobsFormat
 
 # (choice index, its next output): what a request's n completions yield, interleaved
@@ -101,8 +102,7 @@ class ResponseFormat:
                     lasts[index] = out
                     yield sse(self.chunk(index, out))
             except RuntimeError as e:  # the engine failed a request; the server goes on
-                yield sse({"error": {"message": str(e), "type": "internal_error",
-                                     "param": None, "code": 500}})
+                yield sse({"error": error_body(e)})
         if include_usage:
             yield sse(self._body([], usage=usage(list(lasts.values()))))
         yield sse("[DONE]")

@@ -1,12 +1,24 @@
 """The OpenAI-compatible server, through a real HTTP client against a server subprocess."""
 import asyncio
+import os
 import random
+import signal
+import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from tests.serve.conftest import API_KEY, metrics, stream, wait_until_idle
+from tests.serve.conftest import (
+    API_KEY,
+    descendants,
+    metrics,
+    start_server,
+    stop_server,
+    stream,
+    wait_until_idle,
+)
 
 PROMPTS = ["hello world the", "the quick brown fox jumps", [5, 17, 42, 99, 3]]
 MAX_TOKENS = 24
@@ -163,3 +175,26 @@ def test_200_concurrent_streams_with_disconnects_free_every_block(server, client
     assert values["nanovllm:kv_cache_usage_perc"] == 0
     assert values["nanovllm:generation_tokens_total"] > 0
     assert client.post("/v1/completions", json=completion("hi")).status_code == 200
+
+
+def test_a_dead_engine_makes_the_server_answer_503(tiny_model, tmp_path):
+    """The engine process killed: /health and new requests answer 503 (OpenAI's body), and
+    Ctrl-C still stops the server cleanly."""
+    proc, url = start_server(tiny_model, tmp_path / "server.log", "--num-kvcache-blocks", "16",
+                             "--served-model-name", "tiny")
+    try:
+        (engine,) = [pid for pid in descendants(proc.pid)
+                     if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        os.kill(engine, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{url}/health").status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert httpx.get(f"{url}/health").status_code == 503
+        for stream_it in (False, True):
+            response = httpx.post(f"{url}/v1/completions",
+                                  json=completion("hi", stream=stream_it))
+            assert response.status_code == 503, response.text
+            assert response.json()["error"]["type"] == "service_unavailable"
+    finally:
+        stop_server(proc)
+    assert proc.returncode == 0, (tmp_path / "server.log").read_text()[-3000:]
