@@ -44,7 +44,10 @@ class IncrementalDetokenizer:
         if num_tokens <= self._read:
             return
         window = self.tokenizer.decode(token_ids[self._start + self._prefix:])
-        if window.endswith("\ufffd"):  # wait for the character's last bytes
+        # Wait for a character's last bytes, and keep the context until the window gains text:
+        # a token that decodes to "" must not become the context (a SentencePiece-style decoder
+        # drops the leading space of the window's first token).
+        if window.endswith("\ufffd") or len(window) <= len(self._prefix_text):
             return
         if window.startswith(self._prefix_text):
             self.decoded += window[len(self._prefix_text):]

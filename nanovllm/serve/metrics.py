@@ -39,15 +39,17 @@ class ServerMetrics:
         self.e2e = make(Histogram, "nanovllm:e2e_request_latency_seconds",
                         "Seconds from request to last token.", buckets=TTFT_BUCKETS)
 
-    async def track(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-        """Pass a request's outputs through, counting its tokens and timing it."""
+    async def track(self, outputs: AsyncIterator[RequestOutput],
+                    primary: bool = True) -> AsyncIterator[RequestOutput]:
+        """Pass a completion's outputs through, counting its tokens; the request's prompt and
+        latencies are counted by its primary completion (choice 0 of n) only."""
         start = perf_counter()
         first = None
         async with aclosing(outputs):
             async for out in outputs:
                 now = perf_counter()
                 self.generation_tokens.inc(len(out.new_token_ids))
-                if first is None and out.num_output_tokens:
+                if primary and first is None and out.num_output_tokens:
                     first = now
                     self.prompt_tokens.inc(out.num_prompt_tokens)
                     self.ttft.observe(now - start)

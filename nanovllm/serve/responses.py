@@ -103,6 +103,7 @@ class ResponseFormat:
                     yield sse(self.chunk(index, out))
             except RuntimeError as e:  # the engine failed a request; the server goes on
                 yield sse({"error": error_body(e)})
+                include_usage = False  # no usage for a failed request
         if include_usage:
             yield sse(self._body([], usage=usage(list(lasts.values()))))
         yield sse("[DONE]")

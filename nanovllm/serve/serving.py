@@ -79,7 +79,8 @@ class OpenAIServing:
         fmt = ResponseFormat(self.model_name, chat, params.n, logprobs)
         # One request per completion; the later ones hit the prompt's full blocks in the
         # engine's prefix cache.
-        outputs = interleave([self.metrics.track(self.llm.generate(token_ids, p, f"{fmt.id}-{i}"))
+        outputs = interleave([self.metrics.track(self.llm.generate(token_ids, p, f"{fmt.id}-{i}"),
+                                                 primary=i == 0)
                               for i, p in enumerate(completion_params(params))])
         try:
             # A bad request is a 400, not a stream: generate() validates before its first output.

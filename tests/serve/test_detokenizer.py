@@ -1,10 +1,12 @@
 """The incremental detokenizer: pieces that concatenate to the final text, never a split
 character, stop strings held back, and work per update that does not grow with the text."""
 import random
+from types import SimpleNamespace
 
 import pytest
 
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.stop_strings import StopStringChecker
 from nanovllm.utils.checkpoint import corpus
 from nanovllm.utils.tokenizer import load_tokenizer
 
@@ -38,7 +40,7 @@ def metaspace_tokenizer():
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    tok.train_from_iterator(corpus(500), trainers.BpeTrainer(vocab_size=300,
+    tok.train_from_iterator(corpus(500), trainers.BpeTrainer(vocab_size=170,
                                                              special_tokens=["<unk>"]))
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
@@ -60,7 +62,8 @@ def test_pieces_concatenate_to_the_whole_decode(tokenizer, step):
     """Random token streams (byte tokens included) and real text: every piece sent is final,
     and the pieces with the finish are the whole completion's decode."""
     rng = random.Random(step)
-    streams = [[rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 200))]
+    # ids past the vocabulary too (a model's padded embedding rows): they decode to ""
+    streams = [[rng.randrange(len(tokenizer) + 20) for _ in range(rng.randint(1, 200))]
                for _ in range(30)]
     streams += [tokenizer.encode(line, add_special_tokens=False) for line in corpus(5)]
     for token_ids in streams:
@@ -91,3 +94,35 @@ def test_work_per_update_does_not_grow_with_the_text(tiny_model):
     assert len(token_ids) == 2000
     assert "".join(stream(tokenizer, token_ids, 1)[:-1]) == tokenizer.tokenizer.decode(token_ids)
     assert tokenizer.decoded < 10 * len(token_ids) + len(token_ids)  # the finish's check
+
+
+def test_stop_strings_are_found_where_the_whole_decode_has_them(tokenizer):
+    """The engine's checker, fed one token at a time after a prompt, reports the text before
+    the first stop string of the whole completion's decode, at the first token that shows it;
+    never before, and never one the decode does not hold."""
+    rng = random.Random(0)
+    for case in range(60):
+        token_ids = [rng.randrange(len(tokenizer) + 20) for _ in range(rng.randint(1, 120))]
+        whole = tokenizer.decode(token_ids)
+        stops = ["\x00never"]
+        if whole.strip() and case % 4:  # a piece of the text, or of other text
+            start = rng.randrange(len(whole))
+            stops.append(whole[start:start + rng.randint(1, 4)])
+        prompt = [rng.randrange(len(tokenizer)) for _ in range(5)]
+        seq = SimpleNamespace(seq_id=case, num_prompt_tokens=len(prompt), token_ids=prompt,
+                              sampling_params=SimpleNamespace(stop_strings=stops))
+        checker, found = StopStringChecker(tokenizer), None
+        for i in range(1, len(token_ids) + 1):
+            seq.token_ids = prompt + token_ids[:i]
+            found = checker.check(seq)
+            if found is not None:
+                break
+        hits = [whole.find(stop) for stop in stops if stop in whole]
+        if not hits:
+            assert found is None
+            continue
+        expected = whole[:min(hits)]
+        assert found == expected, (token_ids, stops)
+        # the first token whose text completes the match
+        settled = tokenizer.decode(token_ids[:i - 1]).rstrip("\ufffd")
+        assert not any(stop in settled for stop in stops[1:]), (token_ids, stops)

@@ -207,6 +207,23 @@ def test_disconnect_mid_stream_aborts_all_n_requests(client):
     assert values["nanovllm:kv_cache_usage_perc"] == 0
 
 
+def test_metrics_count_a_request_of_n_choices_once(client):
+    """Prompt tokens and request latencies once per request; generated tokens of every choice."""
+    before = metrics(client)
+    body = client.post("/v1/completions", json=completion([5, 17, 42, 99, 3], n=4,
+                                                          ignore_eos=True)).json()
+    after = wait_until_idle(client)
+    assert len(body["choices"]) == 4 and body["usage"]["prompt_tokens"] == 5
+
+    def grew(name: str) -> float:
+        return after[f"nanovllm:{name}"] - before.get(f"nanovllm:{name}", 0)
+
+    assert grew("prompt_tokens_total") == 5
+    assert grew("generation_tokens_total") == body["usage"]["completion_tokens"] == 4 * MAX_TOKENS
+    assert grew("e2e_request_latency_seconds_count") == 1
+    assert grew("time_to_first_token_seconds_count") == 1
+
+
 def test_interleave_raises_an_error_and_closes_the_other_streams():
     closed = []
 
