@@ -40,6 +40,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # transformers': seen (prompt + generated) l>0: l/r, else l*r
     presence_penalty: float = 0.0  # OpenAI's: l -= presence if generated at least once
     frequency_penalty: float = 0.0  # OpenAI's: l -= frequency * times generated
+    skip_special_tokens: bool = True  # "text" leaves out special tokens (EOS...), as vLLM
 
     def __post_init__(self) -> None:
         self.validate()
@@ -52,7 +53,8 @@ class SamplingParams:
         self.temperature = check_real("temperature", self.temperature, 0.0, FLOAT32_MAX,
                                       f"a number in [0, {FLOAT32_MAX:.4g}] (0 = greedy)")
         self.max_tokens = check_int("max_tokens", self.max_tokens, 1, None, "an int >= 1")
-        check("ignore_eos", self.ignore_eos, isinstance(self.ignore_eos, bool), "a bool")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            check(name, getattr(self, name), isinstance(getattr(self, name), bool), "a bool")
         top_k = check_int("top_k", self.top_k, -1, None, "-1 (off) or an int >= 1")
         check("top_k", top_k, top_k != 0, "-1 (off) or an int >= 1")
         self.top_k = -1 if top_k > INT32_MAX else top_k

@@ -98,7 +98,8 @@ class AsyncLLM:
             self._engine.attach(loop)
         handle = next(self._next_handle)
         stream = self._streams[handle] = _Stream(
-            IncrementalDetokenizer(self.tokenizer, params.stop_strings),
+            IncrementalDetokenizer(self.tokenizer, params.stop_strings,
+                                   skip_special_tokens=params.skip_special_tokens),
             pending_logprobs=None if params.logprobs is None else [])
         self._handles[request_id] = handle
         self._engine.add(handle, token_ids, params)

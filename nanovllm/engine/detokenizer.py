@@ -13,8 +13,10 @@ class IncrementalDetokenizer:
     the token lists given (the engine passes a sequence's prompt and completion).
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = (), start: int = 0):
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), start: int = 0,
+                 skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.holdback = max(map(len, stop), default=1) - 1
         self.text = ""  # sent so far
         self.decoded = ""  # the text of the settled tokens
@@ -43,7 +45,7 @@ class IncrementalDetokenizer:
         num_tokens = len(token_ids) - self._start
         if num_tokens <= self._read:
             return
-        window = self.tokenizer.decode(token_ids[self._start + self._prefix:])
+        window = self._decode(token_ids[self._start + self._prefix:])
         # Wait for a character's last bytes, and keep the context until the window gains text:
         # a token that decodes to "" must not become the context (a SentencePiece-style decoder
         # drops the leading space of the window's first token).
@@ -52,7 +54,10 @@ class IncrementalDetokenizer:
         if window.startswith(self._prefix_text):
             self.decoded += window[len(self._prefix_text):]
         else:  # a tokenizer whose decoding of the context changed: the whole text, once
-            self.decoded = self.tokenizer.decode(token_ids[self._start:])
+            self.decoded = self._decode(token_ids[self._start:])
         self._prefix, self._read = self._read, num_tokens
-        self._prefix_text = self.tokenizer.decode(
+        self._prefix_text = self._decode(
             token_ids[self._start + self._prefix:self._start + self._read])
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)

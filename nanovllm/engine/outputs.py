@@ -83,7 +83,9 @@ def _record_prompt_chunk(seq: Sequence, chunk: tuple[int, LogprobsTensors] | Non
 def request_output(seqs: list[Sequence], decode) -> dict:
     """The output dict of one request: its id, its first completion's fields at the top level,
     every completion under "outputs", the prompt logprobs and the first completion's metrics."""
-    completions = [{"text": decode(seq.completion_token_ids) if seq.text is None else seq.text,
+    completions = [{"text": seq.text if seq.text is not None else decode(
+                        seq.completion_token_ids,
+                        skip_special_tokens=seq.sampling_params.skip_special_tokens),
                     "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason,
                     "logprobs": seq.logprobs} for seq in seqs]
     first = seqs[0]

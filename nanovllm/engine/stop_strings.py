@@ -17,7 +17,8 @@ class StopStringChecker:
         state = self.states.get(seq.seq_id)
         if state is None:
             state = self.states[seq.seq_id] = IncrementalDetokenizer(
-                self.tokenizer, start=seq.num_prompt_tokens)
+                self.tokenizer, start=seq.num_prompt_tokens,
+                skip_special_tokens=seq.sampling_params.skip_special_tokens)
         old_len = len(state.decoded)
         state.read(seq.token_ids)
         if len(state.decoded) == old_len:

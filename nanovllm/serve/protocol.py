@@ -35,6 +35,7 @@ class _SamplingRequest(BaseModel):
     min_p: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The SamplingParams asked for (n completions); ValueError names a field that is bad
@@ -43,6 +44,7 @@ class _SamplingRequest(BaseModel):
         fields = dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                       top_k=self.top_k, min_p=self.min_p, stop=self.stop, seed=self.seed,
                       stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                      skip_special_tokens=self.skip_special_tokens,
                       presence_penalty=self.presence_penalty,
                       frequency_penalty=self.frequency_penalty,
                       repetition_penalty=self.repetition_penalty, n=self.n,

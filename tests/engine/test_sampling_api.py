@@ -50,7 +50,8 @@ def prompts() -> list[list[int]]:
                                                         "prompt_logprobs"),
     (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(presence_penalty=2.5),
                                                            "presence_penalty"),
-    (dict(frequency_penalty=float("nan")), "frequency_penalty")])
+    (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+    (dict(skip_special_tokens=1), "skip_special_tokens")])
 def test_bad_sampling_params_name_the_value_and_range(kwargs, name):
     with pytest.raises(ValueError, match=rf"^{name}=.* expected"):
         SamplingParams(**kwargs)
@@ -132,6 +133,22 @@ def test_stop_token_ids_finish_with_the_token_kept(llm, prompts, greedy_ids):
     i = next(i for i in range(3, N) if tokens[i] not in tokens[:i])
     out = llm.generate(prompts[0], greedy(stop_token_ids=[tokens[i]]), use_tqdm=False)[0]
     assert out["token_ids"] == tokens[:i + 1] and out["finish_reason"] == "stop"
+
+
+EOS_PROMPT = [7, 8, 9]  # the tiny checkpoint's greedy answer ends in EOS after 59 tokens
+
+
+def test_text_leaves_out_special_tokens_unless_asked(llm):
+    """As vLLM: "text" skips special tokens (the EOS here) by default; the ids keep them."""
+    params = dict(temperature=0, max_tokens=64)
+    out = llm.generate(EOS_PROMPT, SamplingParams(**params), use_tqdm=False)[0]
+    eos = llm.tokenizer.eos_token_id
+    assert out["finish_reason"] == "stop" and out["token_ids"][-1] == eos
+    assert out["text"] == llm.tokenizer.decode(out["token_ids"][:-1])
+    assert llm.tokenizer.eos_token not in out["text"]
+    raw = llm.generate(EOS_PROMPT, SamplingParams(**params, skip_special_tokens=False),
+                       use_tqdm=False)[0]
+    assert raw["text"] == out["text"] + llm.tokenizer.eos_token
 
 
 def test_finish_reason_length_at_max_tokens_and_max_model_len(tiny_model, llm, prompts):

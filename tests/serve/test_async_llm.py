@@ -80,6 +80,19 @@ def test_new_logprobs_concatenate_to_the_offline_logprobs(llm, tiny_model):
     assert all(out.new_logprobs is None for out in plain)
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_stream_skips_special_tokens_as_offline_does(llm, tiny_model, skip):
+    """The tiny checkpoint's greedy answer to [7, 8, 9] ends in EOS: streamed, its text is
+    the offline text, with or without the EOS's."""
+    params = SamplingParams(temperature=0, max_tokens=64, skip_special_tokens=skip)
+    offline = LLM(tiny_model, device="cpu", num_kvcache_blocks=16)
+    expected = offline.generate([7, 8, 9], params, use_tqdm=False)[0]
+    offline.shutdown()
+    assert expected["finish_reason"] == "stop"
+    text, token_ids, reason = asyncio.run(collect(llm, [7, 8, 9], params, f"eos-{skip}"))
+    assert (text, token_ids, reason) == (expected["text"], expected["token_ids"], "stop")
+
+
 def test_abort_frees_the_blocks_at_once(llm):
     long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
 

@@ -50,15 +50,15 @@ def tokenizer(request, tiny_model):
     return load_tokenizer(tiny_model) if request.param == "byte-level" else metaspace_tokenizer()
 
 
-def stream(tokenizer, token_ids: list[int], step: int) -> list[str]:
+def stream(tokenizer, token_ids: list[int], step: int, skip: bool = True) -> list[str]:
     """The pieces of a completion growing `step` tokens at a time, then the finish."""
-    detokenizer = IncrementalDetokenizer(tokenizer)
+    detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
     pieces = [detokenizer.update(token_ids[:i]) for i in range(step, len(token_ids) + 1, step)]
-    return pieces + [detokenizer.finish(tokenizer.decode(token_ids))]
+    return pieces + [detokenizer.finish(tokenizer.decode(token_ids, skip_special_tokens=skip))]
 
 
-@pytest.mark.parametrize("step", [1, 3])
-def test_pieces_concatenate_to_the_whole_decode(tokenizer, step):
+@pytest.mark.parametrize(("step", "skip"), [(1, True), (3, True), (1, False)])
+def test_pieces_concatenate_to_the_whole_decode(tokenizer, step, skip):
     """Random token streams (byte tokens included) and real text: every piece sent is final,
     and the pieces with the finish are the whole completion's decode."""
     rng = random.Random(step)
@@ -67,8 +67,8 @@ def test_pieces_concatenate_to_the_whole_decode(tokenizer, step):
                for _ in range(30)]
     streams += [tokenizer.encode(line, add_special_tokens=False) for line in corpus(5)]
     for token_ids in streams:
-        pieces = stream(tokenizer, token_ids, step)
-        whole = tokenizer.decode(token_ids)
+        pieces = stream(tokenizer, token_ids, step, skip)
+        whole = tokenizer.decode(token_ids, skip_special_tokens=skip)
         assert "".join(pieces) == whole
         # nothing sent ends in a character still incomplete
         assert not any(piece.endswith("\ufffd") for piece in pieces[:-1])
@@ -80,9 +80,9 @@ class CountingTokenizer:
     def __init__(self, tokenizer):
         self.tokenizer, self.decoded = tokenizer, 0
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], **kwargs) -> str:
         self.decoded += len(token_ids)
-        return self.tokenizer.decode(token_ids)
+        return self.tokenizer.decode(token_ids, **kwargs)
 
 
 def test_work_per_update_does_not_grow_with_the_text(tiny_model):
@@ -92,7 +92,8 @@ def test_work_per_update_does_not_grow_with_the_text(tiny_model):
     token_ids = tokenizer.tokenizer.encode(" ".join(corpus(300)), add_special_tokens=False)
     token_ids = token_ids[:2000]
     assert len(token_ids) == 2000
-    assert "".join(stream(tokenizer, token_ids, 1)[:-1]) == tokenizer.tokenizer.decode(token_ids)
+    assert "".join(stream(tokenizer, token_ids, 1)[:-1]) == tokenizer.tokenizer.decode(
+        token_ids, skip_special_tokens=True)
     assert tokenizer.decoded < 10 * len(token_ids) + len(token_ids)  # the finish's check
 
 
@@ -103,14 +104,15 @@ def test_stop_strings_are_found_where_the_whole_decode_has_them(tokenizer):
     rng = random.Random(0)
     for case in range(60):
         token_ids = [rng.randrange(len(tokenizer) + 20) for _ in range(rng.randint(1, 120))]
-        whole = tokenizer.decode(token_ids)
+        whole = tokenizer.decode(token_ids, skip_special_tokens=True)
         stops = ["\x00never"]
         if whole.strip() and case % 4:  # a piece of the text, or of other text
             start = rng.randrange(len(whole))
             stops.append(whole[start:start + rng.randint(1, 4)])
         prompt = [rng.randrange(len(tokenizer)) for _ in range(5)]
         seq = SimpleNamespace(seq_id=case, num_prompt_tokens=len(prompt), token_ids=prompt,
-                              sampling_params=SimpleNamespace(stop_strings=stops))
+                              sampling_params=SimpleNamespace(stop_strings=stops,
+                                                              skip_special_tokens=True))
         checker, found = StopStringChecker(tokenizer), None
         for i in range(1, len(token_ids) + 1):
             seq.token_ids = prompt + token_ids[:i]
@@ -124,5 +126,5 @@ def test_stop_strings_are_found_where_the_whole_decode_has_them(tokenizer):
         expected = whole[:min(hits)]
         assert found == expected, (token_ids, stops)
         # the first token whose text completes the match
-        settled = tokenizer.decode(token_ids[:i - 1]).rstrip("\ufffd")
+        settled = tokenizer.decode(token_ids[:i - 1], skip_special_tokens=True).rstrip("\ufffd")
         assert not any(stop in settled for stop in stops[1:]), (token_ids, stops)

@@ -90,6 +90,15 @@ def test_penalties_reach_the_sampler(client, offline):
     assert body["choices"][0]["text"] == expected["text"]
 
 
+def test_special_tokens_are_skipped_unless_asked(client, offline):
+    """vLLM's skip_special_tokens: the EOS ending [7, 8, 9]'s greedy answer is not in the text
+    by default, and is with skip_special_tokens false."""
+    texts = [client.post("/v1/completions", json=completion(
+        [7, 8, 9], max_tokens=64, skip_special_tokens=skip)).json()["choices"][0]["text"]
+        for skip in (True, False)]
+    assert texts[1] == texts[0] + "<|endoftext|>"
+
+
 @pytest.mark.parametrize("route, body, status, param", [
     ("/v1/completions", completion("hi", temperature=-1), 400, "temperature"),
     ("/v1/completions", completion("hi", max_tokens="many"), 400, "max_tokens"),
