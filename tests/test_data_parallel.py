@@ -20,6 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                reason='Ray is not installed (pip install -e ".[ray]")')
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+# seeded, so each request's tokens do not depend on its replica or batch mates
+RICH = SamplingParams(temperature=0.8, seed=7, n=2, logprobs=2, presence_penalty=0.5,
+                      repetition_penalty=1.2, max_tokens=8, ignore_eos=True)
 
 
 @pytest.mark.parametrize("bad", [0, -1, "2", True, 1.5, None])
@@ -120,6 +123,7 @@ def test_two_replicas_match_one_engine_and_transformers(tiny_model, reference):
     expected = single.generate(prompts, GREEDY, use_tqdm=False)
     convs = [[{"role": "user", "content": "hello world"}], [{"role": "user", "content": "fox"}]]
     expected_chat = single.chat(convs, GREEDY, use_tqdm=False)
+    expected_rich = single.generate(prompts[:6], RICH, use_tqdm=False)
     single.shutdown()
 
     llm = LLM(tiny_model, data_parallel_size=2, num_kvcache_blocks=64)
@@ -129,10 +133,20 @@ def test_two_replicas_match_one_engine_and_transformers(tiny_model, reference):
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         stats = llm.stats()
         chat = llm.chat(convs, GREEDY, use_tqdm=False)
+        rich = llm.generate(prompts[:6], RICH, use_tqdm=False)
     finally:
         llm.shutdown()
     assert [o["token_ids"] for o in outs] == [o["token_ids"] for o in expected] == reference
     assert [o["text"] for o in chat] == [o["text"] for o in expected_chat]
+    # n, logprobs and the penalties travel to the replicas as they are
+    assert len(rich) == 6 and all(len(out["outputs"]) == RICH.n for out in rich)
+    for out, want in zip(rich, expected_rich):
+        assert [c["token_ids"] for c in out["outputs"]] == [c["token_ids"] for c in
+                                                            want["outputs"]]
+        for got, ref in zip(out["outputs"], want["outputs"]):
+            assert [d.keys() for d in got["logprobs"]] == [d.keys() for d in ref["logprobs"]]
+            assert all(abs(a - b) < 1e-4 for g, r in zip(got["logprobs"], ref["logprobs"])
+                       for a, b in zip(g.values(), r.values()))
     assert all(r["prefill_tokens"] > 0 for r in stats["replicas"])  # both replicas served
     assert stats["prefill_tokens"] == sum(r["prefill_tokens"] for r in stats["replicas"])
     assert stats["prefill_tokens"] + stats["cache_hit_blocks"] * 256 == sum(map(len, prompts))
