@@ -32,6 +32,8 @@ class RequestOutput:
     # {token_id: logprob} per new token (the top SamplingParams.logprobs and the sampled one);
     # None when the request did not ask
     new_logprobs: list[dict[int, float]] | None = None
+    # on the last output of a request that asked: per prompt token (the first None)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass
@@ -183,4 +185,5 @@ def _read(stream: _Stream, request_id: str, num_prompt_tokens: int) -> RequestOu
         text = stream.detokenizer.finish(final["text"]) if final["text"] is not None else ""
     return RequestOutput(request_id, new_token_ids, text, num_prompt_tokens,
                          len(stream.token_ids), None if final is None else final["finish_reason"],
-                         None if final is None else final.get("metrics"), new_logprobs)
+                         None if final is None else final.get("metrics"), new_logprobs,
+                         None if final is None else final.get("prompt_logprobs"))

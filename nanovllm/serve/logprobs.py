@@ -17,7 +17,7 @@ class LogprobsFormat:
         self._strings: dict[int, str] = {}
         self._offsets: dict[int, int] = {}  # choice index -> characters its stream has covered
 
-    def full(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> dict:
+    def full(self, token_ids: list[int], logprobs: list[dict[int, float] | None]) -> dict:
         """A whole completion's logprobs."""
         if self.chat:
             return self._chat(token_ids, logprobs)
@@ -46,10 +46,13 @@ class LogprobsFormat:
         for text in tokens:
             offsets.append(offset)
             offset += len(text)
-        # vLLM's shape: every entry of the engine's dict, so the sampled token is always there
-        top = [{self.token(t): finite(lp) for t, lp in entry.items()} for entry in logprobs]
+        # vLLM's shape: every entry of the engine's dict, so the sampled token is always there;
+        # None for an echoed prompt's first token, which nothing predicts
+        top = [None if entry is None else {self.token(t): finite(lp) for t, lp in entry.items()}
+               for entry in logprobs]
         return {"tokens": tokens,
-                "token_logprobs": [finite(entry[t]) for t, entry in zip(token_ids, logprobs)],
+                "token_logprobs": [None if entry is None else finite(entry[t])
+                                   for t, entry in zip(token_ids, logprobs)],
                 "top_logprobs": top, "text_offset": offsets}
 
     def _chat(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> dict:

@@ -78,10 +78,17 @@ class CompletionRequest(_SamplingRequest):
             check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         return self.logprobs
 
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """As for any request; with echo, logprobs cover the prompt too (prompt_logprobs)."""
+        params = super().sampling_params(default_max_tokens)
+        if self.echo and self.stream:
+            raise ValueError("echo=True is supported without stream: expected false")
+        if self.echo and params.logprobs is not None:
+            params.prompt_logprobs = params.logprobs
+        return params
+
     def single_prompt(self) -> str | list[int]:
-        """The one prompt, as a string or token ids; ValueError for a batch or echo."""
-        if self.echo:
-            raise ValueError("echo=True is not supported: expected false")
+        """The one prompt, as a string or token ids; ValueError for a batch."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) != 1:

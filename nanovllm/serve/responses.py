@@ -43,10 +43,12 @@ class ResponseFormat:
     `logprobs` formats the tokens' logprobs when the request asked for them."""
 
     def __init__(self, model_name: str, chat: bool, n: int = 1,
-                 logprobs: LogprobsFormat | None = None):
+                 logprobs: LogprobsFormat | None = None,
+                 echo: tuple[str, list[int]] | None = None):
         self.chat = chat
         self.n = n
         self.logprobs = logprobs
+        self.echo = echo  # (text, token ids) of the prompt, which leads each choice's answer
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid4().hex}"
         self.model = model_name
         self.created = int(time.time())
@@ -55,10 +57,17 @@ class ResponseFormat:
         """The whole answer at once: choice i is completion i."""
         body = []
         for index, choice in enumerate(choices):
+            text, token_ids, entries = "".join(choice.pieces), choice.token_ids, choice.logprobs
+            if self.echo is not None:
+                text = self.echo[0] + text
+                # completion 0 alone computes the prompt's logprobs (outputs.completion_params)
+                prompt_logprobs = choices[0].last.prompt_logprobs
+                if entries is not None and prompt_logprobs is not None:
+                    token_ids, entries = self.echo[1] + token_ids, prompt_logprobs + entries
             logprobs = None
-            if self.logprobs is not None and choice.logprobs is not None:
-                logprobs = self.logprobs.full(choice.token_ids, choice.logprobs)
-            text, reason = "".join(choice.pieces), choice.last.finish_reason
+            if self.logprobs is not None and entries is not None:
+                logprobs = self.logprobs.full(token_ids, entries)
+            reason = choice.last.finish_reason
             if self.chat:
                 body.append({"index": index, "message": {"role": "assistant", "content": text},
                              "logprobs": logprobs, "finish_reason": reason})

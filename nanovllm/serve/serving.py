@@ -76,7 +76,11 @@ class OpenAIServing:
         logprobs = None
         if params.logprobs is not None:
             logprobs = LogprobsFormat(self.llm.tokenizer, chat, params.logprobs)
-        fmt = ResponseFormat(self.model_name, chat, params.n, logprobs)
+        echo = None
+        if getattr(body, "echo", False):  # completions: the prompt leads the text (and logprobs)
+            echo = (prompt if isinstance(prompt, str) else self.llm.tokenizer.decode(token_ids),
+                    token_ids)
+        fmt = ResponseFormat(self.model_name, chat, params.n, logprobs, echo)
         # One request per completion; the later ones hit the prompt's full blocks in the
         # engine's prefix cache.
         outputs = interleave([self.metrics.track(self.llm.generate(token_ids, p, f"{fmt.id}-{i}"),

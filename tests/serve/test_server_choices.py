@@ -17,6 +17,7 @@ LOGPROB_TOKENS = 8
 PROMPT = "the paged attention kernel"
 MAX_TOKENS = 24
 SAMPLED = dict(n=3, seed=1234, temperature=0.8, max_tokens=MAX_TOKENS)
+ECHO_PROMPT = [5, 17, 42, 99, 3, 250, 7]
 
 
 def messages(content: str) -> list[dict]:
@@ -58,6 +59,9 @@ def offline(tiny_model):
             sampled=llm.generate(PROMPT, SamplingParams(**SAMPLED), use_tqdm=False)[0],
             greedy=llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
                                 use_tqdm=False)[0],
+            echoed=llm.generate(ECHO_PROMPT, SamplingParams(
+                temperature=0, max_tokens=1, logprobs=1, prompt_logprobs=1), use_tqdm=False)[0],
+            echo_prompt_text=llm.tokenizer.decode(ECHO_PROMPT),
             num_prompt_tokens=len(llm.tokenizer.encode(PROMPT)),
             decode=lambda token_id: llm.tokenizer.decode([token_id]))
     finally:
@@ -191,6 +195,11 @@ def test_bad_logprobs_and_n_are_400s(client, route, body, param):
     assert good.status_code == 200 and len(good.json()["choices"]) == 2
 
 
+def test_echo_with_stream_is_a_400(client):
+    response = client.post("/v1/completions", json=completion("hi", echo=True, stream=True))
+    assert response.status_code == 400 and response.json()["error"]["param"] == "echo"
+
+
 def test_disconnect_mid_stream_aborts_all_n_requests(client):
     body = completion("hello", n=4, max_tokens=3000, ignore_eos=True, stream=True,
                       temperature=0.8, seed=5)
@@ -205,6 +214,31 @@ def test_disconnect_mid_stream_aborts_all_n_requests(client):
     values = wait_until_idle(client, timeout=5)
     assert values["nanovllm:num_requests_running"] == 0
     assert values["nanovllm:kv_cache_usage_perc"] == 0
+
+
+def test_echo_returns_the_prompt_and_its_logprobs_as_an_eval_harness_reads_them(client,
+                                                                                 offline):
+    """An evaluation harness's loglikelihood request (echo, logprobs=1, max_tokens=1): the
+    prompt leads the text, and token_logprobs score every prompt token but the first (None)
+    as the offline engine's prompt_logprobs do; n choices each echo it."""
+    expected = offline.echoed
+    body = client.post("/v1/completions", json=completion(
+        ECHO_PROMPT, max_tokens=1, logprobs=1, echo=True, n=2)).json()
+    for choice in body["choices"]:
+        assert choice["text"] == offline.echo_prompt_text + expected["text"]
+        logprobs = choice["logprobs"]
+        scored = ECHO_PROMPT[1:] + expected["token_ids"]
+        want = [entry[t] for t, entry in zip(scored, expected["prompt_logprobs"][1:]
+                                             + expected["logprobs"])]
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        assert logprobs["token_logprobs"][1:] == pytest.approx(want, abs=1e-5)
+        assert len(logprobs["tokens"]) == len(ECHO_PROMPT) + 1
+        assert logprobs["text_offset"][len(ECHO_PROMPT)] == len(offline.echo_prompt_text)
+    assert body["usage"]["prompt_tokens"] == len(ECHO_PROMPT)
+    plain = client.post("/v1/completions", json=completion(ECHO_PROMPT, max_tokens=1,
+                                                           echo=True)).json()["choices"][0]
+    assert plain["text"] == offline.echo_prompt_text + expected["text"]
+    assert plain["logprobs"] is None
 
 
 def test_metrics_count_a_request_of_n_choices_once(client):
