@@ -7,6 +7,7 @@ from nanovllm.sampling_params import SamplingParams
 
 MAX_N = 128  # completions per request: each is a sequence in the batch
 MAX_LOGPROBS = 20  # OpenAI's cap on logprobs (completions) and top_logprobs (chat)
+MAX_PROMPTS = 1024  # prompts in one completions request
 
 
 class StreamOptions(BaseModel):
@@ -87,15 +88,15 @@ class CompletionRequest(_SamplingRequest):
             params.prompt_logprobs = params.logprobs
         return params
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt, as a string or token ids; ValueError for a batch."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a string or token ids: `prompt` may be one or a list of them."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise ValueError(f"prompt holds {len(prompt)} prompts: send one request per "
-                                 f"prompt")
-            prompt = prompt[0]
-        return prompt
+            if len(prompt) > MAX_PROMPTS:
+                raise ValueError(f"prompt holds {len(prompt)} prompts: at most {MAX_PROMPTS} "
+                                 f"per request")
+            return prompt
+        return [prompt]
 
 
 class TextPart(BaseModel):

@@ -44,11 +44,12 @@ class ResponseFormat:
 
     def __init__(self, model_name: str, chat: bool, n: int = 1,
                  logprobs: LogprobsFormat | None = None,
-                 echo: tuple[str, list[int]] | None = None):
+                 echo: list[tuple[str, list[int]]] | None = None, num_prompts: int = 1):
         self.chat = chat
-        self.n = n
+        self.n = n  # choices per prompt: choice j * n + i is completion i of prompt j
+        self.num_choices = n * num_prompts
         self.logprobs = logprobs
-        self.echo = echo  # (text, token ids) of the prompt, which leads each choice's answer
+        self.echo = echo  # per prompt, (text, token ids): they lead each of its choices
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid4().hex}"
         self.model = model_name
         self.created = int(time.time())
@@ -59,11 +60,13 @@ class ResponseFormat:
         for index, choice in enumerate(choices):
             text, token_ids, entries = "".join(choice.pieces), choice.token_ids, choice.logprobs
             if self.echo is not None:
-                text = self.echo[0] + text
+                first = index - index % self.n
+                echo_text, echo_ids = self.echo[index // self.n]
+                text = echo_text + text
                 # completion 0 alone computes the prompt's logprobs (outputs.completion_params)
-                prompt_logprobs = choices[0].last.prompt_logprobs
+                prompt_logprobs = choices[first].last.prompt_logprobs
                 if entries is not None and prompt_logprobs is not None:
-                    token_ids, entries = self.echo[1] + token_ids, prompt_logprobs + entries
+                    token_ids, entries = echo_ids + token_ids, prompt_logprobs + entries
             logprobs = None
             if self.logprobs is not None and entries is not None:
                 logprobs = self.logprobs.full(token_ids, entries)
@@ -74,7 +77,7 @@ class ResponseFormat:
             else:
                 body.append({"index": index, "text": text, "logprobs": logprobs,
                              "finish_reason": reason})
-        return self._body(body, usage=usage([c.last for c in choices]), stream=False)
+        return self._body(body, usage=usage([c.last for c in choices], self.n), stream=False)
 
     def chunk(self, index: int, out: RequestOutput) -> dict:
         """One streamed piece of choice `index`, with the logprobs of the tokens it brings."""
@@ -102,7 +105,7 @@ class ResponseFormat:
         the requests."""
         lasts = {first[0]: first[1]}
         if self.chat:
-            for index in range(self.n):
+            for index in range(self.num_choices):
                 yield sse(self.role_chunk(index))
         async with aclosing(outputs):
             try:
@@ -114,7 +117,7 @@ class ResponseFormat:
                 yield sse({"error": error_body(e)})
                 include_usage = False  # no usage for a failed request
         if include_usage:
-            yield sse(self._body([], usage=usage(list(lasts.values()))))
+            yield sse(self._body([], usage=usage([lasts[i] for i in sorted(lasts)], self.n)))
         yield sse("[DONE]")
 
     def _body(self, choices: list[dict], usage: dict | None = None, stream: bool = True) -> dict:
@@ -128,9 +131,10 @@ class ResponseFormat:
         return body
 
 
-def usage(lasts: list[RequestOutput]) -> dict:
-    """The prompt once (its n completions share it) and every completion's tokens."""
-    prompt = lasts[0].num_prompt_tokens
+def usage(lasts: list[RequestOutput], n: int) -> dict:
+    """Each prompt once (its n completions share it) and every completion's tokens; `lasts`
+    in choice order."""
+    prompt = sum(out.num_prompt_tokens for out in lasts[::n])
     completion = sum(out.num_output_tokens for out in lasts)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}

@@ -43,11 +43,11 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body)
         try:
-            prompt = body.single_prompt()
+            prompts = body.prompts()
             params = body.sampling_params(default_max_tokens=16)  # OpenAI's default
         except ValueError as e:
             raise bad_request(e) from None
-        return await self._serve(request, body, prompt, params, chat=False)
+        return await self._serve(request, body, prompts, params, chat=False)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body)
@@ -59,33 +59,36 @@ class OpenAIServing:
             params = body.sampling_params(default_max_tokens)
         except ValueError as e:
             raise bad_request(e) from None
-        return await self._serve(request, body, prompt, params, chat=True)
+        return await self._serve(request, body, [prompt], params, chat=True)
 
     def _check_model(self, body: _SamplingRequest) -> None:
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves "
                                 f"{self.model_name!r}", "not_found_error", "model")
 
-    async def _serve(self, request: Request, body: _SamplingRequest, prompt: str | list[int],
-                     params: SamplingParams, chat: bool) -> Response:
-        try:  # once for the n completions: each then gets the token ids
-            token_ids = validate_request(prompt, params, self.llm.limits,
-                                         self.llm.tokenizer.encode)
+    async def _serve(self, request: Request, body: _SamplingRequest,
+                     prompts: list[str | list[int]], params: SamplingParams,
+                     chat: bool) -> Response:
+        """Choice j * n + i is completion i of prompt j: one engine request each."""
+        tokenizer = self.llm.tokenizer
+        try:  # once per prompt for its n completions: each then gets the token ids
+            token_ids = [validate_request(p, params, self.llm.limits, tokenizer.encode)
+                         for p in prompts]
         except ValueError as e:
             raise bad_request(e) from None
         logprobs = None
         if params.logprobs is not None:
-            logprobs = LogprobsFormat(self.llm.tokenizer, chat, params.logprobs)
+            logprobs = LogprobsFormat(tokenizer, chat, params.logprobs)
         echo = None
         if getattr(body, "echo", False):  # completions: the prompt leads the text (and logprobs)
-            echo = (prompt if isinstance(prompt, str) else self.llm.tokenizer.decode(token_ids),
-                    token_ids)
-        fmt = ResponseFormat(self.model_name, chat, params.n, logprobs, echo)
-        # One request per completion; the later ones hit the prompt's full blocks in the
-        # engine's prefix cache.
-        outputs = interleave([self.metrics.track(self.llm.generate(token_ids, p, f"{fmt.id}-{i}"),
-                                                 primary=i == 0)
-                              for i, p in enumerate(completion_params(params))])
+            echo = [(p if isinstance(p, str) else tokenizer.decode(ids), ids)
+                    for p, ids in zip(prompts, token_ids)]
+        fmt = ResponseFormat(self.model_name, chat, params.n, logprobs, echo, len(prompts))
+        # The later completions of a prompt hit its full blocks in the engine's prefix cache.
+        outputs = interleave([
+            self.metrics.track(self.llm.generate(ids, p, f"{fmt.id}-{j * params.n + i}"),
+                               primary=i == 0)
+            for j, ids in enumerate(token_ids) for i, p in enumerate(completion_params(params))])
         try:
             # A bad request is a 400, not a stream: generate() validates before its first output.
             first = await until_disconnect(request, anext(outputs))
@@ -97,7 +100,7 @@ class OpenAIServing:
             return StreamingResponse(fmt.sse(first, outputs, body.include_usage),
                                      media_type="text/event-stream")
         try:
-            choices = await until_disconnect(request, collect(first, outputs, params.n))
+            choices = await until_disconnect(request, collect(first, outputs, fmt.num_choices))
         except ClientDisconnected:
             return Response(status_code=499)
         return JSONResponse(fmt.full(choices))

@@ -18,6 +18,7 @@ PROMPT = "the paged attention kernel"
 MAX_TOKENS = 24
 SAMPLED = dict(n=3, seed=1234, temperature=0.8, max_tokens=MAX_TOKENS)
 ECHO_PROMPT = [5, 17, 42, 99, 3, 250, 7]
+MULTI_PROMPTS = [PROMPT, "the quick brown fox", "hello world"]
 
 
 def messages(content: str) -> list[dict]:
@@ -62,6 +63,8 @@ def offline(tiny_model):
             echoed=llm.generate(ECHO_PROMPT, SamplingParams(
                 temperature=0, max_tokens=1, logprobs=1, prompt_logprobs=1), use_tqdm=False)[0],
             echo_prompt_text=llm.tokenizer.decode(ECHO_PROMPT),
+            multi=llm.generate(MULTI_PROMPTS, SamplingParams(**SAMPLED), use_tqdm=False),
+            multi_prompt_tokens=sum(len(llm.tokenizer.encode(p)) for p in MULTI_PROMPTS),
             num_prompt_tokens=len(llm.tokenizer.encode(PROMPT)),
             decode=lambda token_id: llm.tokenizer.decode([token_id]))
     finally:
@@ -239,6 +242,23 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_an_eval_harness_reads_them(
                                                            echo=True)).json()["choices"][0]
     assert plain["text"] == offline.echo_prompt_text + expected["text"]
     assert plain["logprobs"] is None
+
+
+def test_a_list_of_prompts_gets_n_choices_each_streamed_and_not(client, offline):
+    """`prompt` as a list (strings or token-id lists): choice j * n + i is completion i of
+    prompt j, each as offline; usage counts every prompt once."""
+    want = [c["text"] for out in offline.multi for c in out["outputs"]]
+    body = client.post("/v1/completions", json=completion(MULTI_PROMPTS, **SAMPLED)).json()
+    assert [c["index"] for c in body["choices"]] == list(range(len(want)))
+    assert [c["text"] for c in body["choices"]] == want
+    assert body["usage"]["prompt_tokens"] == offline.multi_prompt_tokens
+    pieces, events = stream(client, "/v1/completions", completion(
+        MULTI_PROMPTS, **SAMPLED, stream_options={"include_usage": True}))
+    texts = [""] * len(want)
+    for event in events:
+        for choice in event["choices"]:
+            texts[choice["index"]] += choice["text"]
+    assert texts == want and events[-1]["usage"] == body["usage"]
 
 
 def test_metrics_count_a_request_of_n_choices_once(client):
