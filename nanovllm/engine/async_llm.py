@@ -180,10 +180,9 @@ def _read(stream: _Stream, request_id: str, num_prompt_tokens: int) -> RequestOu
     stream.token_ids += new_token_ids
     final = stream.final
     if final is None:
-        text = stream.detokenizer.update(stream.token_ids)
+        text, final = stream.detokenizer.update(stream.token_ids), {}
     else:
         text = stream.detokenizer.finish(final["text"]) if final["text"] is not None else ""
     return RequestOutput(request_id, new_token_ids, text, num_prompt_tokens,
-                         len(stream.token_ids), None if final is None else final["finish_reason"],
-                         None if final is None else final.get("metrics"), new_logprobs,
-                         None if final is None else final.get("prompt_logprobs"))
+                         len(stream.token_ids), final.get("finish_reason"), final.get("metrics"),
+                         new_logprobs, final.get("prompt_logprobs"))

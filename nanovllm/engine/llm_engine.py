@@ -282,7 +282,9 @@ class LLMEngine:
         for seq in self.scheduler.running:
             start = num_read.get(seq.seq_id)
             if start is not None:
-                ids = seq.completion_token_ids[start:]  # a pending token is not in there yet
+                # the new ids alone, not the whole completion sliced each step; a pending token
+                # is not in token_ids yet
+                ids = seq.token_ids[seq.num_prompt_tokens + start:]
                 if ids:
                     logprobs = seq.logprobs
                     new[seq.seq_id] = ids, None if logprobs is None else logprobs[start:]

@@ -70,13 +70,8 @@ class ResponseFormat:
             logprobs = None
             if self.logprobs is not None and entries is not None:
                 logprobs = self.logprobs.full(token_ids, entries)
-            reason = choice.last.finish_reason
-            if self.chat:
-                body.append({"index": index, "message": {"role": "assistant", "content": text},
-                             "logprobs": logprobs, "finish_reason": reason})
-            else:
-                body.append({"index": index, "text": text, "logprobs": logprobs,
-                             "finish_reason": reason})
+            body.append(self._choice(index, text, logprobs, choice.last.finish_reason,
+                                     {"role": "assistant", "content": text}, "message"))
         return self._body(body, usage=usage([c.last for c in choices], self.n), stream=False)
 
     def chunk(self, index: int, out: RequestOutput) -> dict:
@@ -84,13 +79,14 @@ class ResponseFormat:
         logprobs = None
         if self.logprobs is not None and out.new_logprobs is not None:
             logprobs = self.logprobs.delta(index, out.new_token_ids, out.new_logprobs)
-        if self.chat:
-            choice = {"index": index, "delta": {"content": out.new_text}, "logprobs": logprobs,
-                      "finish_reason": out.finish_reason}
-        else:
-            choice = {"index": index, "text": out.new_text, "logprobs": logprobs,
-                      "finish_reason": out.finish_reason}
-        return self._body([choice])
+        return self._body([self._choice(index, out.new_text, logprobs, out.finish_reason,
+                                        {"content": out.new_text}, "delta")])
+
+    def _choice(self, index: int, text: str, logprobs: dict | None, reason: str | None,
+                message: dict, key: str) -> dict:
+        """A choice object: chat's holds `message` under `key`, a completion's the text."""
+        content = {key: message} if self.chat else {"text": text}
+        return {"index": index, **content, "logprobs": logprobs, "finish_reason": reason}
 
     def role_chunk(self, index: int) -> dict:
         """A chat stream's first chunk of a choice: the role."""

@@ -280,13 +280,18 @@ def _poison_before_window(cache: torch.Tensor, tables: torch.Tensor, lens: list[
 def test_decode_triton_sliding_window_long_context(num_splits: int | None) -> None:
     """Contexts far longer than the window read only the window: the splits cover it alone and
     keys before it (poisoned with NaN) are never read."""
-    lens, window, block_size, head_dim = [600, 300, 37, 0], 40, 32, 32
+    _check_windowed_decode([600, 300, 37, 0], 40, 32, 32, 0.2, num_splits)
+
+
+def _check_windowed_decode(lens: list[int], window: int, block_size: int, head_dim: int,
+                           scale: float, num_splits: int | None) -> None:
+    """Triton decode with a window over caches poisoned (NaN) before it == the reference."""
     k_cache, v_cache, tables = _paged_cache(lens, block_size, head_dim, torch.float32)
     for cache in (k_cache, v_cache):
         _poison_before_window(cache, tables, lens, [max(0, n - window) for n in lens])
     q = torch.randn(len(lens), 2 * KV_HEADS, head_dim, device=DEVICE)
     ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    args = (q, k_cache, v_cache, ctx, tables, 0.2)
+    args = (q, k_cache, v_cache, ctx, tables, scale)
     out = decode_attention_triton(*args, num_splits=num_splits, sliding_window=window)
     assert not out.isnan().any()
     _close(out, decode_attention_torch(*args, sliding_window=window), torch.float32)
@@ -311,17 +316,9 @@ def test_decode_triton_page_chunks(num_splits: int | None) -> None:
 def test_decode_triton_sliding_window_page_chunks(num_splits: int, window: int) -> None:
     """Windows over more than a chunk of 16-key pages, starting mid-page (and, at 300, in the
     last page of a chunk): only the window's keys are read."""
-    block_size, head_dim, chunk_keys = 16, 16, _PAGES_PER_CHUNK * 16
-    lens = [2 * chunk_keys + 21, chunk_keys + 3, 40, 0]
-    k_cache, v_cache, tables = _paged_cache(lens, block_size, head_dim, torch.float32)
-    for cache in (k_cache, v_cache):
-        _poison_before_window(cache, tables, lens, [max(0, n - window) for n in lens])
-    q = torch.randn(len(lens), 2 * KV_HEADS, head_dim, device=DEVICE)
-    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    args = (q, k_cache, v_cache, ctx, tables, 0.3)
-    out = decode_attention_triton(*args, num_splits=num_splits, sliding_window=window)
-    assert not out.isnan().any()
-    _close(out, decode_attention_torch(*args, sliding_window=window), torch.float32)
+    chunk_keys = _PAGES_PER_CHUNK * 16
+    _check_windowed_decode([2 * chunk_keys + 21, chunk_keys + 3, 40, 0], window, 16, 16, 0.3,
+                           num_splits)
 
 
 def test_prefill_triton_sliding_window_skips_old_prefix() -> None:
