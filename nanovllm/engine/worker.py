@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.rank0_thread import Rank0Thread
 from nanovllm.engine.shm_channel import CommandChannel
 from nanovllm.engine.sleep_mode import sleep, wake_up
 from nanovllm.engine.weight_update import update_weights
@@ -124,6 +125,7 @@ class WorkerGroup:
         # Rank 0's runner: freed before leaving the group, because NCCL's exit waits while CUDA
         # graphs that captured its collectives exist.
         self.runner: ModelRunner | None = None
+        self.rank0: Rank0Thread | None = None  # runs rank 0's share of each command
         # Port 0: the OS picks a free port, so engines on one machine never collide.
         self.store = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True,
                                    timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
@@ -153,6 +155,7 @@ class WorkerGroup:
             with self.guard():  # agrees on the KV pool size with the workers' runners
                 self.runner = ModelRunner(config, 0)
             self.runner.peer_died = self.worker_died
+            self.rank0 = Rank0Thread(self.runner.device)
         except BaseException:
             self.shutdown()
             raise
@@ -228,7 +231,8 @@ class WorkerGroup:
             self.channel.write(method, args)
             for wakeup in self.wakeups:
                 wakeup.release()
-            result = WORKER_COMMANDS[method](self.runner, *args, **rank0_kwargs)
+            result = self.rank0.call(self.worker_died, WORKER_COMMANDS[method], self.runner,
+                                     *args, **rank0_kwargs)
         self.check_alive()  # an aborted collective may return garbage instead of raising
         return result
 
@@ -242,6 +246,8 @@ class WorkerGroup:
         peer_died = self.worker_died.is_set() or bool(self.dead_workers())
         started = [p for p in self.processes if p.pid is not None]
         self.channel.write("shutdown", ())
+        if self.rank0 is not None:
+            self.rank0.close()
         for wakeup in self.wakeups:
             wakeup.release()
         # Leave the group before joining: with NCCL each rank's exit from the group waits for

@@ -1,0 +1,56 @@
+"""Rank 0's share of each tensor-parallel command, run in a thread the caller can walk away from.
+
+With NCCL, a launch on a dead peer can block inside the host call itself (the communicator's
+abort then waits on the same peer), where no poll of ours can reach. Running rank 0's share here
+lets the engine raise WorkerDiedError within seconds; the stuck call stays behind in a daemon
+thread, which does not hold up the interpreter's exit.
+"""
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import torch
+
+GIVE_UP_POLL_S = 0.05  # how soon a caller notices `give_up` while rank 0's call is stuck
+
+
+class PeerDiedError(RuntimeError):
+    """Rank 0's call was abandoned because a peer died while it ran."""
+
+
+class Rank0Thread:
+    """One daemon thread that runs calls in order; `call` waits for each, or gives up."""
+
+    def __init__(self, device: torch.device):
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, args=(device,),
+                                       name="nanovllm-tp-rank0", daemon=True)
+        self.thread.start()
+
+    def _serve(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # the current device is per thread
+        while (item := self.calls.get()) is not None:
+            fn, args, kwargs, future = item
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as error:
+                future.set_exception(error)
+
+    def call(self, give_up: threading.Event, fn: Callable, *args, **kwargs) -> object:
+        """fn(*args, **kwargs) on this thread; raises PeerDiedError once `give_up` is set."""
+        future: Future = Future()
+        self.calls.put((fn, args, kwargs, future))
+        while True:
+            try:
+                return future.result(timeout=GIVE_UP_POLL_S)
+            except FutureTimeout:
+                if give_up.is_set():
+                    raise PeerDiedError("step abandoned: a tensor-parallel peer died during "
+                                        "it") from None
+
+    def close(self) -> None:
+        """Let the thread end after its current call (if that call ever returns)."""
+        self.calls.put(None)
