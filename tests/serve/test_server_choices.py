@@ -7,9 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from nanovllm import LLM, SamplingParams
-from nanovllm.serve.serving import interleave
-from tests.serve.conftest import metrics, stream, wait_until_idle
+pytest.importorskip("fastapi")  # the serve extra; without it this module is not collected
+
+from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.serve.serving import interleave  # noqa: E402
+from tests.serve.conftest import metrics, stream, wait_until_idle  # noqa: E402
 
 WORDS = ["hello", "world", "the", "quick", "brown", "fox", "cache", "block"]
 CANDIDATES = [" ".join(words) for words in itertools.permutations(WORDS, 3)]
