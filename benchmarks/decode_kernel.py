@@ -5,9 +5,10 @@ FP8 cache, every sequence at the same context length, blocks scattered over the 
 shipped Triton launch and, for bf16, FlashAttention when importable. Timed inside CUDA graphs.
 --varied draws each sequence's length (uniform over 1..2*ctx-1, same mean), as in a decode batch
 of the standard bench: equal lengths hide the load imbalance between programs. --splits-sweep adds
-the Triton launch at other program targets (so other split counts).
+the Triton launch at other program targets (so other split counts); --fp8-sweep, FP8 launches at
+other tile sizes, warp and stage counts.
 
-    python -m benchmarks.decode_kernel [--json out.json] [--varied] [--splits-sweep]
+    python -m benchmarks.decode_kernel [--json out.json] [--varied] [--splits-sweep] [--fp8-sweep]
 """
 
 import argparse
@@ -60,12 +61,23 @@ def target_variant(programs: int):
     return run
 
 
+def fp8_launch_variant(block_n: int, num_warps: int, num_stages: int):
+    """The shipped Triton launch with another FP8 tile size, warp count and stage count."""
+    def run(q, k, v, lens, tables):
+        with mock.patch.multiple(attention_triton_decode, _FP8_BLOCK_N=block_n,
+                                 _FP8_NUM_WARPS=num_warps, _FP8_NUM_STAGES=num_stages):
+            return decode_attention_triton(q, k, v, lens, tables, HEAD_DIM ** -0.5)
+    return run
+
+
 def main() -> None:
     """Time each shape x cache x kernel; print a table, optionally write JSON."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", default=None)
     parser.add_argument("--varied", action="store_true")
     parser.add_argument("--splits-sweep", action="store_true")
+    parser.add_argument("--fp8-sweep", action="store_true",
+                        help="also FP8 launches at tiles 64/128, 4/8 warps, 2-4 stages")
     args = parser.parse_args()
     triton_decode = lambda q, k, v, lens, tables: decode_attention_triton(  # noqa: E731
         q, k, v, lens, tables, HEAD_DIM ** -0.5)
@@ -73,6 +85,9 @@ def main() -> None:
     kernels = [("triton", triton_decode, both)]
     if args.splits_sweep:
         kernels += [(f"triton/{t}", target_variant(t), both) for t in TARGETS_SWEEP]
+    if args.fp8_sweep:
+        kernels += [(f"t/{n}w{w}s{st}", fp8_launch_variant(n, w, st), (torch.float8_e4m3fn,))
+                    for n in (64, 128) for w in (4, 8) for st in (2, 3, 4)]
     if (fa := flash_attn_decode()) is not None:
         kernels.append(("flash-attn", fa, (torch.bfloat16,)))
     rows = []

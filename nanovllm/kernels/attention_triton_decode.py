@@ -14,6 +14,9 @@ from nanovllm.kernels.attention_triton import LOG2E, check_shapes, softmax_step
 _MIN_SPLIT_LEN = 256  # fewest keys worth a split of their own
 _TARGET_PROGRAMS = 512  # enough programs to fill an H100/H200 a few times over
 _MAX_SPLITS = 64
+# An FP8 cache's launch, measured on the H200: 128-key tiles, and a third stage, which keeps two
+# K/V tiles in flight (half the bytes per tile of bf16, whose launch gains nothing from it).
+_FP8_BLOCK_N, _FP8_NUM_WARPS, _FP8_NUM_STAGES = 128, 4, 3
 # Block-table entries held in registers at a time: fixed (one compiled variant), small at any
 # context length, and 16-64 key tiles per chunk, so the tile pipeline refills only rarely.
 _PAGES_PER_CHUNK = 16
@@ -142,7 +145,9 @@ def _block_n(programs: int, head_dim: int, block_size: int, fp8: bool) -> int:
     it faster (an FP8 cache, or >= 1024 (sequence, kv head) programs in bf16), else 64."""
     if head_dim > 128:
         return min(32, block_size)
-    return min(128 if fp8 or programs >= 1024 else 64, block_size)
+    if fp8:
+        return min(_FP8_BLOCK_N, block_size)
+    return min(128 if programs >= 1024 else 64, block_size)
 
 
 def _num_splits(batch: int, num_kv_heads: int, max_context: int) -> int:
@@ -196,9 +201,7 @@ def decode_attention_triton(
         PAGES_PER_CHUNK=_PAGES_PER_CHUNK, PRECISION=attention_triton.dot_precision(q.dtype),
         SLIDING=window > 0, SINGLE_SPLIT=num_splits == 1,
         FP16_DOT=fp8 and q.dtype == torch.bfloat16,
-        # A third stage keeps two K/V tiles in flight: faster on the H200 for an FP8 cache
-        # (half the bytes per tile), no gain for bf16.
-        num_warps=4, num_stages=3 if fp8 else 2,
+        num_warps=_FP8_NUM_WARPS if fp8 else 4, num_stages=_FP8_NUM_STAGES if fp8 else 2,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
