@@ -56,9 +56,9 @@ def cpu_threads_per_rank(world_size: int) -> int:
 
 
 def abort_communicator(device: str) -> None:
-    """Abort NCCL's communicator, so that a rank blocked on a dead peer's collective returns
-    now, not after COLLECTIVE_TIMEOUT (NCCL does not notice a dead peer on one host). gloo
-    needs nothing: its sockets fail as soon as the peer's process is gone."""
+    """Abort NCCL's communicator, so that collectives on a dead peer fail instead of waiting out
+    COLLECTIVE_TIMEOUT. On one host the abort itself can wait on the dead peer (NCCL 2.28 on two
+    H200s), so nobody waits for it (see Rank0Thread). gloo's sockets fail on their own."""
     if device == "cuda" and dist.is_initialized():
         dist.distributed_c10d._abort_process_group()
 

@@ -1,7 +1,7 @@
-"""A tensor-parallel worker killed by a signal: rank 0's watchdog notices at once and aborts the
-communicator, so the engine raises within seconds (NCCL alone would wait out its 300 s
-collective timeout), and shuts down leaving no process or shared-memory segment, even when the
-abort or a device sync would wait forever on the dead peer."""
+"""A tensor-parallel worker killed by a signal: rank 0's watchdog notices at once, so the engine
+raises within seconds (NCCL alone would wait out its 300 s collective timeout) even when rank 0's
+launch, the communicator's abort or a device sync waits forever on the dead peer, and shuts down
+leaving no process or shared-memory segment."""
 import json
 import multiprocessing as mp
 import os
