@@ -206,8 +206,9 @@ def dp(args: argparse.Namespace, path: str) -> dict:
     # DP=N first: its replicas then size their KV pools before this process touches a GPU.
     for size_n in (n, 1):
         with open_engine(path, args, data_parallel_size=size_n) as (llm, startup_s):
-            if size_n > 1:  # open_engine warmed up one replica; warm up the others too
-                llm.generate(["Benchmark: "] * 2 * size_n, use_tqdm=False)
+            # One untimed pass of the workload: DP=N runs first, and its timed run would
+            # otherwise pay alone for the JIT compiles and first calls that DP=1 then reuses.
+            measure(llm, prompts, params)
             run = repeated(llm, prompts, params, args.repeats)
             run["engine"] = (engine_env(llm, startup_s) if size_n == 1 else
                              dict(data_parallel_size=size_n, startup_s=startup_s))
