@@ -10,6 +10,8 @@
 #   NANOVLLM_COMMIT=<hash> bash benchmarks/h200_session.sh cold-and-ab
 #   bash benchmarks/h200_session.sh gpu-suite   (every GPU-marked test, then bf16 agreement)
 #   bash benchmarks/h200_session.sh serve-engines   (serving: engine in a process vs a thread)
+#   bash benchmarks/h200_session.sh soak   (the H200 soak: requests, minutes, slopes, leaks)
+#   bash benchmarks/h200_session.sh dp-x2   (kind nvidia-h200-x2, carry .carry: DP=2 vs DP=1)
 # ab-vs-base compares this tree with a worktree of a baseline commit: `git worktree add
 # .ab_base <commit>; echo <commit> > .ab_base/.commit`, then carry [".device", ".ab_base"].
 # Run with carry [".device"]; logs and JSON land in $OUT.
@@ -133,5 +135,23 @@ serve-engines)
   # sniffio idna certifi prometheus_client, for Python 3.12), installed to /tmp/site first.
   timeout 560 python -m benchmarks.serve --random-weights --engine process,thread \
     --json $OUT/serve.json --plot $OUT/serve.png 2>&1 | grep -vE "Writing|Loading" | tail -18
+  ;;
+soak)
+  # Thousands of random requests with injected interrupts in a small KV pool (~2 minutes): the
+  # summary gives requests, minutes, host/GPU memory slopes and leaked blocks.
+  timeout 200 python -m benchmarks.soak --random-weights --minutes 1.5 --json $OUT/soak.json \
+    2>&1 | grep -vE "Writing|Loading" | tail -20
+  ;;
+dp-x2)
+  # On nvidia-h200-x2: DP=2 vs DP=1 on 512 requests per backend, each engine warmed by one
+  # untimed pass, 3 timed runs each. Ray travels as .carry/ray.tar.xz (Ray 2.60 for Python 3.12
+  # minus jars, rllib, data, tune, train, serve, llm, plus jsonschema and its dependencies).
+  mkdir -p /tmp/ray && tar -xJf .carry/ray.tar.xz -C /tmp/ray || exit 1
+  export PYTHONPATH=".:/tmp/ray:${PYTHONPATH:-}"
+  for backend in flash-attn triton; do
+    timeout 280 python bench.py --random-weights --scenario dp --dp 2 --repeats 3 \
+      --attention-backend $backend --json $OUT/dp_$backend.json 2>&1 \
+      | grep -vE "Writing|Loading|INFO|WARNING" | tail -4
+  done
   ;;
 esac
