@@ -130,9 +130,10 @@ rl)
   ;;
 serve-engines)
   # The serving benchmark at 4, 8, 16, 32 req/s and all at once, one server with the engine in
-  # a process, then one with it in a thread, beside the offline figure (~8 minutes). Needs the
-  # serve extra there: wheels in .whl/ (fastapi starlette uvicorn h11 click httpx httpcore anyio
-  # sniffio idna certifi prometheus_client, for Python 3.12), installed to /tmp/site first.
+  # a process, then one with it in a thread, beside the offline figure (~6 minutes). Needs the
+  # serve extra there: wheels in .whl/ for Python 3.12 (fastapi starlette uvicorn pydantic
+  # pydantic_core annotated_types typing_inspection typing_extensions annotated_doc
+  # opentelemetry_api; the rest is in the image), installed to /tmp/site first.
   timeout 560 python -m benchmarks.serve --random-weights --engine process,thread \
     --json $OUT/serve.json --plot $OUT/serve.png 2>&1 | grep -vE "Writing|Loading" | tail -18
   ;;
