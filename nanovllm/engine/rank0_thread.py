@@ -5,6 +5,7 @@ abort then waits on the same peer), where no poll of ours can reach. Running ran
 lets the engine raise WorkerDiedError within seconds; the stuck call stays behind in a daemon
 thread, which does not hold up the interpreter's exit.
 """
+import contextlib
 import queue
 import threading
 from collections.abc import Callable
@@ -43,14 +44,26 @@ class Rank0Thread:
         """fn(*args, **kwargs) on this thread; raises PeerDiedError once `give_up` is set."""
         future: Future = Future()
         self.calls.put((fn, args, kwargs, future))
-        while True:
-            try:
-                return future.result(timeout=GIVE_UP_POLL_S)
-            except FutureTimeout:
-                if give_up.is_set():
-                    raise PeerDiedError("step abandoned: a tensor-parallel peer died during "
-                                        "it") from None
+        try:
+            return _wait(future, give_up)
+        except KeyboardInterrupt:
+            # The call runs on: let it end (or its peer die) before the caller cleans up after
+            # it, as it did when the call ran on the caller's thread. A second Ctrl-C stops this.
+            with contextlib.suppress(BaseException):
+                _wait(future, give_up)
+            raise
 
     def close(self) -> None:
         """Let the thread end after its current call (if that call ever returns)."""
         self.calls.put(None)
+
+
+def _wait(future: Future, give_up: threading.Event) -> object:
+    """The call's result (or its error), or PeerDiedError once `give_up` is set."""
+    while True:
+        try:
+            return future.result(timeout=GIVE_UP_POLL_S)
+        except FutureTimeout:
+            if give_up.is_set():
+                raise PeerDiedError("step abandoned: a tensor-parallel peer died during it") \
+                    from None

@@ -1,5 +1,6 @@
 """Rank0Thread: calls run in order on one daemon thread, errors reach the caller, and a caller
 gives up on a call that never returns once told that a peer died."""
+import _thread
 import threading
 import time
 
@@ -37,3 +38,21 @@ def test_a_call_stuck_forever_is_abandoned_once_a_peer_died():
     never.set()
     rank0.thread.join(2)
     assert not rank0.thread.is_alive()
+
+
+def test_an_interrupted_caller_waits_for_the_call_to_end():
+    # Ctrl-C reaches the caller while rank 0's call runs; cleaning up after it (freeing the
+    # runner, leaving the group) must not race the call, so the KeyboardInterrupt waits for it.
+    rank0, give_up, ended = Rank0Thread(torch.device("cpu")), threading.Event(), []
+
+    def step() -> None:
+        time.sleep(0.5)
+        ended.append(time.monotonic())
+
+    threading.Timer(0.1, _thread.interrupt_main).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            rank0.call(give_up, step)
+        assert ended  # the call had ended when the interrupt reached the caller
+    finally:
+        rank0.close()
