@@ -46,9 +46,10 @@ class Rank0Thread:
         self.calls.put((fn, args, kwargs, future))
         try:
             return _wait(future, give_up)
-        except KeyboardInterrupt:
-            # The call runs on: let it end (or its peer die) before the caller cleans up after
-            # it, as it did when the call ran on the caller's thread. A second Ctrl-C stops this.
+        except BaseException:
+            # A Ctrl-C (or SystemExit from a signal handler) leaves the call running: let it end
+            # (or its peer die) before the caller cleans up after it, as when the call ran on the
+            # caller's thread. A second Ctrl-C stops the wait. Done or abandoned: no wait.
             with contextlib.suppress(BaseException):
                 _wait(future, give_up)
             raise
