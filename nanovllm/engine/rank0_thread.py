@@ -15,6 +15,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import torch
 
 GIVE_UP_POLL_S = 0.05  # how soon a caller notices `give_up` while rank 0's call is stuck
+_abandoned: set["Rank0Thread"] = set()  # threads whose caller gave up on a running call
 
 
 class PeerDiedError(RuntimeError):
@@ -25,38 +26,53 @@ class Rank0Thread:
     """One daemon thread that runs calls in order; `call` waits for each, or gives up."""
 
     def __init__(self, device: torch.device):
+        self.device = device
         self.calls: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._serve, args=(device,),
-                                       name="nanovllm-tp-rank0", daemon=True)
+        self.thread = threading.Thread(target=self._serve, name="nanovllm-tp-rank0", daemon=True)
         self.thread.start()
 
-    def _serve(self, device: torch.device) -> None:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # the current device is per thread
+    def _serve(self) -> None:
         while (item := self.calls.get()) is not None:
-            fn, args, kwargs, future = item
+            fn, args, kwargs, stream, future = item
+            del item  # an idle thread holds no command's tensors
             try:
-                future.set_result(fn(*args, **kwargs))
+                # The caller's CUDA stream (and so device): the call orders its work as if it
+                # ran on the caller's thread, e.g. after weights made on a side stream.
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    future.set_result(fn(*args, **kwargs))
             except BaseException as error:
                 future.set_exception(error)
+            del fn, args, kwargs, future
+            _abandoned.discard(self)  # the call it ran (if abandoned) has ended
 
     def call(self, give_up: threading.Event, fn: Callable, *args, **kwargs) -> object:
         """fn(*args, **kwargs) on this thread; raises PeerDiedError once `give_up` is set."""
         future: Future = Future()
-        self.calls.put((fn, args, kwargs, future))
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        self.calls.put((fn, args, kwargs, stream, future))
         try:
             return _wait(future, give_up)
+        except PeerDiedError:
+            _abandoned.add(self)
+            raise
         except BaseException:
-            # A Ctrl-C (or SystemExit from a signal handler) leaves the call running: let it end
-            # (or its peer die) before the caller cleans up after it, as when the call ran on the
-            # caller's thread. A second Ctrl-C stops the wait. Done or abandoned: no wait.
-            with contextlib.suppress(BaseException):
-                _wait(future, give_up)
+            if not future.done():
+                # A Ctrl-C (or SystemExit from a signal handler) leaves the call running: let
+                # it end (or its peer die) before the caller cleans up after it, as when the
+                # call ran on the caller's thread. A second Ctrl-C stops the wait.
+                with contextlib.suppress(BaseException):
+                    _wait(future, give_up)
             raise
 
     def close(self) -> None:
         """Let the thread end after its current call (if that call ever returns)."""
         self.calls.put(None)
+
+
+def abandoned_call_running() -> bool:
+    """Whether a call some caller gave up on still runs: its collectives would reach any new
+    process group, so no tensor-parallel engine may start in this process until it ends."""
+    return any(t.thread.is_alive() for t in list(_abandoned))
 
 
 def _wait(future: Future, give_up: threading.Event) -> object:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.engine.rank0_thread import Rank0Thread
+from nanovllm.engine.rank0_thread import Rank0Thread, abandoned_call_running
 from nanovllm.engine.shm_channel import CommandChannel
 from nanovllm.engine.sleep_mode import sleep, wake_up
 from nanovllm.engine.weight_update import update_weights
@@ -120,6 +120,10 @@ class WorkerGroup:
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed process group already exists in this "
                                "process (another tensor-parallel engine?); shut it down first")
+        if abandoned_call_running():
+            raise RuntimeError("a step of a tensor-parallel engine whose worker died still runs "
+                               "in this process and would disturb a new one; start the new "
+                               "engine in a fresh process")
         self.device, self.world_size = config.device, config.tensor_parallel_size
         self.closed = False
         # Rank 0's runner: freed before leaving the group, because NCCL's exit waits while CUDA

@@ -1,4 +1,5 @@
-"""The per-step forward context: the one piece of global state, set by a `with` block."""
+"""The per-step forward context: set by a `with` block around each forward pass, per thread."""
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -21,24 +22,25 @@ class Context:
     logits_indices: torch.Tensor | None = None  # prefill rows that sample; None: no row does
 
 
-_CONTEXT = Context()
+_EMPTY = Context()  # what a thread without a forward pass reads
+# Per thread: an engine's step sets and reads it on one thread, and a step left running on
+# another thread (see Rank0Thread) must not change what a second engine's layers read.
+_local = threading.local()
 
 
 def get_context() -> Context:
-    return _CONTEXT
+    return getattr(_local, "context", _EMPTY)
 
 
 @contextmanager
 def forward_context(context: Context):
-    """Make `context` current for the duration of one forward pass."""
-    global _CONTEXT
-    previous, _CONTEXT = _CONTEXT, context
+    """Make `context` current for the duration of one forward pass on this thread."""
+    previous, _local.context = get_context(), context
     try:
         yield context
     finally:
-        _CONTEXT = previous
+        _local.context = previous
 
 
 def reset_context() -> None:
-    global _CONTEXT
-    _CONTEXT = Context()
+    _local.context = Context()

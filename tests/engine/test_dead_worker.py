@@ -20,6 +20,7 @@ import torch.distributed as dist
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine import worker
 from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.rank0_thread import abandoned_call_running
 from nanovllm.engine.sampled_ids import SampledIds
 from tests.engine.test_tensor_parallel import (
     assert_nothing_left,
@@ -168,6 +169,7 @@ def test_a_launch_blocked_on_a_dead_peer_still_raises_within_seconds(tiny_model,
     finally:
         release.set()
         assert wait_until(lambda: not dist.is_initialized(), 10)
+        assert wait_until(lambda: not abandoned_call_running(), 10)  # later TP engines may start
         llm.shutdown()
 
 

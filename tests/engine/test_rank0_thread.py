@@ -1,13 +1,19 @@
-"""Rank0Thread: calls run in order on one daemon thread, errors reach the caller, and a caller
-gives up on a call that never returns once told that a peer died."""
+"""Rank0Thread: calls run in order on one daemon thread, errors reach the caller, a caller gives
+up on a call that never returns once told that a peer died, and such a call can disturb no
+other engine (no new TP engine starts beside it; the forward context is per thread)."""
 import _thread
+import gc
+import multiprocessing as mp
 import threading
 import time
+import weakref
 
 import pytest
 import torch
 
-from nanovllm.engine.rank0_thread import PeerDiedError, Rank0Thread
+from nanovllm import LLM
+from nanovllm.engine.rank0_thread import PeerDiedError, Rank0Thread, abandoned_call_running
+from nanovllm.utils.context import Context, forward_context, get_context
 
 
 def test_calls_return_results_and_raise_errors_in_order():
@@ -54,5 +60,67 @@ def test_an_interrupted_caller_waits_for_the_call_to_end():
         with pytest.raises(KeyboardInterrupt):
             rank0.call(give_up, step)
         assert ended  # the call had ended when the interrupt reached the caller
+    finally:
+        rank0.close()
+
+
+def test_an_idle_thread_holds_no_command_tensors():
+    rank0, give_up = Rank0Thread(torch.device("cpu")), threading.Event()
+    try:
+        weights = torch.ones(4)
+        alive = weakref.ref(weights)
+        assert rank0.call(give_up, lambda t: t.sum().item(), weights) == 4
+        del weights
+        gc.collect()
+        assert alive() is None  # e.g. the last batch of update_weights is freed on return
+    finally:
+        rank0.close()
+
+
+def test_a_running_abandoned_call_blocks_new_engines_until_it_ends():
+    rank0, give_up, release = Rank0Thread(torch.device("cpu")), threading.Event(), threading.Event()
+    give_up.set()
+    with pytest.raises(PeerDiedError):
+        rank0.call(give_up, release.wait)
+    assert abandoned_call_running()
+    release.set()  # the abandoned call returns
+    rank0.close()
+    rank0.thread.join(2)
+    assert not abandoned_call_running()
+
+
+def test_a_tp_engine_refuses_to_start_beside_an_abandoned_call(tiny_model):
+    rank0, give_up, release = Rank0Thread(torch.device("cpu")), threading.Event(), threading.Event()
+    give_up.set()
+    with pytest.raises(PeerDiedError):
+        rank0.call(give_up, release.wait)
+    try:
+        with pytest.raises(RuntimeError, match="fresh process"):
+            LLM(tiny_model, tensor_parallel_size=2, num_kvcache_blocks=16)
+        assert mp.active_children() == []  # refused before any worker started
+    finally:
+        release.set()
+        rank0.close()
+        rank0.thread.join(2)
+
+
+def test_the_forward_context_is_per_thread():
+    seen = []
+    with forward_context(Context(is_prefill=True, max_seqlen_q=7)):
+        thread = threading.Thread(target=lambda: seen.append(get_context().max_seqlen_q))
+        thread.start()
+        thread.join()
+        assert get_context().max_seqlen_q == 7
+    assert seen == [0]
+
+
+@pytest.mark.gpu
+def test_the_call_runs_on_the_callers_cuda_stream():
+    rank0, give_up = Rank0Thread(torch.device("cuda", 0)), threading.Event()
+    try:
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            assert rank0.call(give_up, torch.cuda.current_stream) == side
+        assert rank0.call(give_up, torch.cuda.current_stream) == torch.cuda.current_stream()
     finally:
         rank0.close()
