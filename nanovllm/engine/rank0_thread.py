@@ -8,6 +8,7 @@ thread, which does not hold up the interpreter's exit.
 import contextlib
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -15,7 +16,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import torch
 
 GIVE_UP_POLL_S = 0.05  # how soon a caller notices `give_up` while rank 0's call is stuck
-_abandoned: set["Rank0Thread"] = set()  # threads whose caller gave up on a running call
+# Threads whose caller gave up on a running call; the group then closes them, so one is still
+# alive exactly while that call runs (weak: a finished one goes with its worker group).
+_abandoned: "weakref.WeakSet[Rank0Thread]" = weakref.WeakSet()
 
 
 class PeerDiedError(RuntimeError):
@@ -43,7 +46,6 @@ class Rank0Thread:
             except BaseException as error:
                 future.set_exception(error)
             del fn, args, kwargs, future
-            _abandoned.discard(self)  # the call it ran (if abandoned) has ended
 
     def call(self, give_up: threading.Event, fn: Callable, *args, **kwargs) -> object:
         """fn(*args, **kwargs) on this thread; raises PeerDiedError once `give_up` is set."""
