@@ -1,19 +1,52 @@
 """Fused sampling: per-row argmax(l / T + Gumbel) (argmax(l) if T = 0) in one pass (Triton)."""
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+# The interpreter has no libdevice fast_log2f: there the fast noise takes the accurate log2.
+_HW_LOG = os.environ.get("TRITON_INTERPRET") != "1"
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _log2(x, HW_LOG: tl.constexpr):
+    """log2(x): lg2.approx (one MUFU op) if HW_LOG, else the accurate tl.log2."""
+    if HW_LOG:
+        return libdevice.fast_log2f(x)
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
+def _gumbel_log2(u, HW_LOG: tl.constexpr):
+    """-log2(-log2 u): Gumbel noise -log(-log u) times log2(e), plus a constant."""
+    # lg2.approx's error on [0.5, 2] is absolute (2**-22): relative to -log2 u it is up to
+    # 1.4 / (j + 0.5) for the j-th largest u (j >= 0), the largest noises, which decide flat
+    # races. So for 1 - u < 2**-6, -log2 u is a series in v = 1 - u (truncation < 2**-26
+    # relative); for the other u the relative error of -log2 u, i.e. the noise's absolute
+    # error, is < 2**-16.5 (~1e-5 nats); the outer log adds < 3e-6 nats.
+    v = 1.0 - u  # exact: u is a multiple of 2**-24
+    series = v * (_LOG2E + v * (_LOG2E / 2 + v * (_LOG2E / 3 + v * (_LOG2E / 4))))
+    e = tl.where(v < 0.015625, series, -_log2(u, HW_LOG))
+    return -_log2(e, HW_LOG)
 
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh seed each step must not recompile
 def _race_kernel(logits_ptr, temp_ptr, best_val_ptr, best_idx_ptr, stride_row, vocab, seed,
-                 CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                 CHUNK: tl.constexpr, BLOCK: tl.constexpr, FAST_NOISE: tl.constexpr,
+                 HW_LOG: tl.constexpr):
     """One program per (row, chunk): the chunk's best value and its lowest column."""
     row, chunk = tl.program_id(0), tl.program_id(1)
     num_chunks = tl.num_programs(1)
     Q: tl.constexpr = BLOCK // 4
     temp = tl.load(temp_ptr + row)
     inv_temp = 1.0 / tl.maximum(temp, 1e-5)  # T clamped as in the torch path
+    if FAST_NOISE:  # race in log2 units: a positive scale and a constant keep the argmax
+        inv_temp = inv_temp * _LOG2E
     row64 = row.to(tl.int64)  # row * stride overflows int32 for large batches
     start = chunk * CHUNK
     lanes = tl.arange(0, Q)
@@ -37,7 +70,10 @@ def _race_kernel(logits_ptr, temp_ptr, best_val_ptr, best_idx_ptr, stride_row, v
             # 23 bits: (k + 0.5) / 2**23 is exact in float32 and never 0 or 1, so the
             # Gumbel noise -log(-log u) is finite.
             u = ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
-            x = x * inv_temp - tl.log(-tl.log(u))
+            if FAST_NOISE:
+                x = x * inv_temp + _gumbel_log2(u, HW_LOG)
+            else:
+                x = x * inv_temp - tl.log(-tl.log(u))
         # Strict >: a lane keeps its earlier (lower) column among ties.
         better = x > best_val
         best_val = tl.where(better, x, best_val)
@@ -50,8 +86,9 @@ def _race_kernel(logits_ptr, temp_ptr, best_val_ptr, best_idx_ptr, stride_row, v
 
 
 def race_sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int,
-                chunk: int = 4096, block: int = 1024) -> torch.Tensor:
-    """Token ids [B] int64: Gumbel-max draw from softmax(l / T) per row, argmax(l) if T = 0."""
+                chunk: int = 4096, block: int = 1024, fast_noise: bool = True) -> torch.Tensor:
+    """Token ids [B] int64: Gumbel-max draw from softmax(l / T) per row, argmax(l) if T = 0.
+    fast_noise: hardware lg2 for the noise, else two accurate libdevice logf per element."""
     assert logits.dim() == 2 and temperatures.shape == logits.shape[:1]
     assert chunk % block == 0 and block & (block - 1) == 0 and block >= 4
     if logits.stride(-1) != 1:
@@ -64,7 +101,8 @@ def race_sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int,
     best_idx = torch.empty(batch, num_chunks, dtype=torch.int64, device=logits.device)
     temperatures = temperatures.float().contiguous()
     _race_kernel[(batch, num_chunks)](logits, temperatures, best_val, best_idx, logits.stride(0),
-                                      vocab, seed, CHUNK=chunk, BLOCK=block)
+                                      vocab, seed, CHUNK=chunk, BLOCK=block,
+                                      FAST_NOISE=fast_noise, HW_LOG=_HW_LOG)
     # Chunks are in vocab order and torch.argmax returns the first max: ties go to the lowest
     # index across chunks too.
     winner = best_val.argmax(dim=1, keepdim=True)

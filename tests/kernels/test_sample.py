@@ -9,8 +9,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
-from nanovllm.kernels.sample import race_sample  # noqa: E402
+from nanovllm.kernels.sample import _HW_LOG, _gumbel_log2, race_sample  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Small chunks so that short test rows still span several chunks and loop iterations; the
@@ -78,11 +80,12 @@ def test_mixed_batch_greedy_rows_exact_sampled_rows_in_support() -> None:
         assert set(ids[1::2].tolist()) <= set(support)
 
 
-def test_sampled_frequencies_match_softmax() -> None:
+@pytest.mark.parametrize("fast_noise", [True, False])
+def test_sampled_frequencies_match_softmax(fast_noise: bool) -> None:
     """Identical rows with one seed: rows must get independent noise, drawing softmax(l / T)."""
     temperature = 0.7
     ids = sample(LOGITS.repeat(NUM_DRAWS, 1), [temperature] * NUM_DRAWS, seed=1234,
-                 chunk=16, block=16).cpu()
+                 chunk=16, block=16, fast_noise=fast_noise).cpu()
     counts = torch.bincount(ids, minlength=LOGITS.numel()).double()
     expected = torch.softmax(LOGITS.double() / temperature, -1) * NUM_DRAWS
     stat = float(((counts - expected) ** 2 / expected).sum())
@@ -97,6 +100,23 @@ def test_same_seed_same_ids_different_seed_different_ids() -> None:
     first = sample(logits, temps, 7, **kw)
     assert torch.equal(sample(logits, temps, 7, **kw), first)
     assert (sample(logits, temps, 8, **kw) != first).sum() >= 3
+
+
+@triton.jit
+def _noise_kernel(out_ptr, HW_LOG: tl.constexpr, BLOCK: tl.constexpr):
+    k = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + k, _gumbel_log2((k.to(tl.float32) + 0.5) * 1.1920928955078125e-07, HW_LOG))
+
+
+def test_fast_noise_is_accurate_for_every_u() -> None:
+    """All 2**23 values of u, the top ones (series) included: within 4e-5 of float64 in log2
+    units (lg2.approx on CUDA, whose bound gives < 2e-5; the accurate log2 on CPU)."""
+    block = 2**20 if DEVICE == "cpu" else 1024  # few programs for the interpreter
+    out = torch.empty(2**23, device=DEVICE)
+    _noise_kernel[(2**23 // block,)](out, HW_LOG=_HW_LOG, BLOCK=block)
+    u = (torch.arange(2**23, dtype=torch.float64) + 0.5) / 2**23
+    err = (out.cpu().double() + (-u.log2()).log2()).abs().max().item()
+    assert err < 4e-5, err
 
 
 @pytest.mark.gpu

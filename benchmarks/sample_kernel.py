@@ -1,0 +1,53 @@
+"""race_sample on CUDA: the shipped noise (two libdevice logf) vs fast_noise (lg2.approx), A/B.
+
+    PYTHONPATH=. python -m benchmarks.sample_kernel [--batches 16 64 128 256] [--reps 50]
+"""
+
+import argparse
+import statistics
+from functools import partial
+
+import torch
+
+from nanovllm.kernels.sample import race_sample
+
+VOCAB, TEMPERATURE, CALLS = 151936, 0.6, 10  # CALLS per graph replay: spreads launch latency
+
+
+def time_us(fn, reps: int) -> float:
+    """Median over reps of one CUDA graph replay of CALLS calls, per call, in microseconds."""
+    fn()  # compiles the kernel outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps + 3):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / CALLS)
+    return statistics.median(times[3:])  # the first replays warm up
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[16, 64, 128, 256])
+    parser.add_argument("--reps", type=int, default=50)
+    args = parser.parse_args()
+    print(f"{torch.cuda.get_device_name()}, V = {VOCAB}, bf16 logits, T = {TEMPERATURE}")
+    for batch in args.batches:
+        gen = torch.Generator(device="cuda").manual_seed(batch)
+        logits = torch.randn(batch, VOCAB, device="cuda", generator=gen).bfloat16()
+        temps = torch.full((batch,), TEMPERATURE, device="cuda")
+        us = {fast: time_us(partial(race_sample, logits, temps, 1234, fast_noise=fast), args.reps)
+              for fast in (False, True)}
+        read_us = logits.numel() * logits.element_size() / 4.8e6  # at H200's 4.8 TB/s
+        print(f"B={batch:4d}  shipped {us[False]:7.1f} us  fast_noise {us[True]:7.1f} us  "
+              f"speedup {us[False] / us[True]:4.2f}x  (reading the logits: {read_us:5.1f} us)")
+
+
+if __name__ == "__main__":
+    main()
