@@ -81,9 +81,10 @@ def head_dim(shape: dict) -> int:
     return shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]
 
 
-def kv_bytes_per_token(shape: dict) -> int:
-    """K and V of one token across all layers."""
-    return shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * head_dim(shape) * BYTES
+def kv_bytes_per_token(shape: dict, kv_itemsize: int = BYTES) -> int:
+    """K and V of one token across all layers (kv_itemsize 1 for an FP8 cache)."""
+    per_layer = 2 * shape["num_key_value_heads"] * head_dim(shape) * kv_itemsize
+    return shape["num_hidden_layers"] * per_layer
 
 
 def attention_flops(shape: dict, num_new: int, num_cached: int = 0) -> float:
@@ -93,10 +94,10 @@ def attention_flops(shape: dict, num_new: int, num_cached: int = 0) -> float:
 
 
 def step_seconds(shape: dict, tokens: int, kv_tokens: int, attn_flops: float,
-                 bandwidth: float, flops: float) -> float:
+                 bandwidth: float, flops: float, kv_itemsize: int = BYTES) -> float:
     """Floor of one step computing `tokens` tokens whose queries read `kv_tokens` tokens' K/V:
     (weights + K/V bytes) / bandwidth or matmul FLOPs / FLOP rate, whichever is larger."""
-    read = step_params(shape, tokens) * BYTES + kv_tokens * kv_bytes_per_token(shape)
+    read = step_params(shape, tokens) * BYTES + kv_tokens * kv_bytes_per_token(shape, kv_itemsize)
     work = 2 * active_params(shape) * tokens + attn_flops
     return max(read / bandwidth, work / flops)
 

@@ -77,14 +77,16 @@ class StepRecorder:
         self.runner.launch = self.launch
 
 
-def with_floors(steps: list[dict], shape: dict, bandwidth: float, flops: float) -> list[dict]:
+def with_floors(steps: list[dict], shape: dict, bandwidth: float, flops: float,
+                kv_itemsize: int = 2) -> list[dict]:
     """Each step plus floor_s and slack_s (GPU time above the floor)."""
     out = []
     for step in steps:
         chunks = step.pop("chunks")
         attn = sum(attention_flops(shape, new, cached) for new, cached in chunks) \
             if step["prefill"] else 0.0  # as benchmarks.floor: decode attention is bytes-bound
-        floor = step_seconds(shape, step["tokens"], step["kv_tokens"], attn, bandwidth, flops)
+        floor = step_seconds(shape, step["tokens"], step["kv_tokens"], attn, bandwidth, flops,
+                             kv_itemsize)
         out.append(dict(step, floor_s=floor, slack_s=step["gpu_s"] - floor))
     return out
 
@@ -132,7 +134,8 @@ def record_run(path: str, args: argparse.Namespace) -> dict:
         finally:
             recorder.remove()
         backend = llm.model_runner.backend.name
-    steps = with_floors(recorder.timed_steps(), shape, args.bandwidth, args.flops)
+    steps = with_floors(recorder.timed_steps(), shape, args.bandwidth, args.flops,
+                        1 if args.kv_cache_dtype == "fp8" else 2)
     run.pop("timeline")
     return dict(backend=backend, run=run, steps=steps, rows=bucket_rows(steps))
 
@@ -146,6 +149,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true",
                    help="bench.py's tiny throughput sizes and, without --model, a tiny checkpoint")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="fp8: the floors count one byte per cached K/V element")
     p.add_argument("--no-pipeline", action="store_true", help="lockstep engine")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--block-size", type=int, default=256)
@@ -171,7 +176,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = record_run(path, args)
     run = result["run"]
     os.makedirs(args.out, exist_ok=True)
-    out = os.path.join(args.out, f"step_floor_{result['backend']}.json")
+    fp8 = "_fp8" if args.kv_cache_dtype == "fp8" else ""
+    out = os.path.join(args.out, f"step_floor_{result['backend']}{fp8}.json")
     with open(out, "w") as f:
         json.dump(dict(result, model=path, bandwidth=args.bandwidth, flops=args.flops), f)
     print(f"{result['backend']}: {run['output_tokens']:,} output tokens in {run['total_s']:.3f} s"
