@@ -37,16 +37,15 @@ def _gumbel_log2(u, HW_LOG: tl.constexpr):
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh seed each step must not recompile
 def _race_kernel(logits_ptr, temp_ptr, best_val_ptr, best_idx_ptr, stride_row, vocab, seed,
-                 CHUNK: tl.constexpr, BLOCK: tl.constexpr, FAST_NOISE: tl.constexpr,
-                 HW_LOG: tl.constexpr):
+                 CHUNK: tl.constexpr, BLOCK: tl.constexpr, HW_LOG: tl.constexpr):
     """One program per (row, chunk): the chunk's best value and its lowest column."""
     row, chunk = tl.program_id(0), tl.program_id(1)
     num_chunks = tl.num_programs(1)
     Q: tl.constexpr = BLOCK // 4
     temp = tl.load(temp_ptr + row)
-    inv_temp = 1.0 / tl.maximum(temp, 1e-5)  # T clamped as in the torch path
-    if FAST_NOISE:  # race in log2 units: a positive scale and a constant keep the argmax
-        inv_temp = inv_temp * _LOG2E
+    # T clamped as in the torch path; the race runs in log2 units (a positive scale and a
+    # constant keep the argmax)
+    inv_temp = 1.0 / tl.maximum(temp, 1e-5) * _LOG2E
     row64 = row.to(tl.int64)  # row * stride overflows int32 for large batches
     start = chunk * CHUNK
     lanes = tl.arange(0, Q)
@@ -70,10 +69,7 @@ def _race_kernel(logits_ptr, temp_ptr, best_val_ptr, best_idx_ptr, stride_row, v
             # 23 bits: (k + 0.5) / 2**23 is exact in float32 and never 0 or 1, so the
             # Gumbel noise -log(-log u) is finite.
             u = ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
-            if FAST_NOISE:
-                x = x * inv_temp + _gumbel_log2(u, HW_LOG)
-            else:
-                x = x * inv_temp - tl.log(-tl.log(u))
+            x = x * inv_temp + _gumbel_log2(u, HW_LOG)
         # Strict >: a lane keeps its earlier (lower) column among ties.
         better = x > best_val
         best_val = tl.where(better, x, best_val)
@@ -86,9 +82,8 @@ def _race_kernel(logits_ptr, temp_ptr, best_val_ptr, best_idx_ptr, stride_row, v
 
 
 def race_sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int,
-                chunk: int = 4096, block: int = 1024, fast_noise: bool = True) -> torch.Tensor:
-    """Token ids [B] int64: Gumbel-max draw from softmax(l / T) per row, argmax(l) if T = 0.
-    fast_noise: hardware lg2 for the noise, else two accurate libdevice logf per element."""
+                chunk: int = 4096, block: int = 1024) -> torch.Tensor:
+    """Token ids [B] int64: Gumbel-max draw from softmax(l / T) per row, argmax(l) if T = 0."""
     assert logits.dim() == 2 and temperatures.shape == logits.shape[:1]
     assert chunk % block == 0 and block & (block - 1) == 0 and block >= 4
     if logits.stride(-1) != 1:
@@ -102,7 +97,7 @@ def race_sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int,
     temperatures = temperatures.float().contiguous()
     _race_kernel[(batch, num_chunks)](logits, temperatures, best_val, best_idx, logits.stride(0),
                                       vocab, seed, CHUNK=chunk, BLOCK=block,
-                                      FAST_NOISE=fast_noise, HW_LOG=_HW_LOG)
+                                      HW_LOG=_HW_LOG)
     # Chunks are in vocab order and torch.argmax returns the first max: ties go to the lowest
     # index across chunks too.
     winner = best_val.argmax(dim=1, keepdim=True)
