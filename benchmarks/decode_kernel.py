@@ -6,14 +6,17 @@ shipped Triton launch and, for bf16, FlashAttention when importable. Timed insid
 --varied draws each sequence's length (uniform over 1..2*ctx-1, same mean), as in a decode batch
 of the standard bench: equal lengths hide the load imbalance between programs. --splits-sweep adds
 the Triton launch at other program targets (so other split counts); --fp8-sweep, FP8 launches at
-other tile sizes, warp and stage counts.
+other tile sizes, warp and stage counts. --orders adds each kernel over the same varied lengths
+sorted longest first (/lf) and shortest first (/sf): kernels start their programs in some order.
 
-    python -m benchmarks.decode_kernel [--json out.json] [--varied] [--splits-sweep] [--fp8-sweep]
+    python -m benchmarks.decode_kernel [--json out.json] [--varied [--orders]] [--splits-sweep]
+        [--fp8-sweep]
 """
 
 import argparse
 import json
 from functools import partial
+from itertools import product
 from unittest import mock
 
 import torch
@@ -75,6 +78,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", default=None)
     parser.add_argument("--varied", action="store_true")
+    parser.add_argument("--orders", action="store_true")
     parser.add_argument("--splits-sweep", action="store_true")
     parser.add_argument("--fp8-sweep", action="store_true",
                         help="also FP8 launches at tiles 64/128, 4/8 warps, 2-4 stages")
@@ -95,12 +99,18 @@ def main() -> None:
     for batch, ctx in SHAPES:
         for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
             inputs = make_inputs(batch, ctx, kv_dtype, args.varied)
+            q, k, v, lens, tables = inputs
+            by_length = lens.sort(descending=True).values
             torch.cuda.synchronize()  # the benches run on their own stream: inputs must be ready
             gbytes = 2 * inputs[3].sum().item() * KV_HEADS * HEAD_DIM * kv_dtype.itemsize / 1e9
-            for name, fn, dtypes in kernels:
+            orders = [("", inputs)] + ([("/lf", (q, k, v, by_length, tables)),
+                                        ("/sf", (q, k, v, by_length.flip(0), tables))]
+                                       if args.orders else [])
+            for (name, fn, dtypes), (suffix, run_inputs) in product(kernels, orders):
                 if kv_dtype not in dtypes:
                     continue
-                ms = triton.testing.do_bench_cudagraph(partial(fn, *inputs), rep=200)
+                name += suffix
+                ms = triton.testing.do_bench_cudagraph(partial(fn, *run_inputs), rep=200)
                 cache = "fp8" if kv_dtype.itemsize == 1 else "bf16"
                 rows.append(dict(batch=batch, ctx=ctx, kernel=name, cache=cache, ms=ms,
                                  tb_s=gbytes / ms))

@@ -57,7 +57,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, eos,
                                    self.model_runner.num_kvcache_blocks,
-                                   config.kvcache_block_size)
+                                   config.kvcache_block_size,
+                                   self.model_runner.backend.longest_first)
         self.stop_checker = StopStringChecker(self.tokenizer)
         self._counters = StepCounters()
         self._in_flight: InFlightStep | None = None

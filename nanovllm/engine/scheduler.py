@@ -15,13 +15,16 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 class Scheduler:
     """Picks each step's batch; a step is all prefill or all decode. A prefill step that leaves
     a prompt unfinished is followed by a decode step when any sequence is decoding, so running
-    decodes advance once per chunk of a long prompt."""
+    decodes advance once per chunk of a long prompt. With longest_first, a decode batch is
+    ordered by context length, longest first (the attention backend asks for it)."""
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 eos_token_id: int | None, num_blocks: int, block_size: int):
+                 eos_token_id: int | None, num_blocks: int, block_size: int,
+                 longest_first: bool = False):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.longest_first = longest_first
         self.eos_token_id = eos_token_id
         self.block_manager = BlockManager(num_blocks, block_size)
         self.waiting: deque[Sequence] = deque()
@@ -63,7 +66,10 @@ class Scheduler:
                 self._decode_next = not scheduled[-1].samples_next
                 return scheduled, True
         self._decode_next = False
-        return self._schedule_decode(), False
+        batch = self._schedule_decode()
+        if self.longest_first:  # `running` keeps its order, which decides preemption
+            batch.sort(key=lambda seq: seq.num_tokens, reverse=True)
+        return batch, False
 
     def _schedule_prefill(self) -> list[Sequence]:
         """Waiting sequences in order, each given the rest of its prompt or the budget left; a

@@ -38,6 +38,19 @@ def test_prefill_first_then_decode():
     assert a.block_table == [0, 1] and b.block_table == [2]  # b's 4th token fills block 2
 
 
+def test_longest_first_orders_decode_batches_not_running():
+    s = Scheduler(4, 32, 64, EOS, 8, BS, longest_first=True)
+    a, b, c = seq(3, start=1), seq(6, start=20), seq(4, start=40)
+    for x in (a, b, c):
+        s.add(x)
+    batch, is_prefill = s.schedule()
+    assert is_prefill and batch == [a, b, c]  # prefill keeps arrival order
+    postprocess(s, batch, [7, 8, 9], is_prefill=True)
+    batch, is_prefill = s.schedule()
+    assert not is_prefill and batch == [b, c, a]  # 7, 5 and 4 tokens
+    assert list(s.running) == [a, b, c]  # preemption still takes the latest arrival
+
+
 def test_token_budget_and_max_num_seqs():
     s = make(max_num_seqs=2, max_tokens_budget=10)
     seqs = [seq(4, start=10 * i + 1) for i in range(4)]
