@@ -11,10 +11,11 @@ import argparse
 import importlib.util
 import json
 import random
-import subprocess
 import time
 
 import torch
+
+from benchmarks import runs
 
 RUNS = [("flash-attn", True), ("flash-attn", False), ("triton", True), ("triton", False),
         ("torch", True)]
@@ -79,8 +80,7 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     for r in results:
         r.update(agreement(hf, batch, r.pop("outputs")))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = runs.commit()
     conditions = {"gpu": torch.cuda.get_device_name(), "commit": commit,
                   "torch": torch.__version__, "prompts": NUM_PROMPTS, "tokens": NUM_TOKENS,
                   "checkpoint": "random bf16 Qwen3-0.6B shape", "reference": "transformers fp32"}

@@ -105,7 +105,7 @@ def machine_env(args: argparse.Namespace) -> dict:
                 gpu_count=torch.cuda.device_count() if cuda else 0,
                 python=platform.python_version(), torch=torch.__version__,
                 triton=_version("triton"), flash_attn=_version("flash_attn"),
-                commit=_commit(), command="python " + " ".join(sys.argv), seed=args.seed,
+                commit=commit(), command="python " + " ".join(sys.argv), seed=args.seed,
                 tiny=args.tiny)
 
 
@@ -117,7 +117,7 @@ def _version(module: str) -> str | None:
         return None
 
 
-def _commit() -> str | None:
+def commit() -> str | None:
     """HEAD's short hash; NANOVLLM_COMMIT where the tree travelled without .git (GPU machine)."""
     if os.environ.get("NANOVLLM_COMMIT"):
         return os.environ["NANOVLLM_COMMIT"]
