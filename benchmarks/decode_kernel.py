@@ -56,19 +56,10 @@ def flash_attn_decode():
         softmax_scale=HEAD_DIM ** -0.5, causal=True)
 
 
-def target_variant(programs: int):
-    """The shipped Triton launch with the split count aimed at another number of programs."""
+def patched_launch(**constants):
+    """The shipped Triton launch with some of the module's launch constants replaced."""
     def run(q, k, v, lens, tables):
-        with mock.patch.object(attention_triton_decode, "_TARGET_PROGRAMS", programs):
-            return decode_attention_triton(q, k, v, lens, tables, HEAD_DIM ** -0.5)
-    return run
-
-
-def fp8_launch_variant(block_n: int, num_warps: int, num_stages: int):
-    """The shipped Triton launch with another FP8 tile size, warp count and stage count."""
-    def run(q, k, v, lens, tables):
-        with mock.patch.multiple(attention_triton_decode, _FP8_BLOCK_N=block_n,
-                                 _FP8_NUM_WARPS=num_warps, _FP8_NUM_STAGES=num_stages):
+        with mock.patch.multiple(attention_triton_decode, **constants):
             return decode_attention_triton(q, k, v, lens, tables, HEAD_DIM ** -0.5)
     return run
 
@@ -88,9 +79,12 @@ def main() -> None:
     both = (torch.bfloat16, torch.float8_e4m3fn)
     kernels = [("triton", triton_decode, both)]
     if args.splits_sweep:
-        kernels += [(f"triton/{t}", target_variant(t), both) for t in TARGETS_SWEEP]
+        kernels += [(f"triton/{t}", patched_launch(_TARGET_PROGRAMS=t), both)
+                    for t in TARGETS_SWEEP]
     if args.fp8_sweep:
-        kernels += [(f"t/{n}w{w}s{st}", fp8_launch_variant(n, w, st), (torch.float8_e4m3fn,))
+        kernels += [(f"t/{n}w{w}s{st}", patched_launch(_FP8_BLOCK_N=n, _FP8_NUM_WARPS=w,
+                                                       _FP8_NUM_STAGES=st),
+                     (torch.float8_e4m3fn,))
                     for n in (64, 128) for w in (4, 8) for st in (2, 3, 4)]
     if (fa := flash_attn_decode()) is not None:
         kernels.append(("flash-attn", fa, (torch.bfloat16,)))

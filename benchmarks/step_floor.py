@@ -22,7 +22,7 @@ from time import perf_counter
 import torch
 
 from benchmarks import workloads
-from benchmarks.floor import attention_flops, step_seconds
+from benchmarks.floor import BYTES, attention_flops, step_seconds
 from benchmarks.runs import measure, open_engine
 
 BUCKETS = ((1, 16), (17, 64), (65, 128), (129, 256), (257, 1 << 30))
@@ -78,7 +78,7 @@ class StepRecorder:
 
 
 def with_floors(steps: list[dict], shape: dict, bandwidth: float, flops: float,
-                kv_itemsize: int = 2) -> list[dict]:
+                kv_itemsize: int = BYTES) -> list[dict]:
     """Each step plus floor_s and slack_s (GPU time above the floor)."""
     out = []
     for step in steps:
@@ -135,7 +135,7 @@ def record_run(path: str, args: argparse.Namespace) -> dict:
             recorder.remove()
         backend = llm.model_runner.backend.name
     steps = with_floors(recorder.timed_steps(), shape, args.bandwidth, args.flops,
-                        1 if args.kv_cache_dtype == "fp8" else 2)
+                        1 if args.kv_cache_dtype == "fp8" else BYTES)
     run.pop("timeline")
     return dict(backend=backend, run=run, steps=steps, rows=bucket_rows(steps))
 
