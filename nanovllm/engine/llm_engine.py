@@ -224,7 +224,9 @@ class LLMEngine:
         try:
             for token_ids, sp in requests:
                 groups.append(self._queue(token_ids, sp))
-            own = {group[0].request_id for group in groups}  # add_request's are not ours
+            # This call's requests (add_request's are not), each output made as it finishes:
+            # its text is decoded while the GPU runs the next step.
+            outputs = dict.fromkeys(group[0].request_id for group in groups)
             while self._has_work():
                 t = perf_counter()
                 finished, num_tokens = self._step()
@@ -233,7 +235,8 @@ class LLMEngine:
                     pbar.set_postfix(Prefill=f"{int(tok_s[0])}tok/s",
                                      Decode=f"{int(tok_s[1])}tok/s", refresh=False)
                 for group in self._requests.finished(finished):
-                    if group[0].request_id in own:
+                    if group[0].request_id in outputs:
+                        outputs[group[0].request_id] = self._output(group)
                         pbar.update(1)
                     else:
                         self._unreturned.append(self._output(group))
@@ -246,7 +249,7 @@ class LLMEngine:
             raise
         finally:
             pbar.close()
-        return [self._output(group) for group in groups]
+        return [outputs[group[0].request_id] for group in groups]
 
     def _abort(self, seqs: list[Sequence]) -> None:
         """Drop the in-flight step and abort `seqs`; others go back to waiting."""
