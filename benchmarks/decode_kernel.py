@@ -9,8 +9,8 @@ the Triton launch at other program targets (so other split counts); --fp8-sweep,
 other tile sizes, warp and stage counts. --orders adds each kernel over the same varied lengths
 sorted longest first (/lf) and shortest first (/sf): kernels start their programs in some order.
 
-    python -m benchmarks.decode_kernel [--json out.json] [--varied [--orders]] [--splits-sweep]
-        [--fp8-sweep]
+    python -m benchmarks.decode_kernel [--json out.json] [--varied [--orders [lf,sf,unsorted]]]
+        [--splits-sweep] [--fp8-sweep] [--shapes 32x1500,64x1400]
 """
 
 import argparse
@@ -27,7 +27,7 @@ from nanovllm.kernels.attention_triton_decode import decode_attention_triton
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 256
 SHAPES = [(256, 840), (256, 1300), (128, 1000), (64, 1100), (16, 1200), (1, 1500)]
-TARGETS_SWEEP = [1024, 2048, 4096]  # programs the split count aims for (shipped: _TARGET_PROGRAMS)
+TARGETS_SWEEP = [256, 1024, 2048, 4096]  # programs the split count aims for (shipped: _TARGET_PROGRAMS)
 
 
 def make_inputs(batch: int, ctx: int, kv_dtype: torch.dtype, varied: bool = False):
@@ -69,7 +69,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", default=None)
     parser.add_argument("--varied", action="store_true")
-    parser.add_argument("--orders", action="store_true")
+    parser.add_argument("--orders", nargs="?", const="unsorted,lf,sf", default="unsorted",
+                        help="comma list of unsorted, lf, sf (bare --orders: all three)")
+    parser.add_argument("--shapes", default=None,
+                        help="batch x ctx list, e.g. 32x1500,64x1400 (default: SHAPES)")
     parser.add_argument("--splits-sweep", action="store_true")
     parser.add_argument("--fp8-sweep", action="store_true",
                         help="also FP8 launches at tiles 64/128, 4/8 warps, 2-4 stages")
@@ -90,16 +93,18 @@ def main() -> None:
         kernels.append(("flash-attn", fa, (torch.bfloat16,)))
     rows = []
     print(f"{'batch':>5} {'ctx':>5} {'kernel':<12} {'cache':<6} {'us':>7} {'TB/s':>6}")
-    for batch, ctx in SHAPES:
+    shapes = ([tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes
+              else SHAPES)
+    for batch, ctx in shapes:
         for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
             inputs = make_inputs(batch, ctx, kv_dtype, args.varied)
             q, k, v, lens, tables = inputs
             by_length = lens.sort(descending=True).values
             torch.cuda.synchronize()  # the benches run on their own stream: inputs must be ready
             gbytes = 2 * inputs[3].sum().item() * KV_HEADS * HEAD_DIM * kv_dtype.itemsize / 1e9
-            orders = [("", inputs)] + ([("/lf", (q, k, v, by_length, tables)),
-                                        ("/sf", (q, k, v, by_length.flip(0), tables))]
-                                       if args.orders else [])
+            orders = {"unsorted": ("", inputs), "lf": ("/lf", (q, k, v, by_length, tables)),
+                      "sf": ("/sf", (q, k, v, by_length.flip(0), tables))}
+            orders = [orders[o] for o in args.orders.split(",")]
             for (name, fn, dtypes), (suffix, run_inputs) in product(kernels, orders):
                 if kv_dtype not in dtypes:
                     continue

@@ -16,7 +16,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.utils.checkpoint import qwen3_0_6b_random
 
 
-def table(prof, title: str, rows: int = 18) -> None:
+def table(prof, title: str, rows: int = 30) -> None:
     """Kernels by summed GPU time, with their share."""
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     total = sum(e.device_time_total for e in events)
