@@ -14,6 +14,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
     mask = cols < H  # H need not be a power of two; padded lanes load 0 and add nothing
     dtype = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    # Loaded before the residual store: no load may pass a store the compiler cannot prove
+    # apart from it, and the weight would then cost one more memory round trip.
+    w = tl.load(w_ptr + cols, mask=mask).to(tl.float32)
     if ADD:
         # add_rms_forward: the float32 sum is rounded for the residual but normalised unrounded.
         x += tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
@@ -22,7 +25,6 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
     # As rms_forward: round to the input dtype, then multiply by the weight in that dtype. For
     # bf16/fp16 the float32 product of two such values is exact, so rounding it once equals
     # their own multiply (for float32 the casts are no-ops).
-    w = tl.load(w_ptr + cols, mask=mask).to(tl.float32)
     y = (x * rstd).to(dtype).to(tl.float32) * w
     tl.store(out_ptr + row * H + cols, y.to(dtype), mask=mask)
 

@@ -10,24 +10,40 @@ from nanovllm.kernels.store_kvcache import quantize_kv
 
 
 @triton.jit
-def _norm_rope(src, stride_h, w_ptr, cos, sin, eps, dtype, HEADS: tl.constexpr,
-               HEADS_P2: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
-    """RoPE(RMSNorm(x)) (RoPE(x) without NORM) of one token's heads [HEADS, D] as two halves
-    [HEADS_P2, D/2]."""
-    # Work on the two halves separately: neox RoPE pairs element i with i + D/2.
+def _load_heads(src, stride_h, HEADS: tl.constexpr, HEADS_P2: tl.constexpr,
+                HEAD_DIM: tl.constexpr):
+    """One token's heads [HEADS, D] as two halves [HEADS_P2, D/2] (padding rows 0): neox RoPE
+    pairs element i with i + D/2, so the kernel works on the halves separately."""
     HALF: tl.constexpr = HEAD_DIM // 2
     heads = tl.arange(0, HEADS_P2)[:, None]
     lo = tl.arange(0, HALF)[None, :]
     mask = heads < HEADS
-    x1 = tl.load(src + heads * stride_h + lo, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + heads * stride_h + HALF + lo, mask=mask, other=0.0).to(tl.float32)
+    return (tl.load(src + heads * stride_h + lo, mask=mask, other=0.0),
+            tl.load(src + heads * stride_h + HALF + lo, mask=mask, other=0.0))
+
+
+@triton.jit
+def _load_weight(w_ptr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
+    """The norm weight's halves [1, D/2] in float32 (zeros without NORM: unused)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    lo = tl.arange(0, HALF)[None, :]
+    if NORM:
+        return tl.load(w_ptr + lo).to(tl.float32), tl.load(w_ptr + HALF + lo).to(tl.float32)
+    else:
+        return tl.zeros([1, HALF], tl.float32), tl.zeros([1, HALF], tl.float32)
+
+
+@triton.jit
+def _norm_rope(x1, x2, w1, w2, cos, sin, eps, dtype, HEAD_DIM: tl.constexpr,
+               NORM: tl.constexpr):
+    """RoPE(RMSNorm(x)) (RoPE(x) without NORM) of heads given as halves [heads, D/2]."""
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
     # RMSNorm.rms_forward: normalise in float32, round to the input dtype, then multiply by
     # the weight in the input dtype. For bf16/fp16 the float32 product of two such values is
     # exact, so rounding it once equals their own multiply (for float32 the casts are no-ops).
     if NORM:
         rstd = tl.rsqrt(tl.sum(x1 * x1 + x2 * x2, axis=1) / HEAD_DIM + eps)[:, None]
-        w1 = tl.load(w_ptr + lo).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + lo).to(tl.float32)
         x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
         x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     # apply_rotary_emb: float32 rotation with cos_sin_cache[pos] = cat(cos, sin).
@@ -50,38 +66,43 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, p
     HALF: tl.constexpr = HEAD_DIM // 2
     lo = tl.arange(0, HALF)[None, :]
     dtype = q_out_ptr.dtype.element_ty
-    row = cache_ptr + tl.load(pos_ptr + tok).to(tl.int64) * stride_cache
-    cos = tl.load(row + lo)
-    sin = tl.load(row + HALF + lo)
-    q1, q2 = _norm_rope(q_ptr + tok * stride_qn, stride_qh, q_w_ptr, cos, sin, eps, dtype,
-                        NUM_Q_HEADS, Q_HEADS_P2, HEAD_DIM, NORM)
+    # Every load is issued before any store: the compiler cannot move a load above a store to
+    # a pointer that might alias it, so each load after a store was one more memory round trip.
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    q1, q2 = _load_heads(q_ptr + tok * stride_qn, stride_qh, NUM_Q_HEADS, Q_HEADS_P2, HEAD_DIM)
+    k1, k2 = _load_heads(k_ptr + tok * stride_kn, stride_kh, NUM_KV_HEADS, KV_HEADS_P2,
+                         HEAD_DIM)
+    if STORE_KV:
+        slot = tl.load(slot_ptr + tok).to(tl.int64)
+        v1, v2 = _load_heads(v_ptr + tok * stride_vn, stride_vh, NUM_KV_HEADS, KV_HEADS_P2,
+                             HEAD_DIM)
+    qw1, qw2 = _load_weight(q_w_ptr, HEAD_DIM, NORM)
+    kw1, kw2 = _load_weight(k_w_ptr, HEAD_DIM, NORM)
+    cos = tl.load(cache_ptr + pos * stride_cache + lo)
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF + lo)
+    q1, q2 = _norm_rope(q1, q2, qw1, qw2, cos, sin, eps, dtype, HEAD_DIM, NORM)
+    k1, k2 = _norm_rope(k1, k2, kw1, kw2, cos, sin, eps, dtype, HEAD_DIM, NORM)
     heads = tl.arange(0, Q_HEADS_P2)[:, None]
     dst = q_out_ptr + (tok * NUM_Q_HEADS + heads) * HEAD_DIM + lo
     tl.store(dst, q1, mask=heads < NUM_Q_HEADS)
     tl.store(dst + HALF, q2, mask=heads < NUM_Q_HEADS)
-    k1, k2 = _norm_rope(k_ptr + tok * stride_kn, stride_kh, k_w_ptr, cos, sin, eps, dtype,
-                        NUM_KV_HEADS, KV_HEADS_P2, HEAD_DIM, NORM)
     heads = tl.arange(0, KV_HEADS_P2)[:, None]
     mask = heads < NUM_KV_HEADS
     dst = k_out_ptr + (tok * NUM_KV_HEADS + heads) * HEAD_DIM + lo
     tl.store(dst, k1, mask=mask)
     tl.store(dst + HALF, k2, mask=mask)
-    if STORE_KV:
-        # store_kvcache fused in: saves a launch per layer. slot < 0 marks a padding row.
-        slot = tl.load(slot_ptr + tok).to(tl.int64)
-        if slot >= 0:
-            # The cache is contiguous [num_slots, Hkv, D]; int64, it can exceed 2^31 elements.
-            offs = (slot * NUM_KV_HEADS + heads) * HEAD_DIM + lo
-            kv_dtype = k_cache_ptr.dtype.element_ty
-            tl.store(k_cache_ptr + offs, quantize_kv(k1, k_inv_scale, kv_dtype, FP8), mask=mask)
-            tl.store(k_cache_ptr + offs + HALF, quantize_kv(k2, k_inv_scale, kv_dtype, FP8),
-                     mask=mask)
-            v_src = v_ptr + tok * stride_vn + heads * stride_vh + lo
-            v1 = tl.load(v_src, mask=mask)
-            v2 = tl.load(v_src + HALF, mask=mask)
-            tl.store(v_cache_ptr + offs, quantize_kv(v1, v_inv_scale, kv_dtype, FP8), mask=mask)
-            tl.store(v_cache_ptr + offs + HALF, quantize_kv(v2, v_inv_scale, kv_dtype, FP8),
-                     mask=mask)
+    if STORE_KV:  # store_kvcache fused in: saves a launch per layer
+        # slot < 0 marks a padding row. The cache is contiguous [num_slots, Hkv, D]; int64, it
+        # can exceed 2^31 elements.
+        mask &= slot >= 0
+        offs = (slot * NUM_KV_HEADS + heads) * HEAD_DIM + lo
+        kv_dtype = k_cache_ptr.dtype.element_ty
+        tl.store(k_cache_ptr + offs, quantize_kv(k1, k_inv_scale, kv_dtype, FP8), mask=mask)
+        tl.store(k_cache_ptr + offs + HALF, quantize_kv(k2, k_inv_scale, kv_dtype, FP8),
+                 mask=mask)
+        tl.store(v_cache_ptr + offs, quantize_kv(v1, v_inv_scale, kv_dtype, FP8), mask=mask)
+        tl.store(v_cache_ptr + offs + HALF, quantize_kv(v2, v_inv_scale, kv_dtype, FP8),
+                 mask=mask)
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
