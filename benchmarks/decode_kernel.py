@@ -27,7 +27,8 @@ from nanovllm.kernels.attention_triton_decode import decode_attention_triton
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 256
 SHAPES = [(256, 840), (256, 1300), (128, 1000), (64, 1100), (16, 1200), (1, 1500)]
-TARGETS_SWEEP = [256, 1024, 2048, 4096]  # programs the split count aims for (shipped: _TARGET_PROGRAMS)
+# programs the split count aims for (shipped: _TARGET_PROGRAMS)
+TARGETS_SWEEP = [256, 1024, 2048, 4096]
 
 
 def make_inputs(batch: int, ctx: int, kv_dtype: torch.dtype, varied: bool = False):
