@@ -224,8 +224,7 @@ class LLMEngine:
         try:
             for token_ids, sp in requests:
                 groups.append(self._queue(token_ids, sp))
-            # This call's requests (add_request's are not), each output made as it finishes:
-            # its text is decoded while the GPU runs the next step.
+            # Ours (not add_request's), each made as it finishes: text decoded while the GPU works
             outputs = dict.fromkeys(group[0].request_id for group in groups)
             while self._has_work():
                 t = perf_counter()
