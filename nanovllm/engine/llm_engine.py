@@ -1,6 +1,5 @@
 """The engine loop: add requests, step the scheduler and model, collect finished outputs."""
 import weakref
-from dataclasses import dataclass, field
 from time import perf_counter
 
 from tqdm.auto import tqdm
@@ -8,7 +7,7 @@ from tqdm.auto import tqdm
 from nanovllm.config import config_from_kwargs
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.outputs import RequestTable, record_logprobs, request_output
-from nanovllm.engine.sampled_ids import SampledIds
+from nanovllm.engine.sampled_ids import InFlightStep, SampledIds
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stats import StepCounters
@@ -17,24 +16,6 @@ from nanovllm.engine.validation import RequestLimits, validate_request, validate
 from nanovllm.engine.worker import WorkerGroup
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.tokenizer import load_tokenizer
-
-
-@dataclass
-class InFlightStep:
-    """A launched step whose sampled ids the host has not read yet."""
-
-    seqs: list[Sequence]
-    sampled: SampledIds
-    # per sequence of a prefill step: whether its row samples (its chunk ends the prompt);
-    # None for a decode step, where every row samples
-    samples: list[bool] | None = None
-    # (row, seq) of each sequence given a pending token for this step's sample (by advance)
-    advanced: list[tuple[int, Sequence]] = field(default_factory=list)
-
-    def source_rows(self, seqs: list[Sequence]) -> list[int]:
-        """Per sequence of `seqs`: the row of this step's ids holding its pending token, or -1."""
-        rows = {seq.seq_id: row for row, seq in self.advanced}
-        return [rows.get(seq.seq_id, -1) for seq in seqs]
 
 
 class LLMEngine:

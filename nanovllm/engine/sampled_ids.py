@@ -1,9 +1,11 @@
 """A launched step's results as rank 0 sees them: sampled ids, and logprobs when asked."""
 import threading
 import time
+from dataclasses import dataclass, field
 
 import torch
 
+from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import LogprobsTensors
 
 
@@ -57,3 +59,21 @@ class SampledIds:
         at = 3 if self.has_logprobs else 1
         return {row: (first, LogprobsTensors(*self.host[at + 2 * i:at + 2 * i + 2]))
                 for i, (row, first) in enumerate(self.prompt_rows)}
+
+
+@dataclass
+class InFlightStep:
+    """A launched step whose sampled ids the host has not read yet."""
+
+    seqs: list[Sequence]
+    sampled: SampledIds
+    # per sequence of a prefill step: whether its row samples (its chunk ends the prompt);
+    # None for a decode step, where every row samples
+    samples: list[bool] | None = None
+    # (row, seq) of each sequence given a pending token for this step's sample (by advance)
+    advanced: list[tuple[int, Sequence]] = field(default_factory=list)
+
+    def source_rows(self, seqs: list[Sequence]) -> list[int]:
+        """Per sequence of `seqs`: the row of this step's ids holding its pending token, or -1."""
+        rows = {seq.seq_id: row for row, seq in self.advanced}
+        return [rows.get(seq.seq_id, -1) for seq in seqs]

@@ -31,8 +31,9 @@ class TorchBackend:
 
     name = "torch"
     cuda_graphs = False  # decode reads context lengths on the host: it cannot be captured
-    # Whether the scheduler orders decode batches longest context first. Free here; CPU tests
-    # then run the row order the Triton kernels get.
+    # Whether the scheduler orders decode batches longest context first. Triton's decode kernel
+    # starts its programs in batch order, so long sequences start first and short ones fill in
+    # behind; free for torch, whose CPU tests then run the row order the Triton kernels get.
     longest_first = True
 
     def __init__(self, fused_ops: bool = False) -> None:
@@ -86,9 +87,6 @@ class TritonBackend(TorchBackend):
 
     name = "triton"
     cuda_graphs = True
-    # The decode kernel's programs start in batch order: longest first, the long ones start
-    # first and short ones fill in behind, instead of a long one running alone at the end.
-    longest_first = True
 
     def __init__(self, fused_ops: bool = False) -> None:
         from nanovllm.kernels import (
