@@ -33,10 +33,12 @@ def _locate_tile(cu_q_ptr, num_seqs, BLOCK_M: tl.constexpr, SEQS_P2: tl.constexp
 
 @triton.jit
 def softmax_step(q, k_t, v, visible, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr,
-                 MAY_BE_HIDDEN: tl.constexpr = False):
-    """One online-softmax update of (m_i, l_i, acc) with a key tile k_t [D, N], v [N, D]."""
+                 MAY_BE_HIDDEN: tl.constexpr = False, MASKED: tl.constexpr = True):
+    """One online-softmax update of (m_i, l_i, acc) with a key tile k_t [D, N], v [N, D]; without
+    MASKED every key is visible to every row (`visible` is ignored)."""
     qk = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
-    qk = tl.where(visible, qk, float("-inf"))
+    if MASKED:
+        qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
     # Causal, the first tile shows key 0 to every row; with a window a row may have seen nothing
     # yet (m_new = -inf): shifting by 0 keeps its l_i, acc at 0 instead of NaN (-inf - -inf).
@@ -46,6 +48,44 @@ def softmax_step(q, k_t, v, visible, m_i, l_i, acc, qk_scale, PRECISION: tl.cons
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_tiles(q, k_ptr, v_ptr, block_tables_ptr, seq, k_start, len_k, q_pos, lo, kv_head,
+                  m_i, l_i, acc, qk_scale, window, stride_kn, stride_kh, stride_vn, stride_vh,
+                  stride_bt, start, end, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PRECISION: tl.constexpr,
+                  SLIDING: tl.constexpr, MASKED: tl.constexpr):
+    """Online softmax over the key tiles start..end of one query tile; without MASKED each tile
+    is whole, inside the sequence and visible to every query row."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(start, end, BLOCK_N):
+        # Key tiles never cross a page (BLOCK_N divides BLOCK_SIZE): one table lookup per tile.
+        if PAGED:
+            block_id = tl.load(block_tables_ptr + seq * stride_bt + start_n // BLOCK_SIZE)
+            rows = block_id.to(tl.int64) * BLOCK_SIZE + start_n % BLOCK_SIZE + offs_n
+        else:
+            rows = (k_start + start_n + offs_n).to(tl.int64)
+        k_offs = rows[None, :] * stride_kn + kv_head * stride_kh + offs_d[:, None]
+        v_offs = rows[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :]
+        if MASKED:
+            k_pos = start_n + offs_n
+            in_seq = k_pos < len_k
+            if SLIDING:
+                in_seq &= k_pos >= lo
+            k_t = tl.load(k_ptr + k_offs, mask=in_seq[None, :], other=0.0).to(q.dtype)
+            v = tl.load(v_ptr + v_offs, mask=in_seq[:, None], other=0.0).to(q.dtype)
+            visible = (k_pos[None, :] <= q_pos[:, None]) & in_seq[None, :]
+            if SLIDING:
+                visible &= q_pos[:, None] - k_pos[None, :] < window
+        else:
+            k_t = tl.load(k_ptr + k_offs).to(q.dtype)
+            v = tl.load(v_ptr + v_offs).to(q.dtype)
+            visible = None
+        m_i, l_i, acc = softmax_step(q, k_t, v, visible, m_i, l_i, acc, qk_scale, PRECISION,
+                                     SLIDING, MASKED)
+    return m_i, l_i, acc
 
 
 # num_seqs changes every step: specialising on its value (1, multiple of 16) would compile new
@@ -69,7 +109,6 @@ def _prefill_kernel(
     k_start = tl.load(cu_k_ptr + seq)
     len_k = tl.load(cu_k_ptr + seq + 1) - k_start
     offs_m = m_start + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     q_rows = (q_start + offs_m).to(tl.int64)
     q_mask = (offs_m < len_q)[:, None]
@@ -87,26 +126,20 @@ def _prefill_kernel(
     lo = 0
     if SLIDING:
         lo = tl.maximum(len_k - len_q + m_start - window + 1, 0)
-    for start_n in range(lo // BLOCK_N * BLOCK_N, kv_end, BLOCK_N):
-        # Key tiles never cross a page (BLOCK_N divides BLOCK_SIZE): one table lookup per tile.
-        if PAGED:
-            block_id = tl.load(block_tables_ptr + seq * stride_bt + start_n // BLOCK_SIZE)
-            rows = block_id.to(tl.int64) * BLOCK_SIZE + start_n % BLOCK_SIZE + offs_n
-        else:
-            rows = (k_start + start_n + offs_n).to(tl.int64)
-        k_pos = start_n + offs_n
-        in_seq = k_pos < len_k
-        if SLIDING:
-            in_seq &= k_pos >= lo
-        k_t = tl.load(k_ptr + rows[None, :] * stride_kn + kv_head * stride_kh + offs_d[:, None],
-                      mask=in_seq[None, :], other=0.0).to(q.dtype)
-        v = tl.load(v_ptr + rows[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :],
-                    mask=in_seq[:, None], other=0.0).to(q.dtype)
-        visible = (k_pos[None, :] <= q_pos[:, None]) & in_seq[None, :]
-        if SLIDING:
-            visible &= q_pos[:, None] - k_pos[None, :] < window
-        m_i, l_i, acc = softmax_step(q, k_t, v, visible, m_i, l_i, acc, qk_scale, PRECISION,
-                                     SLIDING)
+    first = lo // BLOCK_N * BLOCK_N
+    # Tiles every row of the query tile sees whole (no window) skip the masks: only the 1-2
+    # tiles on the diagonal, and the sequence's last, pay for them.
+    full_end = first
+    if not SLIDING:
+        full_end = tl.minimum((len_k - len_q + m_start + 1) // BLOCK_N * BLOCK_N, kv_end)
+    m_i, l_i, acc = _attend_tiles(
+        q, k_ptr, v_ptr, block_tables_ptr, seq, k_start, len_k, q_pos, lo, kv_head, m_i, l_i,
+        acc, qk_scale, window, stride_kn, stride_kh, stride_vn, stride_vh, stride_bt, first,
+        full_end, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PAGED, PRECISION, SLIDING, False)
+    m_i, l_i, acc = _attend_tiles(
+        q, k_ptr, v_ptr, block_tables_ptr, seq, k_start, len_k, q_pos, lo, kv_head, m_i, l_i,
+        acc, qk_scale, window, stride_kn, stride_kh, stride_vn, stride_vh, stride_bt, full_end,
+        kv_end, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PAGED, PRECISION, SLIDING, True)
     if SLIDING:  # padding rows past len_q may see no key at all: keep them finite
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_i[:, None] * v_scale
