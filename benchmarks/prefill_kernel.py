@@ -26,7 +26,7 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, BUDGET = 16, 8, 128, 256, 16384
 def standard_steps() -> list[list[int]]:
     """Prompt lengths of the standard bench (seed 0) in steps of <= BUDGET tokens (the
     scheduler's steps also split a prompt over two; these do not)."""
-    lens = [len(p) for p in standard(256, (100, 1024), (100, 1024), 1000, seed=0)[0]]
+    lens = [len(p) for p in standard(256, (100, 1024), (100, 1024), 10000, seed=0)[0]]
     steps, step = [], []
     for n in lens:
         if sum(step) + n > BUDGET:
