@@ -4,32 +4,14 @@
 """
 
 import argparse
-import statistics
 from functools import partial
 
 import torch
 
+from benchmarks.runs import graph_replay_us
 from nanovllm.kernels.sample import race_sample
 
 VOCAB, TEMPERATURE, CALLS = 151936, 0.6, 10  # CALLS per graph replay: spreads launch latency
-
-
-def time_us(fn, reps: int) -> float:
-    """Median over reps of one CUDA graph replay of CALLS calls, per call, in microseconds."""
-    fn()  # compiles the kernel outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps + 3):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    return statistics.median(times[3:])  # the first replays warm up
 
 
 def main() -> None:
@@ -42,7 +24,7 @@ def main() -> None:
         gen = torch.Generator(device="cuda").manual_seed(batch)
         logits = torch.randn(batch, VOCAB, device="cuda", generator=gen).bfloat16()
         temps = torch.full((batch,), TEMPERATURE, device="cuda")
-        us = time_us(partial(race_sample, logits, temps, 1234), args.reps)
+        us = graph_replay_us(partial(race_sample, logits, temps, 1234), args.reps, CALLS)
         read_us = logits.numel() * logits.element_size() / 4.8e6  # at H200's 4.8 TB/s
         print(f"B={batch:4d}  {us:7.1f} us  (reading the logits: {read_us:5.1f} us)")
 

@@ -7,33 +7,15 @@ launch, median over replays: RMSNorm with the residual add, SiLU-and-mul, q/k no
 K/V write, Qwen3-0.6B shapes in bf16, at each num_warps (and SiLU tile width)."""
 
 import argparse
-import statistics
 from functools import partial
 
 import torch
 import triton
 
+from benchmarks.runs import graph_replay_us
 from nanovllm.kernels import fused_ops, qk_norm_rope
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, CALLS = 1024, 3072, 16, 8, 128, 28
-
-
-def time_us(fn, reps: int) -> float:
-    """Median over reps of one CUDA graph replay of CALLS launches, per launch, in us."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps + 3):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    return statistics.median(times[3:])
 
 
 def rms(x, res, w, out, res_out, warps):
@@ -57,7 +39,8 @@ def qk(q, k, v, qo, ko, w, pos, cache, kc, slots, warps):
 
 def sweep(label: str, fn, options: dict, reps: int) -> None:
     """One line: us per launch of fn(*option) for each named option."""
-    times = (f"{name} {time_us(partial(fn, *opt), reps):5.2f}" for name, opt in options.items())
+    times = (f"{name} {graph_replay_us(partial(fn, *opt), reps, CALLS):5.2f}"
+             for name, opt in options.items())
     print("  ".join([label, *times]), flush=True)
 
 
