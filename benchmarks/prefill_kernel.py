@@ -119,8 +119,8 @@ def main() -> None:
     for name, steps in cases.items():
         flops = sum(c["flops"] for c in steps)
         runs = {str(cfg or "shipped"): [triton_run(c, cfg) for c in steps] for cfg in configs}
-        if flash_run(steps[0]) is not None:
-            runs["flash-attn"] = [flash_run(c) for c in steps]
+        if None not in (flash := [flash_run(c) for c in steps]):
+            runs["flash-attn"] = flash
         reference = [fn() for fn in runs["shipped"]]
         row = []
         for label, fns in runs.items():
