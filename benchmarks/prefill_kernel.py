@@ -114,6 +114,7 @@ def main() -> None:
     args = parser.parse_args()
     configs = [None] + [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",") if c]
     cases = {"standard (9 steps)": [dense_case(s) for s in standard_steps()],
+             **{f"one {n:,}-token prompt": [dense_case([n])] for n in (2048, 4096, 8192, BUDGET)},
              "32k prompt, 2nd chunk": [paged_case(BUDGET, 2 * BUDGET)]}
     print(f"{torch.cuda.get_device_name()}: ms per layer (TFLOP/s)")
     for name, steps in cases.items():

@@ -147,14 +147,24 @@ def _prefill_kernel(
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
+_LONG_PROMPT = 8192  # queries in one sequence from which the larger prefill tiles are used
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """tl.dot's input precision: IEEE for float32 (Triton's default, TF32, keeps 10 mantissa
     bits: a float32 run would differ from the torch reference at near-ties); native otherwise."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _prefill_config(head_dim: int, block_size: int, elem_size: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_N divides block_size (no page crossing)."""
+def _prefill_config(head_dim: int, block_size: int, elem_size: int,
+                    max_seqlen_q: int | None = None) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_N divides block_size (no page crossing).
+    Long prompts in 16-bit take 128 x 128 tiles: on the H200 they ran a 32k prompt's second 16k
+    chunk in 8.10 ms a layer against 8.74 with 64 x 64, tied at one 4k prompt and lost at 2k and
+    on the standard bench's prompts (<= 1,024 tokens) (docs/benchmarks.md)."""
+    if (max_seqlen_q is not None and max_seqlen_q >= _LONG_PROMPT and head_dim <= 128
+            and elem_size == 2 and block_size % 128 == 0):
+        return 128, 128, 8, 3
     block_n = min(64 if head_dim <= 128 else 32, block_size)
     num_warps = 4 if head_dim <= 128 else 8
     num_stages = 2 if elem_size > 2 or head_dim > 128 else 3  # bound shared memory
@@ -186,9 +196,10 @@ def prefill_attention_triton(
         return out
     paged = block_tables is not None
     keys, values = (k_cache, v_cache) if paged else (k, v)
-    block_size = k_cache.shape[1] if paged else 64
+    block_size = k_cache.shape[1] if paged else 256  # dense: any tile width divides it
     check_shapes(q, keys, values, block_size, paged)
-    block_m, block_n, warps, stages = _prefill_config(head_dim, block_size, q.element_size())
+    block_m, block_n, warps, stages = _prefill_config(head_dim, block_size, q.element_size(),
+                                                      max_seqlen_q)
     # Grid sized without a host sync: an upper bound on the query tiles of all sequences; the
     # kernel maps each program to its (sequence, tile) and surplus programs exit at once.
     num_tiles = triton.cdiv(num_q, block_m) + num_seqs

@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from nanovllm.kernels import attention_triton  # noqa: E402
 from nanovllm.kernels.attention_torch import (  # noqa: E402
     decode_attention_torch,
     prefill_attention_torch,
@@ -345,3 +346,25 @@ def test_decode_triton_large_batch() -> None:
     ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     out = decode_attention_triton(q, k_cache, v_cache, ctx, tables, 0.25)
     _close(out, decode_attention_torch(q, k_cache, v_cache, ctx, tables, 0.25), torch.float32)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_prefill_triton_long_prompt_launch(monkeypatch: pytest.MonkeyPatch, paged: bool) -> None:
+    """The long-prompt launch (128 x 128 tiles, taken from _LONG_PROMPT queries on) matches the
+    torch reference; the threshold is lowered so that short sequences take it."""
+    monkeypatch.setattr(attention_triton, "_LONG_PROMPT", 100)
+    assert attention_triton._prefill_config(128, 256, 2, 100) == (128, 128, 8, 3)
+    assert attention_triton._prefill_config(128, 256, 2, 99)[:2] == (64, 64)
+    dtype, head_dim, block_size = torch.float16, 128, 256
+    pairs = [(150, 150), (100, 400), (30, 300)]  # the longest query run decides the launch
+    q_lens, k_lens = [p[0] for p in pairs], [p[1] for p in pairs]
+    q = torch.randn(sum(q_lens), 2 * KV_HEADS, head_dim, dtype=dtype, device=DEVICE)
+    if paged:
+        k_cache, v_cache, tables = _paged_cache(k_lens, block_size, head_dim, dtype)
+        args = (q, None, None, k_cache, v_cache, _cu(q_lens), _cu(k_lens), tables, 0.1)
+    else:
+        k, v = (torch.randn(sum(q_lens), KV_HEADS, head_dim, dtype=dtype, device=DEVICE)
+                for _ in range(2))
+        args = (q, k, v, None, None, _cu(q_lens), _cu(q_lens), None, 0.1)
+    out = prefill_attention_triton(*args, max_seqlen_q=max(q_lens))
+    _close(out, prefill_attention_torch(*args), torch.bfloat16)  # 16-bit tolerance
