@@ -159,9 +159,8 @@ def dot_precision(dtype: torch.dtype) -> str:
 def _prefill_config(head_dim: int, block_size: int, elem_size: int,
                     max_seqlen_q: int | None = None) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_N divides block_size (no page crossing).
-    Long prompts in 16-bit take 128 x 128 tiles: on the H200 they ran a 32k prompt's second 16k
-    chunk in 8.10 ms a layer against 8.74 with 64 x 64, tied at one 4k prompt and lost at 2k and
-    on the standard bench's prompts (<= 1,024 tokens) (docs/benchmarks.md)."""
+    Long prompts in 16-bit take 128 x 128 tiles, which win from 8k queries on and lose on short
+    prompts (measured in docs/benchmarks.md)."""
     if (max_seqlen_q is not None and max_seqlen_q >= _LONG_PROMPT and head_dim <= 128
             and elem_size == 2 and block_size % 128 == 0):
         return 128, 128, 8, 3
