@@ -2,7 +2,7 @@
 
     level 1: KV pool and CUDA graphs freed, weights and buffers moved to (pinned) host memory
     level 2: KV pool and CUDA graphs freed, weights dropped (each parameter holds an empty
-             tensor and remembers its shape), buffers moved to host; the next
+             tensor and remembers its shape and strides), buffers moved to host; the next
              update_weights refills the weights
 
 Parameters keep their identity (only `.data` moves), so their weight loaders, tied weights and
@@ -24,7 +24,7 @@ def sleep(runner: ModelRunner, level: int) -> None:
         if level == 1:
             param.data = _to_host(param.data)
         else:
-            param.dropped_shape = param.shape
+            param.dropped_layout = param.shape, param.stride()  # k-major weights keep theirs
             param.data = param.data.new_empty(0)
     _move_buffers(runner, _to_host)
     if runner.device.type == "cuda":
@@ -37,10 +37,10 @@ def wake_up(runner: ModelRunner) -> None:
     """Bring weights (or, after level 2, room for them), the KV pool and the graphs back."""
     device = runner.device
     for param in runner.model.parameters():
-        shape = getattr(param, "dropped_shape", None)
-        if shape is not None:
-            param.data = param.data.new_empty(shape, device=device)
-            del param.dropped_shape
+        layout = getattr(param, "dropped_layout", None)
+        if layout is not None:
+            param.data = param.data.new_empty_strided(*layout, device=device)
+            del param.dropped_layout
         else:
             param.data = param.data.to(device, non_blocking=True)
     _move_buffers(runner, lambda t: t.to(device, non_blocking=True))

@@ -46,22 +46,28 @@ def test_update_weights_gives_the_new_models_tokens_and_drops_the_prefix_cache(
     assert llm.stats()["cache_hit_blocks"] == 0
 
 
+def layouts(llm: LLM) -> dict:
+    return {n: (p.shape, p.stride()) for n, p in llm.model_runner.model.named_parameters()}
+
+
 def test_sleep_and_wake_up_keep_the_outputs(llm, tiny_model, prompts):
-    before = greedy_tokens(llm, prompts)
+    """... and the weights' layouts (row-parallel weights are stored k-major)."""
+    before, layout = greedy_tokens(llm, prompts), layouts(llm)
+    assert layout["model.layers.0.mlp.down_proj.weight"][1] == (1, 64)  # [64, 128] seen as such
     llm.sleep(1)
     with pytest.raises(RuntimeError, match="asleep"):
         llm.generate(prompts, GREEDY, use_tqdm=False)
     with pytest.raises(RuntimeError, match="already asleep"):
         llm.sleep(2)
     llm.wake_up()
-    assert greedy_tokens(llm, prompts) == before
+    assert greedy_tokens(llm, prompts) == before and layouts(llm) == layout
     llm.sleep(2)
     assert all(p.numel() == 0 for p in llm.model_runner.model.parameters())
     llm.wake_up()
     with pytest.raises(RuntimeError, match="update_weights"):
         llm.generate(prompts, GREEDY, use_tqdm=False)
     llm.update_weights(load_hf(tiny_model).state_dict().items())  # vLLM's order
-    assert greedy_tokens(llm, prompts) == before
+    assert greedy_tokens(llm, prompts) == before and layouts(llm) == layout
 
 
 def test_errors_name_the_problem_and_change_nothing(llm, prompts):
