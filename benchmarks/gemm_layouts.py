@@ -29,9 +29,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128, 256])
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--lm-head", action="store_true",
+                        help="instead: the LM head's GEMM (151,936 x 1,024), 4 weights")
     args = parser.parse_args()
+    if args.lm_head:
+        SHAPES.clear()
+        SHAPES["lm_head"] = (151936, 1024)
     new = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16) * 0.02  # noqa: E731
-    weights = {name: [new(n, k) for _ in range(LAYERS)] for name, (n, k) in SHAPES.items()}
+    copies = 4 if args.lm_head else LAYERS
+    weights = {name: [new(n, k) for _ in range(copies)] for name, (n, k) in SHAPES.items()}
     weights_t = {name: [w.t().contiguous() for w in ws] for name, ws in weights.items()}
     print(f"{torch.cuda.get_device_name()}: us per GEMM call [N,K] / [K,N]; chain ms per step")
     for m in args.batches:
@@ -41,8 +47,8 @@ def main() -> None:
             torch.testing.assert_close(got, F.linear(xs[name], weights[name][0]))
         row = [f"M={m:3d}"]
         for name in SHAPES:
-            tn = graph_replay_us(calls(xs[name], weights[name], False), args.reps, 1) / LAYERS
-            nn = graph_replay_us(calls(xs[name], weights_t[name], True), args.reps, 1) / LAYERS
+            tn = graph_replay_us(calls(xs[name], weights[name], False), args.reps, 1) / copies
+            nn = graph_replay_us(calls(xs[name], weights_t[name], True), args.reps, 1) / copies
             row.append(f"{name} {tn:5.2f}/{nn:5.2f}")
         chain = {}
         for transposed, ws in ((False, weights), (True, weights_t)):
