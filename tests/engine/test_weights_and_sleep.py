@@ -51,9 +51,10 @@ def layouts(llm: LLM) -> dict:
 
 
 def test_sleep_and_wake_up_keep_the_outputs(llm, tiny_model, prompts):
-    """... and the weights' layouts (row-parallel weights are stored k-major)."""
+    """Outputs and weight layouts (row-parallel weights are k-major) survive sleep levels 1, 2."""
     before, layout = greedy_tokens(llm, prompts), layouts(llm)
-    assert layout["model.layers.0.mlp.down_proj.weight"][1] == (1, 64)  # [64, 128] seen as such
+    # down_proj's weight is [64, 128] (out, in), stored [128, 64]
+    assert layout["model.layers.0.mlp.down_proj.weight"][1] == (1, 64)
     llm.sleep(1)
     with pytest.raises(RuntimeError, match="asleep"):
         llm.generate(prompts, GREEDY, use_tqdm=False)
