@@ -12,6 +12,7 @@
 #   bash benchmarks/h200_session.sh serve-engines   (serving: engine in a process vs a thread)
 #   bash benchmarks/h200_session.sh soak   (the H200 soak: requests, minutes, slopes, leaks)
 #   bash benchmarks/h200_session.sh dp-x2   (kind nvidia-h200-x2, carry .carry: DP=2 vs DP=1)
+#   NANOVLLM_COMMIT=<hash> bash benchmarks/h200_session.sh same-run   (ours x 2 backends, upstream)
 # ab-vs-base compares this tree with a worktree of a baseline commit: `git worktree add
 # .ab_base <commit>; echo <commit> > .ab_base/.commit`, then carry [".device", ".ab_base"].
 # Run with carry [".device"]; logs and JSON land in $OUT.
@@ -153,6 +154,19 @@ dp-x2)
     timeout 280 python bench.py --random-weights --scenario dp --dp 2 --repeats 3 \
       --attention-backend $backend --json $OUT/dp_$backend.json 2>&1 \
       | grep -vE "Writing|Loading|INFO|WARNING" | tail -4
+  done
+  ;;
+same-run)
+  # The README's comparison: per round ours with Triton, ours with flash-attn, upstream
+  # nano-vLLM's own bench, three rounds. env.sh above puts the flash-attn stand-in and the
+  # project on PYTHONPATH: a command that resets PYTHONPATH loses flash-attn.
+  python -c "import flash_attn" || exit 1
+  for r in 1 2 3; do
+    for backend in triton flash-attn; do
+      timeout 100 python bench.py --random-weights --attention-backend $backend \
+        --json $OUT/same_${backend}_$r.json 2>&1 | grep -E "^median" | sed "s/^/[$r $backend] /"
+    done
+    timeout 100 bash .device/bench_upstream.sh | sed "s/^/[$r upstream] /"
   done
   ;;
 esac
