@@ -52,6 +52,25 @@ class Attention(nn.Module):
             return v, self.k_cache, self.v_cache, slot_mapping
         return None
 
+    def takes_projection(self) -> bool:
+        """Whether decode_projected can run: the cache allocated, no FP8 calibration (which
+        reads K and V as tensors)."""
+        return self.k_cache.numel() > 0 and self.kv_amax is None
+
+    def decode_projected(self, positions: torch.Tensor, x: torch.Tensor,
+                         qkv_proj: nn.Module) -> torch.Tensor:
+        """Decode attention over x's tokens, qkv_proj, q/k norm, RoPE and the K/V write done by
+        one kernel (kernels.fused_linear) before the backend's decode kernel."""
+        from nanovllm.kernels.fused_linear import qkv_rope_store
+        ctx, norm, kv_scales = get_context(), self.q_norm is not None, (self.k_scale, self.v_scale)
+        q = qkv_rope_store(x, qkv_proj.weight, qkv_proj.bias, self.num_heads, self.num_kv_heads,
+                           positions, self.q_norm.weight if norm else None,
+                           self.k_norm.weight if norm else None,
+                           self.q_norm.eps if norm else 0.0, self.rotary_emb.cos_sin_cache,
+                           self.k_cache, self.v_cache, ctx.slot_mapping, kv_scales)
+        return self.backend.decode(q, self.k_cache, self.v_cache, ctx, self.scale,
+                                   self.sliding_window, kv_scales)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
         ctx, backend = get_context(), self.backend

@@ -20,10 +20,21 @@ import torch
 from torch import nn
 
 from nanovllm.kernels.kv_quant import FP8_DTYPE
-from nanovllm.utils.context import Context
+from nanovllm.utils.context import Context, get_context
 
 logger = logging.getLogger(__name__)
 BACKENDS = ("flash-attn", "triton", "torch")
+# Decode batches up to this size run kernels.fused_linear's projections (measured up to 256 on
+# the H200); larger ones keep cuBLAS and the separate kernels.
+FUSED_DECODE_MAX_TOKENS = 256
+
+
+def decode_fuses(num_tokens: int) -> bool:
+    """Whether this step runs the fused decode projections where a layer has them: a decode
+    step that writes the cache, of at most FUSED_DECODE_MAX_TOKENS tokens."""
+    ctx = get_context()
+    return (not ctx.is_prefill and ctx.slot_mapping is not None
+            and num_tokens <= FUSED_DECODE_MAX_TOKENS)
 
 
 class TorchBackend:
@@ -35,6 +46,9 @@ class TorchBackend:
     # starts its programs in batch order, so long sequences start first and short ones fill in
     # behind; free for torch, whose CPU tests then run the row order the Triton kernels get.
     longest_first = True
+
+    # Decode projections with their epilogues fused (kernels.fused_linear: TMA, sm_90 and up)
+    fused_projections = False
 
     def __init__(self, fused_ops: bool = False) -> None:
         from nanovllm.kernels import attention_torch, fused_moe_torch, store_kvcache
@@ -184,8 +198,11 @@ def select_backend(device: str, dtype: torch.dtype, name: str = "auto",
     fused_ops = device == "cuda" and name != "torch"
     backend = {"flash-attn": FlashAttnBackend, "triton": TritonBackend,
                "torch": TorchBackend}[name](fused_ops)
-    logger.info("kernels: attention %s; q/k norm + RoPE + K/V write, RMSNorm, SiLU-and-mul: %s; "
+    backend.fused_projections = fused_ops and torch.cuda.get_device_capability()[0] >= 9
+    logger.info("kernels: attention %s; q/k norm + RoPE + K/V write, RMSNorm, SiLU-and-mul: %s%s; "
                 "experts (MoE): %s%s", name, "fused Triton kernels" if fused_ops else "torch",
+                " (in decode, q/k norm + RoPE + K/V write and SiLU-and-mul inside qkv_proj and "
+                "gate_up_proj)" if backend.fused_projections else "",
                 "torch loop" if name == "torch" else "fused Triton kernel",
                 "; no CUDA graphs (eager decode)" if device == "cuda" and not backend.cuda_graphs
                 else "")
@@ -202,3 +219,5 @@ def bind_backend(model: nn.Module, backend: TorchBackend) -> None:
             module.backend = backend
         if hasattr(module, "fused"):
             module.fused = backend.fused_ops
+        if hasattr(module, "fused_decode"):
+            module.fused_decode = backend.fused_projections and module.can_fuse_decode()

@@ -12,6 +12,7 @@ from transformers import PretrainedConfig
 
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.backends import decode_fuses
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.fused_moe import SparseMoeBlock, expert_weight_target
 from nanovllm.layers.layernorm import RMSNorm
@@ -71,8 +72,19 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(self.num_heads, head_dim, head_dim ** -0.5, self.num_kv_heads,
                               rotary_emb, config.rms_norm_eps if spec.qk_norm else None,
                               spec.sliding_windows[layer_idx])
+        self.fused_decode = False  # set by layers.backends.bind_backend
+
+    def can_fuse_decode(self) -> bool:
+        """Whether kernels.fused_linear.qkv_rope_store takes this layer's sizes."""
+        from nanovllm.kernels.fused_linear import fits_qkv
+        weight = self.qkv_proj.weight
+        return weight.is_contiguous() and fits_qkv(weight.shape[1], self.head_dim, weight.dtype)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        if (self.fused_decode and decode_fuses(hidden_states.shape[0])
+                and self.attn.takes_projection()):
+            o = self.attn.decode_projected(positions, hidden_states, self.qkv_proj)
+            return self.o_proj(o.flatten(1, -1))
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)      # (N, H, D)
@@ -92,8 +104,20 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
                                            bias=spec.mlp_bias)
         self.act_fn = SiluAndMul()
+        self.fused_decode = False  # set by layers.backends.bind_backend
+
+    def can_fuse_decode(self) -> bool:
+        """Whether kernels.fused_linear.gate_up_silu takes this layer's sizes."""
+        from nanovllm.kernels.fused_linear import fits_gate_up
+        weight = self.gate_up_proj.weight
+        return weight.is_contiguous() and fits_gate_up(weight.shape[1], weight.shape[0] // 2,
+                                                       weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_decode and decode_fuses(x.shape[0]):
+            from nanovllm.kernels.fused_linear import gate_up_silu
+            return self.down_proj(gate_up_silu(x, self.gate_up_proj.weight,
+                                               self.gate_up_proj.bias))
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 

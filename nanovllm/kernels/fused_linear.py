@@ -1,0 +1,181 @@
+"""Decode projections that carry the kernel after them: qkv_proj with q/k norm + RoPE + the K/V
+cache write in its epilogue, gate_up_proj with SiLU-and-mul in its. A decode layer then runs
+seven launches instead of nine.
+
+The GEMMs are swap-AB and TMA-fed: a batch of at most a few hundred tokens is too narrow for
+the MMA's 64-row side, so the weight's rows take it (out^T = W @ x^T) and the tokens the narrow
+side; weight and token tiles arrive by TMA through a multi-stage pipeline. Each program owns
+one head (two 64-row halves, the pair neox RoPE rotates together) or 64 gate rows with their
+64 up rows, for BLOCK_T tokens. On the H200 this mainloop ties or beats cuBLAS up to 128 rows
+and is ~10% slower at 256 (docs/benchmarks.md); the epilogue saves the launch after it."""
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from nanovllm.kernels.kv_quant import FP8_DTYPE
+from nanovllm.kernels.qk_norm_rope import _load_weight, _norm_rope
+from nanovllm.kernels.store_kvcache import quantize_kv
+
+ROWS = 64  # weight rows per MMA tile: a half head, or a gate or up slice
+
+
+@triton.jit
+def _pair_gemm(w_desc, x_desc, row_a, row_b, tok0, K, BLOCK_T: tl.constexpr,
+               BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """(x @ W[row_a:+64].T, x @ W[row_b:+64].T) for tokens tok0:+BLOCK_T, float32 [T, 64] each
+    (token rows past the batch load as zeros)."""
+    acc_a = tl.zeros([64, BLOCK_T], tl.float32)
+    acc_b = tl.zeros([64, BLOCK_T], tl.float32)
+    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        x = x_desc.load([tok0, k]).T
+        acc_a = tl.dot(w_desc.load([row_a, k]), x, acc_a)
+        acc_b = tl.dot(w_desc.load([row_b, k]), x, acc_b)
+    return tl.trans(acc_a), tl.trans(acc_b)
+
+
+@triton.jit
+def _qkv_rope_store_kernel(w_desc, x_desc, bias_ptr, q_out_ptr, qn_w_ptr, kn_w_ptr, pos_ptr,
+                           cs_ptr, stride_cs, k_cache_ptr, v_cache_ptr, slot_ptr, M, K, eps,
+                           k_inv_scale, v_inv_scale, NUM_Q_HEADS: tl.constexpr,
+                           NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
+                           BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """Grid (q + k + v heads, token tiles): one head's projection for BLOCK_T tokens; q heads
+    normed, rotated and stored to q_out, k heads normed, rotated and written to the cache, v
+    heads written to the cache (slot < 0: a padding row, not written)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    head = tl.program_id(0)
+    tok0 = tl.program_id(1) * BLOCK_T
+    x1, x2 = _pair_gemm(w_desc, x_desc, head * HEAD_DIM, head * HEAD_DIM + HALF, tok0, K,
+                        BLOCK_T, BLOCK_K, STAGES)
+    lo = tl.arange(0, HALF)[None, :]
+    if HAS_BIAS:
+        x1 += tl.load(bias_ptr + head * HEAD_DIM + lo).to(tl.float32)
+        x2 += tl.load(bias_ptr + head * HEAD_DIM + HALF + lo).to(tl.float32)
+    dtype = q_out_ptr.dtype.element_ty
+    x1 = x1.to(dtype)  # rounded as the projection's output is
+    x2 = x2.to(dtype)
+    toks = tok0 + tl.arange(0, BLOCK_T)
+    row_ok = toks[:, None] < M
+    toks = toks.to(tl.int64)[:, None]
+    slot = tl.load(slot_ptr + toks, mask=row_ok, other=-1).to(tl.int64)
+    kv_ok = row_ok & (slot >= 0)
+    kv_dtype = k_cache_ptr.dtype.element_ty
+    if head < NUM_Q_HEADS + NUM_KV_HEADS:
+        pos = tl.load(pos_ptr + toks, mask=row_ok, other=0).to(tl.int64)
+        cos = tl.load(cs_ptr + pos * stride_cs + lo)
+        sin = tl.load(cs_ptr + pos * stride_cs + HALF + lo)
+        if head < NUM_Q_HEADS:
+            w1, w2 = _load_weight(qn_w_ptr, HEAD_DIM, NORM)
+        else:
+            w1, w2 = _load_weight(kn_w_ptr, HEAD_DIM, NORM)
+        x1, x2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, dtype, HEAD_DIM, NORM)
+        if head < NUM_Q_HEADS:
+            dst = q_out_ptr + (toks * NUM_Q_HEADS + head) * HEAD_DIM + lo
+            tl.store(dst, x1, mask=row_ok)
+            tl.store(dst + HALF, x2, mask=row_ok)
+        else:
+            dst = k_cache_ptr + (slot * NUM_KV_HEADS + head - NUM_Q_HEADS) * HEAD_DIM + lo
+            tl.store(dst, quantize_kv(x1, k_inv_scale, kv_dtype, FP8), mask=kv_ok)
+            tl.store(dst + HALF, quantize_kv(x2, k_inv_scale, kv_dtype, FP8), mask=kv_ok)
+    else:
+        kv_head = head - NUM_Q_HEADS - NUM_KV_HEADS
+        dst = v_cache_ptr + (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM + lo
+        tl.store(dst, quantize_kv(x1, v_inv_scale, kv_dtype, FP8), mask=kv_ok)
+        tl.store(dst + HALF, quantize_kv(x2, v_inv_scale, kv_dtype, FP8), mask=kv_ok)
+
+
+@triton.jit
+def _gate_up_silu_kernel(w_desc, x_desc, bias_ptr, out_ptr, M, K, inter,
+                         HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                         STAGES: tl.constexpr):
+    """Grid (inter / 64, token tiles): silu(gate) * up for 64 columns of BLOCK_T tokens; gate
+    rows are W[:inter], up rows W[inter:]."""
+    col0 = tl.program_id(0) * 64  # ROWS
+    tok0 = tl.program_id(1) * BLOCK_T
+    gate, up = _pair_gemm(w_desc, x_desc, col0, inter + col0, tok0, K, BLOCK_T, BLOCK_K, STAGES)
+    cols = col0 + tl.arange(0, 64)[None, :]
+    if HAS_BIAS:
+        gate += tl.load(bias_ptr + cols).to(tl.float32)
+        up += tl.load(bias_ptr + inter + cols).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    # as the unfused path: the projection rounded, silu in float32 rounded, the product rounded
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    toks = tok0 + tl.arange(0, BLOCK_T)[:, None]
+    tl.store(out_ptr + toks.to(tl.int64) * inter + cols, (silu * up).to(dtype), mask=toks < M)
+
+
+def fits_qkv(hidden_size: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether qkv_rope_store takes these sizes: 16-bit, half heads of whole MMA tiles, rows
+    of a 16-byte multiple (TMA)."""
+    return dtype in (torch.float16, torch.bfloat16) and head_dim in (128, 256) \
+        and hidden_size % 64 == 0
+
+
+def fits_gate_up(hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> bool:
+    """Whether gate_up_silu takes these sizes (intermediate_size: this rank's)."""
+    return dtype in (torch.float16, torch.bfloat16) and intermediate_size % ROWS == 0 \
+        and hidden_size % 64 == 0
+
+
+def _launch(num_tokens: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_K, STAGES) for a batch (tools: benchmarks/tma_gemm.py)."""
+    if num_tokens <= 32:
+        return max(16, triton.next_power_of_2(num_tokens)), 128, 4
+    return 64, 64, 6
+
+
+def _descriptors(x: torch.Tensor, weight: torch.Tensor, block_t: int, block_k: int):
+    assert x.stride(-1) == 1 and weight.is_contiguous() and weight.shape[1] == x.shape[1]
+    return (TensorDescriptor.from_tensor(weight, [ROWS, block_k]),
+            TensorDescriptor.from_tensor(x, [block_t, block_k]))
+
+
+def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   num_q_heads: int, num_kv_heads: int, positions: torch.Tensor,
+                   q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                   cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor, kv_scales: tuple[float, float] = (1.0, 1.0)
+                   ) -> torch.Tensor:
+    """q [M, Hq, D] = RoPE(norm(x @ Wq.T + bq)); k and v (k normed and rotated) go to their
+    cache slots, as qkv_proj followed by qk_norm_rope with kv_store does."""
+    num_tokens, hidden = x.shape
+    head_dim = weight.shape[0] // (num_q_heads + 2 * num_kv_heads)
+    assert fits_qkv(hidden, head_dim, x.dtype) and weight.dtype == x.dtype
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.stride(-1) == 1
+    q = torch.empty(num_tokens, num_q_heads, head_dim, dtype=x.dtype, device=x.device)
+    block_t, block_k, stages = _launch(num_tokens)
+    w_desc, x_desc = _descriptors(x, weight, block_t, block_k)
+    norm = q_norm is not None
+    grid = (num_q_heads + 2 * num_kv_heads, triton.cdiv(num_tokens, block_t))
+    _qkv_rope_store_kernel[grid](
+        w_desc, x_desc, bias if bias is not None else weight, q,
+        q_norm if norm else cos_sin_cache, k_norm if norm else cos_sin_cache, positions,
+        cos_sin_cache, cos_sin_cache.stride(0), k_cache, v_cache, slot_mapping, num_tokens,
+        hidden, eps, 1.0 / kv_scales[0], 1.0 / kv_scales[1], NUM_Q_HEADS=num_q_heads,
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_BIAS=bias is not None, NORM=norm,
+        FP8=k_cache.dtype == FP8_DTYPE, BLOCK_T=block_t, BLOCK_K=block_k, STAGES=stages,
+        num_warps=4)
+    return q
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                 ) -> torch.Tensor:
+    """silu(x @ Wg.T + bg) * (x @ Wu.T + bu), [M, I], for weight [2I, hidden] (gate rows
+    first), as gate_up_proj followed by SiLU-and-mul."""
+    num_tokens, hidden = x.shape
+    inter = weight.shape[0] // 2
+    assert fits_gate_up(hidden, inter, x.dtype) and weight.dtype == x.dtype
+    out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
+    block_t, block_k, stages = _launch(num_tokens)
+    w_desc, x_desc = _descriptors(x, weight, block_t, block_k)
+    _gate_up_silu_kernel[(inter // ROWS, triton.cdiv(num_tokens, block_t))](
+        w_desc, x_desc, bias if bias is not None else weight, out, num_tokens, hidden, inter,
+        HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_K=block_k, STAGES=stages,
+        num_warps=4)
+    return out

@@ -1,0 +1,117 @@
+"""Decode projections with fused epilogues (Triton, TMA) vs the unfused path (TRITON_INTERPRET
+on CPU)."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from nanovllm.kernels.fused_linear import (  # noqa: E402
+    fits_gate_up,
+    fits_qkv,
+    gate_up_silu,
+    qkv_rope_store,
+)  # noqa: E402
+from nanovllm.kernels.kv_quant import FP8_DTYPE  # noqa: E402
+from nanovllm.kernels.store_kvcache import store_kvcache_torch  # noqa: E402
+from nanovllm.layers.activation import SiluAndMul  # noqa: E402
+from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
+from nanovllm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HIDDEN, MAX_POS = 256, 2048
+# The GEMM sums in another order than the reference's: a 16-bit ulp apart here and there.
+TOL = {torch.bfloat16: (3e-2, 3e-2), torch.float16: (1e-2, 1e-2)}
+# The interpreter's TMA loads garble bf16 (numpy has none): bf16 runs on CUDA only.
+DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9, reason="TMA needs sm_90")
+
+
+def _weight(rows: int, dtype: torch.dtype) -> torch.Tensor:
+    return (torch.randn(rows, HIDDEN, device=DEVICE) * HIDDEN ** -0.5).to(dtype)
+
+
+def _rows(num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """Input rows whose scale differs from row to row."""
+    scale = torch.rand(num_tokens, 1, device=DEVICE) * 3 + 0.2
+    return (torch.randn(num_tokens, HIDDEN, device=DEVICE) * scale).to(dtype)
+
+
+def test_fits() -> None:
+    assert fits_qkv(1024, 128, torch.bfloat16) and fits_qkv(4096, 256, torch.float16)
+    assert not fits_qkv(1024, 64, torch.bfloat16)  # half heads narrower than an MMA tile
+    assert not fits_qkv(1024, 128, torch.float32)
+    assert fits_gate_up(1024, 3072, torch.bfloat16) and not fits_gate_up(1024, 3000, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm,bias", [(True, False), (False, True)])
+@pytest.mark.parametrize("num_tokens", [3, 37, 70])  # one tile of 16; one and two of 64
+@pytest.mark.parametrize("fp8", [False, True])
+def test_qkv_rope_store(dtype: torch.dtype, qk_norm: bool, bias: bool, num_tokens: int,
+                        fp8: bool) -> None:
+    """q equals qkv_proj -> q norm -> RoPE; k and v land in their slots as store_kvcache_torch
+    puts the unfused path's k and v; a padding slot (-1) and other slots stay untouched."""
+    torch.manual_seed(num_tokens)
+    heads, kv_heads, head_dim = 2, 1, 128
+    weight = _weight((heads + 2 * kv_heads) * head_dim, dtype)
+    b = torch.randn(weight.shape[0], device=DEVICE).to(dtype) if bias else None
+    norms = [RMSNorm(head_dim, eps=0.1).to(device=DEVICE, dtype=dtype) for _ in range(2)]
+    with torch.no_grad():
+        for norm in norms:
+            norm.weight.normal_(1.0, 0.3)
+    rope = RotaryEmbedding(head_dim, MAX_POS, {"rope_type": "default", "rope_theta": 1e6})
+    rope = rope.to(DEVICE)
+    x = _rows(num_tokens, dtype)
+    positions = torch.randint(0, MAX_POS, (num_tokens,), device=DEVICE)
+    cache_dtype = FP8_DTYPE if fp8 else dtype
+    k_cache = torch.zeros(8, 16, kv_heads, head_dim, device=DEVICE).to(cache_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(128, device=DEVICE)[:num_tokens]
+    slots[-1] = -1
+    scales = (0.5, 2.0) if fp8 else (1.0, 1.0)
+    with torch.no_grad():
+        qkv = F.linear(x, weight, b)
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+        q, k = q.reshape(-1, heads, head_dim), k.reshape(-1, kv_heads, head_dim)
+        if qk_norm:
+            q, k = norms[0].rms_forward(q), norms[1].rms_forward(k)
+        q_ref, k_ref = rope(positions, q, k)
+    k_ref_cache, v_ref_cache = k_cache.clone(), v_cache.clone()
+    store_kvcache_torch(k_ref, v.reshape(-1, kv_heads, head_dim), k_ref_cache, v_ref_cache,
+                        slots, *scales)
+    q_out = qkv_rope_store(x, weight, b, heads, kv_heads, positions,
+                           norms[0].weight if qk_norm else None,
+                           norms[1].weight if qk_norm else None, 0.1, rope.cos_sin_cache,
+                           k_cache, v_cache, slots, scales)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(q_out, q_ref, atol=atol, rtol=rtol)
+    tol = (0.13, 0.13) if fp8 else (atol, rtol)  # one e4m3 step is 1/8 relative
+    for got, want in ((k_cache, k_ref_cache), (v_cache, v_ref_cache)):
+        torch.testing.assert_close(got.float(), want.float(), atol=tol[0], rtol=tol[1])
+    written = torch.zeros(128, dtype=torch.bool, device=DEVICE)
+    written[slots[:-1]] = True
+    assert k_cache.view(128, -1)[~written].float().abs().sum() == 0
+    assert v_cache.view(128, -1)[~written].float().abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,bias", [(5, False), (33, True), (70, False)])
+def test_gate_up_silu(dtype: torch.dtype, num_tokens: int, bias: bool) -> None:
+    """Equals gate_up_proj -> SiLU-and-mul."""
+    torch.manual_seed(num_tokens)
+    inter = 192
+    weight = _weight(2 * inter, dtype)
+    b = torch.randn(2 * inter, device=DEVICE).to(dtype) if bias else None
+    x = _rows(num_tokens, dtype)
+    with torch.no_grad():
+        want = SiluAndMul.torch_forward(F.linear(x, weight, b))
+    got = gate_up_silu(x, weight, b)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
