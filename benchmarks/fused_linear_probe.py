@@ -7,13 +7,14 @@ distinct bf16 weights each, one CUDA graph of 28 calls, us per call; then the la
 difference between the two paths' outputs."""
 
 import argparse
+import itertools
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.gemm_layouts import LAYERS
 from benchmarks.runs import graph_replay_us
-from nanovllm.kernels.fused_linear import gate_up_silu, qkv_rope_store
+from nanovllm.kernels import fused_linear
 from nanovllm.kernels.fused_ops import silu_and_mul
 from nanovllm.kernels.qk_norm_rope import qk_norm_rope
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
@@ -36,14 +37,14 @@ def row(m: int, qkv_w: list, gu_w: list, qn, kn, cs, cache, reps: int) -> str:
                             (v.view(m, KV_HEADS, HEAD_DIM), cache[0], cache[1], slots))[0]
 
     def fused_qkv(w):
-        return qkv_rope_store(x, w, None, HEADS, KV_HEADS, pos, qn, kn, 1e-6, cs, cache[0],
-                              cache[1], slots)
+        return fused_linear.qkv_rope_store(x, w, None, HEADS, KV_HEADS, pos, qn, kn, 1e-6, cs,
+                                           cache[0], cache[1], slots)
 
     rows = []
     for name, a, b, ws in (
             ("qkv", unfused_qkv, fused_qkv, qkv_w),
             ("gate_up", lambda w: silu_and_mul(F.linear(x, w)),
-             lambda w: gate_up_silu(x, w, None), gu_w)):
+             lambda w: fused_linear.gate_up_silu(x, w, None), gu_w)):
         want = a(ws[0])
         k_want = cache.clone()
         got = b(ws[0])
@@ -60,6 +61,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 32, 64, 128, 256])
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--sweep", type=int, nargs="*", default=[],
+                        help="batch sizes at which to time every (BLOCK_T, BLOCK_K, STAGES, warps)")
     args = parser.parse_args()
     dev, bf16 = "cuda", torch.bfloat16
     new = lambda *s: torch.randn(*s, device=dev, dtype=bf16) * 0.02  # noqa: E731
@@ -71,6 +74,20 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: us per call, cuBLAS + kernel / fused; max |diff|")
     for m in args.batches:
         print(row(m, qkv_w, gu_w, qn, kn, rope.cos_sin_cache, cache, args.reps), flush=True)
+    shipped = fused_linear._launch
+    for m in args.sweep:
+        for launch in itertools.product((16, 32, 64, 128), (64, 128), (3, 4, 6), (4, 8)):
+            bt, bk, stages, _ = launch
+            smem = (2 * 64 + bt) * bk * 2 * stages
+            if bt < min(m, 64) // 2 or bt > max(16, 2 * m) or smem > 200_000:
+                continue
+            fused_linear._launch = lambda n, launch=launch: launch
+            try:
+                line = row(m, qkv_w, gu_w, qn, kn, rope.cos_sin_cache, cache, args.reps)
+            except Exception as e:  # noqa: BLE001 - a launch that does not compile or fit
+                line = f"M={m:3d}  failed: {type(e).__name__}"
+            print(f"{launch} {line}", flush=True)
+        fused_linear._launch = shipped
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanovllm.kernels.kv_quant import FP8_DTYPE
-from nanovllm.kernels.qk_norm_rope import _load_weight, _norm_rope
+from nanovllm.kernels.qk_norm_rope import _norm_rope
 from nanovllm.kernels.store_kvcache import quantize_kv
 
 ROWS = 64  # weight rows per MMA tile: a half head, or a gate or up slice
@@ -24,15 +24,16 @@ ROWS = 64  # weight rows per MMA tile: a half head, or a gate or up slice
 @triton.jit
 def _pair_gemm(w_desc, x_desc, row_a, row_b, tok0, K, BLOCK_T: tl.constexpr,
                BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    """(x @ W[row_a:+64].T, x @ W[row_b:+64].T) for tokens tok0:+BLOCK_T, float32 [T, 64] each
-    (token rows past the batch load as zeros)."""
+    """(W[row_a:+64] @ x.T, W[row_b:+64] @ x.T) for tokens tok0:+BLOCK_T, float32 [64, T]
+    each (token rows past the batch load as zeros). The epilogues work in this orientation:
+    transposing the accumulators costs more than the stores' poorer coalescing."""
     acc_a = tl.zeros([64, BLOCK_T], tl.float32)
     acc_b = tl.zeros([64, BLOCK_T], tl.float32)
     for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         x = x_desc.load([tok0, k]).T
         acc_a = tl.dot(w_desc.load([row_a, k]), x, acc_a)
         acc_b = tl.dot(w_desc.load([row_b, k]), x, acc_b)
-    return tl.trans(acc_a), tl.trans(acc_b)
+    return acc_a, acc_b
 
 
 @triton.jit
@@ -48,34 +49,41 @@ def _qkv_rope_store_kernel(w_desc, x_desc, bias_ptr, q_out_ptr, qn_w_ptr, kn_w_p
     HALF: tl.constexpr = HEAD_DIM // 2
     head = tl.program_id(0)
     tok0 = tl.program_id(1) * BLOCK_T
+    # [D/2, tokens]: neox RoPE pairs dim i with i + D/2, the two accumulators
     x1, x2 = _pair_gemm(w_desc, x_desc, head * HEAD_DIM, head * HEAD_DIM + HALF, tok0, K,
                         BLOCK_T, BLOCK_K, STAGES)
-    lo = tl.arange(0, HALF)[None, :]
+    lo = tl.arange(0, HALF)[:, None]
     if HAS_BIAS:
         x1 += tl.load(bias_ptr + head * HEAD_DIM + lo).to(tl.float32)
         x2 += tl.load(bias_ptr + head * HEAD_DIM + HALF + lo).to(tl.float32)
     dtype = q_out_ptr.dtype.element_ty
     x1 = x1.to(dtype)  # rounded as the projection's output is
     x2 = x2.to(dtype)
-    toks = tok0 + tl.arange(0, BLOCK_T)
-    row_ok = toks[:, None] < M
-    toks = toks.to(tl.int64)[:, None]
-    slot = tl.load(slot_ptr + toks, mask=row_ok, other=-1).to(tl.int64)
-    kv_ok = row_ok & (slot >= 0)
+    toks = tok0 + tl.arange(0, BLOCK_T)[None, :]
+    tok_ok = toks < M
+    toks = toks.to(tl.int64)
+    slot = tl.load(slot_ptr + toks, mask=tok_ok, other=-1).to(tl.int64)
+    kv_ok = tok_ok & (slot >= 0)
     kv_dtype = k_cache_ptr.dtype.element_ty
     if head < NUM_Q_HEADS + NUM_KV_HEADS:
-        pos = tl.load(pos_ptr + toks, mask=row_ok, other=0).to(tl.int64)
+        pos = tl.load(pos_ptr + toks, mask=tok_ok, other=0).to(tl.int64)
         cos = tl.load(cs_ptr + pos * stride_cs + lo)
         sin = tl.load(cs_ptr + pos * stride_cs + HALF + lo)
         if head < NUM_Q_HEADS:
-            w1, w2 = _load_weight(qn_w_ptr, HEAD_DIM, NORM)
+            nw = qn_w_ptr
         else:
-            w1, w2 = _load_weight(kn_w_ptr, HEAD_DIM, NORM)
-        x1, x2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, dtype, HEAD_DIM, NORM)
+            nw = kn_w_ptr
+        if NORM:
+            w1 = tl.load(nw + lo).to(tl.float32)
+            w2 = tl.load(nw + HALF + lo).to(tl.float32)
+        else:
+            w1 = tl.zeros([HALF, 1], tl.float32)
+            w2 = tl.zeros([HALF, 1], tl.float32)
+        x1, x2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, dtype, HEAD_DIM, NORM, 0)
         if head < NUM_Q_HEADS:
             dst = q_out_ptr + (toks * NUM_Q_HEADS + head) * HEAD_DIM + lo
-            tl.store(dst, x1, mask=row_ok)
-            tl.store(dst + HALF, x2, mask=row_ok)
+            tl.store(dst, x1, mask=tok_ok)
+            tl.store(dst + HALF, x2, mask=tok_ok)
         else:
             dst = k_cache_ptr + (slot * NUM_KV_HEADS + head - NUM_Q_HEADS) * HEAD_DIM + lo
             tl.store(dst, quantize_kv(x1, k_inv_scale, kv_dtype, FP8), mask=kv_ok)
@@ -96,7 +104,7 @@ def _gate_up_silu_kernel(w_desc, x_desc, bias_ptr, out_ptr, M, K, inter,
     col0 = tl.program_id(0) * 64  # ROWS
     tok0 = tl.program_id(1) * BLOCK_T
     gate, up = _pair_gemm(w_desc, x_desc, col0, inter + col0, tok0, K, BLOCK_T, BLOCK_K, STAGES)
-    cols = col0 + tl.arange(0, 64)[None, :]
+    cols = col0 + tl.arange(0, 64)[:, None]
     if HAS_BIAS:
         gate += tl.load(bias_ptr + cols).to(tl.float32)
         up += tl.load(bias_ptr + inter + cols).to(tl.float32)
@@ -105,7 +113,7 @@ def _gate_up_silu_kernel(w_desc, x_desc, bias_ptr, out_ptr, M, K, inter,
     gate = gate.to(dtype).to(tl.float32)
     up = up.to(dtype).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    toks = tok0 + tl.arange(0, BLOCK_T)[:, None]
+    toks = tok0 + tl.arange(0, BLOCK_T)[None, :]
     tl.store(out_ptr + toks.to(tl.int64) * inter + cols, (silu * up).to(dtype), mask=toks < M)
 
 
@@ -122,11 +130,11 @@ def fits_gate_up(hidden_size: int, intermediate_size: int, dtype: torch.dtype) -
         and hidden_size % 64 == 0
 
 
-def _launch(num_tokens: int) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_K, STAGES) for a batch (tools: benchmarks/tma_gemm.py)."""
+def _launch(num_tokens: int) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_K, STAGES, num_warps) for a batch (benchmarks/fused_linear_probe.py)."""
     if num_tokens <= 32:
-        return max(16, triton.next_power_of_2(num_tokens)), 128, 4
-    return 64, 64, 6
+        return max(16, triton.next_power_of_2(num_tokens)), 128, 4, 4
+    return 64, 64, 6, 4
 
 
 def _descriptors(x: torch.Tensor, weight: torch.Tensor, block_t: int, block_k: int):
@@ -149,7 +157,7 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.stride(-1) == 1
     q = torch.empty(num_tokens, num_q_heads, head_dim, dtype=x.dtype, device=x.device)
-    block_t, block_k, stages = _launch(num_tokens)
+    block_t, block_k, stages, warps = _launch(num_tokens)
     w_desc, x_desc = _descriptors(x, weight, block_t, block_k)
     norm = q_norm is not None
     grid = (num_q_heads + 2 * num_kv_heads, triton.cdiv(num_tokens, block_t))
@@ -160,7 +168,7 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         hidden, eps, 1.0 / kv_scales[0], 1.0 / kv_scales[1], NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_BIAS=bias is not None, NORM=norm,
         FP8=k_cache.dtype == FP8_DTYPE, BLOCK_T=block_t, BLOCK_K=block_k, STAGES=stages,
-        num_warps=4)
+        num_warps=warps)
     return q
 
 
@@ -172,10 +180,10 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     inter = weight.shape[0] // 2
     assert fits_gate_up(hidden, inter, x.dtype) and weight.dtype == x.dtype
     out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
-    block_t, block_k, stages = _launch(num_tokens)
+    block_t, block_k, stages, warps = _launch(num_tokens)
     w_desc, x_desc = _descriptors(x, weight, block_t, block_k)
     _gate_up_silu_kernel[(inter // ROWS, triton.cdiv(num_tokens, block_t))](
         w_desc, x_desc, bias if bias is not None else weight, out, num_tokens, hidden, inter,
         HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_K=block_k, STAGES=stages,
-        num_warps=4)
+        num_warps=warps)
     return out

@@ -35,15 +35,16 @@ def _load_weight(w_ptr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
 
 @triton.jit
 def _norm_rope(x1, x2, w1, w2, cos, sin, eps, dtype, HEAD_DIM: tl.constexpr,
-               NORM: tl.constexpr):
-    """RoPE(RMSNorm(x)) (RoPE(x) without NORM) of heads given as halves [heads, D/2]."""
+               NORM: tl.constexpr, AXIS: tl.constexpr):
+    """RoPE(RMSNorm(x)) (RoPE(x) without NORM) of heads given as halves: [heads, D/2] with
+    AXIS 1, [D/2, tokens] with AXIS 0 (the axis a head's elements run along)."""
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
     # RMSNorm.rms_forward: normalise in float32, round to the input dtype, then multiply by
     # the weight in the input dtype. For bf16/fp16 the float32 product of two such values is
     # exact, so rounding it once equals their own multiply (for float32 the casts are no-ops).
     if NORM:
-        rstd = tl.rsqrt(tl.sum(x1 * x1 + x2 * x2, axis=1) / HEAD_DIM + eps)[:, None]
+        rstd = tl.expand_dims(tl.rsqrt(tl.sum(x1 * x1 + x2 * x2, axis=AXIS) / HEAD_DIM + eps), AXIS)
         x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
         x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     # apply_rotary_emb: float32 rotation with cos_sin_cache[pos] = cat(cos, sin).
@@ -80,8 +81,8 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, p
     kw1, kw2 = _load_weight(k_w_ptr, HEAD_DIM, NORM)
     cos = tl.load(cache_ptr + pos * stride_cache + lo)
     sin = tl.load(cache_ptr + pos * stride_cache + HALF + lo)
-    q1, q2 = _norm_rope(q1, q2, qw1, qw2, cos, sin, eps, dtype, HEAD_DIM, NORM)
-    k1, k2 = _norm_rope(k1, k2, kw1, kw2, cos, sin, eps, dtype, HEAD_DIM, NORM)
+    q1, q2 = _norm_rope(q1, q2, qw1, qw2, cos, sin, eps, dtype, HEAD_DIM, NORM, 1)
+    k1, k2 = _norm_rope(k1, k2, kw1, kw2, cos, sin, eps, dtype, HEAD_DIM, NORM, 1)
     heads = tl.arange(0, Q_HEADS_P2)[:, None]
     dst = q_out_ptr + (tok * NUM_Q_HEADS + heads) * HEAD_DIM + lo
     tl.store(dst, q1, mask=heads < NUM_Q_HEADS)
