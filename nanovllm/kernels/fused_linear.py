@@ -81,18 +81,18 @@ def _qkv_rope_store_kernel(w_desc, x_desc, bias_ptr, q_out_ptr, qn_w_ptr, kn_w_p
             w2 = tl.zeros([HALF, 1], tl.float32)
         x1, x2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, dtype, HEAD_DIM, NORM, 0)
         if head < NUM_Q_HEADS:
-            dst = q_out_ptr + (toks * NUM_Q_HEADS + head) * HEAD_DIM + lo
-            tl.store(dst, x1, mask=tok_ok)
-            tl.store(dst + HALF, x2, mask=tok_ok)
-        else:
-            dst = k_cache_ptr + (slot * NUM_KV_HEADS + head - NUM_Q_HEADS) * HEAD_DIM + lo
-            tl.store(dst, quantize_kv(x1, k_inv_scale, kv_dtype, FP8), mask=kv_ok)
-            tl.store(dst + HALF, quantize_kv(x2, k_inv_scale, kv_dtype, FP8), mask=kv_ok)
+            q_dst = q_out_ptr + (toks * NUM_Q_HEADS + head) * HEAD_DIM + lo
+            tl.store(q_dst, x1, mask=tok_ok)
+            tl.store(q_dst + HALF, x2, mask=tok_ok)
+        else:  # (names differ per branch: Triton types a name once, and caches may be FP8)
+            k_dst = k_cache_ptr + (slot * NUM_KV_HEADS + head - NUM_Q_HEADS) * HEAD_DIM + lo
+            tl.store(k_dst, quantize_kv(x1, k_inv_scale, kv_dtype, FP8), mask=kv_ok)
+            tl.store(k_dst + HALF, quantize_kv(x2, k_inv_scale, kv_dtype, FP8), mask=kv_ok)
     else:
         kv_head = head - NUM_Q_HEADS - NUM_KV_HEADS
-        dst = v_cache_ptr + (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM + lo
-        tl.store(dst, quantize_kv(x1, v_inv_scale, kv_dtype, FP8), mask=kv_ok)
-        tl.store(dst + HALF, quantize_kv(x2, v_inv_scale, kv_dtype, FP8), mask=kv_ok)
+        v_dst = v_cache_ptr + (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM + lo
+        tl.store(v_dst, quantize_kv(x1, v_inv_scale, kv_dtype, FP8), mask=kv_ok)
+        tl.store(v_dst + HALF, quantize_kv(x2, v_inv_scale, kv_dtype, FP8), mask=kv_ok)
 
 
 @triton.jit
