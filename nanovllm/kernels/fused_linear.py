@@ -49,36 +49,41 @@ def _qkv_rope_store_kernel(w_desc, x_desc, bias_ptr, q_out_ptr, qn_w_ptr, kn_w_p
     HALF: tl.constexpr = HEAD_DIM // 2
     head = tl.program_id(0)
     tok0 = tl.program_id(1) * BLOCK_T
-    # [D/2, tokens]: neox RoPE pairs dim i with i + D/2, the two accumulators
-    x1, x2 = _pair_gemm(w_desc, x_desc, head * HEAD_DIM, head * HEAD_DIM + HALF, tok0, K,
-                        BLOCK_T, BLOCK_K, STAGES)
+    # Everything the epilogue reads besides the products is requested before the K loop, so
+    # that its memory latency hides behind the loop's instead of following it.
     lo = tl.arange(0, HALF)[:, None]
-    if HAS_BIAS:
-        x1 += tl.load(bias_ptr + head * HEAD_DIM + lo).to(tl.float32)
-        x2 += tl.load(bias_ptr + head * HEAD_DIM + HALF + lo).to(tl.float32)
-    dtype = q_out_ptr.dtype.element_ty
-    x1 = x1.to(dtype)  # rounded as the projection's output is
-    x2 = x2.to(dtype)
     toks = tok0 + tl.arange(0, BLOCK_T)[None, :]
     tok_ok = toks < M
     toks = toks.to(tl.int64)
     slot = tl.load(slot_ptr + toks, mask=tok_ok, other=-1).to(tl.int64)
+    pos = tl.load(pos_ptr + toks, mask=tok_ok, other=0).to(tl.int64)
+    cos = tl.load(cs_ptr + pos * stride_cs + lo)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + lo)
+    if head < NUM_Q_HEADS:
+        nw = qn_w_ptr
+    else:
+        nw = kn_w_ptr
+    if NORM:
+        w1 = tl.load(nw + lo).to(tl.float32)
+        w2 = tl.load(nw + HALF + lo).to(tl.float32)
+    else:
+        w1 = tl.zeros([HALF, 1], tl.float32)
+        w2 = tl.zeros([HALF, 1], tl.float32)
+    if HAS_BIAS:
+        b1 = tl.load(bias_ptr + head * HEAD_DIM + lo).to(tl.float32)
+        b2 = tl.load(bias_ptr + head * HEAD_DIM + HALF + lo).to(tl.float32)
+    # [D/2, tokens]: neox RoPE pairs dim i with i + D/2, the two accumulators
+    x1, x2 = _pair_gemm(w_desc, x_desc, head * HEAD_DIM, head * HEAD_DIM + HALF, tok0, K,
+                        BLOCK_T, BLOCK_K, STAGES)
+    if HAS_BIAS:
+        x1 += b1
+        x2 += b2
+    dtype = q_out_ptr.dtype.element_ty
+    x1 = x1.to(dtype)  # rounded as the projection's output is
+    x2 = x2.to(dtype)
     kv_ok = tok_ok & (slot >= 0)
     kv_dtype = k_cache_ptr.dtype.element_ty
     if head < NUM_Q_HEADS + NUM_KV_HEADS:
-        pos = tl.load(pos_ptr + toks, mask=tok_ok, other=0).to(tl.int64)
-        cos = tl.load(cs_ptr + pos * stride_cs + lo)
-        sin = tl.load(cs_ptr + pos * stride_cs + HALF + lo)
-        if head < NUM_Q_HEADS:
-            nw = qn_w_ptr
-        else:
-            nw = kn_w_ptr
-        if NORM:
-            w1 = tl.load(nw + lo).to(tl.float32)
-            w2 = tl.load(nw + HALF + lo).to(tl.float32)
-        else:
-            w1 = tl.zeros([HALF, 1], tl.float32)
-            w2 = tl.zeros([HALF, 1], tl.float32)
         x1, x2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, dtype, HEAD_DIM, NORM, 0)
         if head < NUM_Q_HEADS:
             q_dst = q_out_ptr + (toks * NUM_Q_HEADS + head) * HEAD_DIM + lo
@@ -103,11 +108,14 @@ def _gate_up_silu_kernel(w_desc, x_desc, bias_ptr, out_ptr, M, K, inter,
     rows are W[:inter], up rows W[inter:]."""
     col0 = tl.program_id(0) * 64  # ROWS
     tok0 = tl.program_id(1) * BLOCK_T
-    gate, up = _pair_gemm(w_desc, x_desc, col0, inter + col0, tok0, K, BLOCK_T, BLOCK_K, STAGES)
     cols = col0 + tl.arange(0, 64)[:, None]
+    if HAS_BIAS:  # requested before the K loop, as in the qkv kernel
+        gate_bias = tl.load(bias_ptr + cols).to(tl.float32)
+        up_bias = tl.load(bias_ptr + inter + cols).to(tl.float32)
+    gate, up = _pair_gemm(w_desc, x_desc, col0, inter + col0, tok0, K, BLOCK_T, BLOCK_K, STAGES)
     if HAS_BIAS:
-        gate += tl.load(bias_ptr + cols).to(tl.float32)
-        up += tl.load(bias_ptr + inter + cols).to(tl.float32)
+        gate += gate_bias
+        up += up_bias
     dtype = out_ptr.dtype.element_ty
     # as the unfused path: the projection rounded, silu in float32 rounded, the product rounded
     gate = gate.to(dtype).to(tl.float32)
@@ -132,9 +140,9 @@ def fits_gate_up(hidden_size: int, intermediate_size: int, dtype: torch.dtype) -
 
 def _launch(num_tokens: int) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_K, STAGES, num_warps) for a batch (benchmarks/fused_linear_probe.py)."""
-    if num_tokens <= 32:
-        return max(16, triton.next_power_of_2(num_tokens)), 128, 4, 4
-    return 64, 64, 6, 4
+    if num_tokens <= 16:
+        return 16, 128, 4, 4
+    return (32 if num_tokens <= 128 else 64), 128, 4, 4
 
 
 def _descriptors(x: torch.Tensor, weight: torch.Tensor, block_t: int, block_k: int):
