@@ -138,11 +138,16 @@ def fits_gate_up(hidden_size: int, intermediate_size: int, dtype: torch.dtype) -
         and hidden_size % 64 == 0
 
 
-def _launch(num_tokens: int) -> tuple[int, int, int, int]:
-    """(BLOCK_T, BLOCK_K, STAGES, num_warps) for a batch (benchmarks/fused_linear_probe.py)."""
+def _launch(num_tokens: int, gate_up: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_K, STAGES, num_warps) for a batch (benchmarks/fused_linear_probe.py's
+    sweep: gate_up_proj, with 1.5x qkv_proj's rows, wants wider token tiles from 65 rows)."""
     if num_tokens <= 16:
         return 16, 128, 4, 4
-    return (32 if num_tokens <= 128 else 64), 128, 4, 4
+    if num_tokens <= 64 or (num_tokens <= 128 and not gate_up):
+        return 32, 128, 4, 4
+    if num_tokens <= 128 or not gate_up:
+        return 64, 128, 4, 4
+    return 128, 64, 6, 4
 
 
 def _descriptors(x: torch.Tensor, weight: torch.Tensor, block_t: int, block_k: int):
@@ -188,7 +193,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     inter = weight.shape[0] // 2
     assert fits_gate_up(hidden, inter, x.dtype) and weight.dtype == x.dtype
     out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
-    block_t, block_k, stages, warps = _launch(num_tokens)
+    block_t, block_k, stages, warps = _launch(num_tokens, gate_up=True)
     w_desc, x_desc = _descriptors(x, weight, block_t, block_k)
     _gate_up_silu_kernel[(inter // ROWS, triton.cdiv(num_tokens, block_t))](
         w_desc, x_desc, bias if bias is not None else weight, out, num_tokens, hidden, inter,
