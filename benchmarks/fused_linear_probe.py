@@ -81,7 +81,7 @@ def main() -> None:
             smem = (2 * 64 + bt) * bk * 2 * stages
             if bt < min(m, 64) // 2 or bt > max(16, 2 * m) or smem > 200_000:
                 continue
-            fused_linear._launch = lambda n, gate_up=False, launch=launch: launch
+            fused_linear._launch = lambda n, launch=launch: launch
             try:
                 line = row(m, qkv_w, gu_w, qn, kn, rope.cos_sin_cache, cache, args.reps)
             except Exception as e:  # noqa: BLE001 - a launch that does not compile or fit

@@ -1,13 +1,14 @@
 """Decode projections that carry the kernel after them: qkv_proj with q/k norm + RoPE + the K/V
 cache write in its epilogue, gate_up_proj with SiLU-and-mul in its. A decode layer then runs
-seven launches instead of nine.
+seven launches instead of nine (gate_up_proj's only up to 64 tokens: layers.backends).
 
 The GEMMs are swap-AB and TMA-fed: a batch of at most a few hundred tokens is too narrow for
 the MMA's 64-row side, so the weight's rows take it (out^T = W @ x^T) and the tokens the narrow
 side; weight and token tiles arrive by TMA through a multi-stage pipeline. Each program owns
 one head (two 64-row halves, the pair neox RoPE rotates together) or 64 gate rows with their
-64 up rows, for BLOCK_T tokens. On the H200 this mainloop ties or beats cuBLAS up to 128 rows
-and is ~10% slower at 256 (docs/benchmarks.md); the epilogue saves the launch after it."""
+64 up rows, for BLOCK_T tokens. On the H200 the fused qkv_proj beats cuBLAS + the q/k kernel at
+every decode size up to 256 (by 0.4-0.9 us), the fused gate_up_proj beats cuBLAS + SiLU-and-mul
+up to 64 (by 0.4-0.9 us) and loses from 96 (docs/benchmarks.md)."""
 
 import torch
 import triton
@@ -138,16 +139,12 @@ def fits_gate_up(hidden_size: int, intermediate_size: int, dtype: torch.dtype) -
         and hidden_size % 64 == 0
 
 
-def _launch(num_tokens: int, gate_up: bool = False) -> tuple[int, int, int, int]:
+def _launch(num_tokens: int) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_K, STAGES, num_warps) for a batch (benchmarks/fused_linear_probe.py's
-    sweep: gate_up_proj, with 1.5x qkv_proj's rows, wants wider token tiles from 65 rows)."""
+    sweep on the H200)."""
     if num_tokens <= 16:
         return 16, 128, 4, 4
-    if num_tokens <= 64 or (num_tokens <= 128 and not gate_up):
-        return 32, 128, 4, 4
-    if num_tokens <= 128 or not gate_up:
-        return 64, 128, 4, 4
-    return 128, 64, 6, 4
+    return (32 if num_tokens <= 128 else 64), 128, 4, 4
 
 
 def _descriptors(x: torch.Tensor, weight: torch.Tensor, block_t: int, block_k: int):
@@ -193,7 +190,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     inter = weight.shape[0] // 2
     assert fits_gate_up(hidden, inter, x.dtype) and weight.dtype == x.dtype
     out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
-    block_t, block_k, stages, warps = _launch(num_tokens, gate_up=True)
+    block_t, block_k, stages, warps = _launch(num_tokens)
     w_desc, x_desc = _descriptors(x, weight, block_t, block_k)
     _gate_up_silu_kernel[(inter // ROWS, triton.cdiv(num_tokens, block_t))](
         w_desc, x_desc, bias if bias is not None else weight, out, num_tokens, hidden, inter,

@@ -24,17 +24,17 @@ from nanovllm.utils.context import Context, get_context
 
 logger = logging.getLogger(__name__)
 BACKENDS = ("flash-attn", "triton", "torch")
-# Decode batches up to this size run kernels.fused_linear's projections (measured up to 256 on
-# the H200); larger ones keep cuBLAS and the separate kernels.
-FUSED_DECODE_MAX_TOKENS = 256
+# Decode batches up to these sizes run kernels.fused_linear's projections, where each measured
+# faster than cuBLAS + the kernel it absorbs on the H200; larger ones keep the separate kernels.
+FUSED_QKV_MAX_TOKENS = 256
+FUSED_GATE_UP_MAX_TOKENS = 64
 
 
-def decode_fuses(num_tokens: int) -> bool:
-    """Whether this step runs the fused decode projections where a layer has them: a decode
-    step that writes the cache, of at most FUSED_DECODE_MAX_TOKENS tokens."""
+def decode_fuses(num_tokens: int, max_tokens: int) -> bool:
+    """Whether this step runs a fused decode projection where a layer has it: a decode step
+    that writes the cache, of at most max_tokens tokens."""
     ctx = get_context()
-    return (not ctx.is_prefill and ctx.slot_mapping is not None
-            and num_tokens <= FUSED_DECODE_MAX_TOKENS)
+    return not ctx.is_prefill and ctx.slot_mapping is not None and num_tokens <= max_tokens
 
 
 class TorchBackend:

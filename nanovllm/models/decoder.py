@@ -12,7 +12,11 @@ from transformers import PretrainedConfig
 
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.backends import decode_fuses
+from nanovllm.layers.backends import (
+    FUSED_GATE_UP_MAX_TOKENS,
+    FUSED_QKV_MAX_TOKENS,
+    decode_fuses,
+)
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.fused_moe import SparseMoeBlock, expert_weight_target
 from nanovllm.layers.layernorm import RMSNorm
@@ -81,7 +85,7 @@ class DecoderAttention(nn.Module):
         return weight.is_contiguous() and fits_qkv(weight.shape[1], self.head_dim, weight.dtype)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        if (self.fused_decode and decode_fuses(hidden_states.shape[0])
+        if (self.fused_decode and decode_fuses(hidden_states.shape[0], FUSED_QKV_MAX_TOKENS)
                 and self.attn.takes_projection()):
             o = self.attn.decode_projected(positions, hidden_states, self.qkv_proj)
             return self.o_proj(o.flatten(1, -1))
@@ -114,7 +118,7 @@ class DecoderMLP(nn.Module):
                                                        weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_decode and decode_fuses(x.shape[0]):
+        if self.fused_decode and decode_fuses(x.shape[0], FUSED_GATE_UP_MAX_TOKENS):
             from nanovllm.kernels.fused_linear import gate_up_silu
             return self.down_proj(gate_up_silu(x, self.gate_up_proj.weight,
                                                self.gate_up_proj.bias))

@@ -52,7 +52,7 @@ def test_fits() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm,bias", [(True, False), (False, True)])
-@pytest.mark.parametrize("num_tokens", [3, 37, 70])  # one tile of 16; one and two of 64
+@pytest.mark.parametrize("num_tokens", [3, 37, 130])  # tiles of 16, 32 and 64 tokens
 @pytest.mark.parametrize("fp8", [False, True])
 def test_qkv_rope_store(dtype: torch.dtype, qk_norm: bool, bias: bool, num_tokens: int,
                         fp8: bool) -> None:
@@ -71,9 +71,9 @@ def test_qkv_rope_store(dtype: torch.dtype, qk_norm: bool, bias: bool, num_token
     x = _rows(num_tokens, dtype)
     positions = torch.randint(0, MAX_POS, (num_tokens,), device=DEVICE)
     cache_dtype = FP8_DTYPE if fp8 else dtype
-    k_cache = torch.zeros(8, 16, kv_heads, head_dim, device=DEVICE).to(cache_dtype)
+    k_cache = torch.zeros(16, 16, kv_heads, head_dim, device=DEVICE).to(cache_dtype)
     v_cache = torch.zeros_like(k_cache)
-    slots = torch.randperm(128, device=DEVICE)[:num_tokens]
+    slots = torch.randperm(256, device=DEVICE)[:num_tokens]
     slots[-1] = -1
     scales = (0.5, 2.0) if fp8 else (1.0, 1.0)
     with torch.no_grad():
@@ -95,14 +95,14 @@ def test_qkv_rope_store(dtype: torch.dtype, qk_norm: bool, bias: bool, num_token
     tol = (0.13, 0.13) if fp8 else (atol, rtol)  # one e4m3 step is 1/8 relative
     for got, want in ((k_cache, k_ref_cache), (v_cache, v_ref_cache)):
         torch.testing.assert_close(got.float(), want.float(), atol=tol[0], rtol=tol[1])
-    written = torch.zeros(128, dtype=torch.bool, device=DEVICE)
+    written = torch.zeros(256, dtype=torch.bool, device=DEVICE)
     written[slots[:-1]] = True
-    assert k_cache.view(128, -1)[~written].float().abs().sum() == 0
-    assert v_cache.view(128, -1)[~written].float().abs().sum() == 0
+    assert k_cache.view(256, -1)[~written].float().abs().sum() == 0
+    assert v_cache.view(256, -1)[~written].float().abs().sum() == 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_tokens,bias", [(5, False), (33, True), (70, False)])
+@pytest.mark.parametrize("num_tokens,bias", [(5, False), (33, True), (130, False)])
 def test_gate_up_silu(dtype: torch.dtype, num_tokens: int, bias: bool) -> None:
     """Equals gate_up_proj -> SiLU-and-mul."""
     torch.manual_seed(num_tokens)
