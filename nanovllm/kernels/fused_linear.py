@@ -127,9 +127,9 @@ def _gate_up_silu_kernel(w_desc, x_desc, bias_ptr, out_ptr, M, K, inter,
 
 
 def fits_qkv(hidden_size: int, head_dim: int, dtype: torch.dtype) -> bool:
-    """Whether qkv_rope_store takes these sizes: 16-bit, half heads of whole MMA tiles, rows
-    of a 16-byte multiple (TMA)."""
-    return dtype in (torch.float16, torch.bfloat16) and head_dim in (128, 256) \
+    """Whether qkv_rope_store takes these sizes: 16-bit, half heads of exactly one 64-row MMA
+    tile, rows of a 16-byte multiple (TMA)."""
+    return dtype in (torch.float16, torch.bfloat16) and head_dim == 2 * ROWS \
         and hidden_size % 64 == 0
 
 

@@ -44,8 +44,9 @@ def _rows(num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def test_fits() -> None:
-    assert fits_qkv(1024, 128, torch.bfloat16) and fits_qkv(4096, 256, torch.float16)
+    assert fits_qkv(1024, 128, torch.bfloat16) and fits_qkv(4096, 128, torch.float16)
     assert not fits_qkv(1024, 64, torch.bfloat16)  # half heads narrower than an MMA tile
+    assert not fits_qkv(1024, 256, torch.bfloat16)  # or wider
     assert not fits_qkv(1024, 128, torch.float32)
     assert fits_gate_up(1024, 3072, torch.bfloat16) and not fits_gate_up(1024, 3000, torch.bfloat16)
 
