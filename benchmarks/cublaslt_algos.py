@@ -14,7 +14,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from benchmarks.gemm_layouts import LAYERS, layer_shapes
+from benchmarks.gemm_layouts import LAYERS, layer_shapes, random_bf16
 from benchmarks.runs import graph_replay_us
 from benchmarks.shapes import SHAPES
 
@@ -22,7 +22,6 @@ _COMPUTE_32F, _R_16BF, _R_32F = 68, 14, 0
 _DESC_TRANSA, _DESC_TRANSB, _PREF_MAX_WORKSPACE = 3, 4, 1
 _CFG = {"id": 0, "tile": 1, "splitk": 2, "reduction": 3, "swizzle": 4, "stages": 6,
         "cluster": 8}
-_CAP_SPLITK_SUPPORT, _CAP_REDUCTION_MASK = 0, 1
 
 
 class Algo(ctypes.Structure):
@@ -163,11 +162,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
     lt = CublasLt()
-    new = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16) * 0.02  # noqa: E731
     weights = {}
     for name, (n, k) in layer_shapes(SHAPES[args.shape]).items():
         k_major = name in ("o", "down")  # as RowParallelLinear stores them
-        weights[name] = [new(k, n).t() if k_major else new(n, k) for _ in range(LAYERS)]
+        weights[name] = [random_bf16(k, n).t() if k_major else random_bf16(n, k)
+                         for _ in range(LAYERS)]
     print(f"{torch.cuda.get_device_name()}, {args.shape}, us per GEMM call: torch / "
           "cuBLASLt heuristic's first / best found (candidates) config")
     for m in args.batches:

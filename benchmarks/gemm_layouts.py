@@ -20,6 +20,11 @@ LAYERS = 28
 LM_HEAD = {"lm_head": (151936, 1024)}
 
 
+def random_bf16(*shape: int) -> torch.Tensor:
+    """Random bf16 values at a weight's scale (std 0.02), on the GPU."""
+    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 0.02
+
+
 def layer_shapes(shape: dict) -> dict:
     """(N, K) of a decoder layer's qkv, o, gate_up and down GEMMs."""
     hidden, inter = shape["hidden_size"], shape["intermediate_size"]
@@ -38,8 +43,7 @@ def calls(x, weights, transposed: bool):
 
 def row(m: int, shapes: dict, weights: dict, weights_t: dict, reps: int) -> str:
     """One line at batch m: us per call of each GEMM in both layouts, then the chain's ms."""
-    new = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16) * 0.02  # noqa: E731
-    xs = {name: new(m, k) for name, (n, k) in shapes.items()}
+    xs = {name: random_bf16(m, k) for name, (n, k) in shapes.items()}
     for name in shapes:
         got = torch.mm(xs[name], weights_t[name][0])
         torch.testing.assert_close(got, F.linear(xs[name], weights[name][0]))
@@ -68,8 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     shapes = LM_HEAD if args.lm_head else layer_shapes(SHAPES[args.shape])
     copies = 4 if args.lm_head else LAYERS
-    new = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16) * 0.02  # noqa: E731
-    weights = {name: [new(n, k) for _ in range(copies)] for name, (n, k) in shapes.items()}
+    weights = {name: [random_bf16(n, k) for _ in range(copies)] for name, (n, k) in shapes.items()}
     weights_t = {name: [w.t().contiguous() for w in ws] for name, ws in weights.items()}
     print(f"{torch.cuda.get_device_name()}, {args.shape} {shapes}: us per GEMM call "
           "[N,K] / [K,N]; chain ms per step")

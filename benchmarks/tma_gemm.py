@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from benchmarks.gemm_layouts import LAYERS, layer_shapes
+from benchmarks.gemm_layouts import LAYERS, layer_shapes, random_bf16
 from benchmarks.runs import graph_replay_us
 from benchmarks.shapes import SHAPES
 
@@ -60,14 +60,13 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
     shapes = layer_shapes(SHAPES["qwen3-0.6b"])
-    new = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16) * 0.02  # noqa: E731
     print(f"{torch.cuda.get_device_name()}: us per call, cuBLAS / best swap-AB TMA launch "
           "(BN, BT, BK, stages, warps) / next two")
     for name in args.gemms:
         n, k = shapes[name]
-        ws = [new(n, k) for _ in range(LAYERS)]
+        ws = [random_bf16(n, k) for _ in range(LAYERS)]
         for m in args.batches:
-            x, out = new(m, k), torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            x, out = random_bf16(m, k), torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             ref = F.linear(x, ws[0])
             fn = lambda x=x, ws=ws: [F.linear(x, w) for w in ws]  # noqa: E731
             cublas = graph_replay_us(fn, args.reps, 1) / LAYERS
