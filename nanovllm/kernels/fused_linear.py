@@ -1,6 +1,8 @@
 """Decode projections that carry the kernel after them: qkv_proj with q/k norm + RoPE + the K/V
 cache write in its epilogue, gate_up_proj with SiLU-and-mul in its. A decode layer then runs
-seven launches instead of nine (gate_up_proj's only up to 64 tokens: layers.backends).
+seven launches instead of nine (gate_up_proj's only up to 64 tokens: layers.backends). o_proj
+and down_proj run split over K, leaving float32 partials that the add + RMSNorm after them sums
+(kernels.fused_ops): their 1,024 output rows alone would give a swap-AB GEMM 16 programs.
 
 The GEMMs are swap-AB and TMA-fed: a batch of at most a few hundred tokens is too narrow for
 the MMA's 64-row side, so the weight's rows take it (out^T = W @ x^T) and the tokens the narrow
@@ -126,6 +128,22 @@ def _gate_up_silu_kernel(w_desc, x_desc, bias_ptr, out_ptr, M, K, inter,
     tl.store(out_ptr + toks.to(tl.int64) * inter + cols, (silu * up).to(dtype), mask=toks < M)
 
 
+@triton.jit
+def _split_k_kernel(wt_desc, x_desc, part_ptr, M, N, K_SPLIT, BLOCK_T: tl.constexpr,
+                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """Grid (N / 64, splits, token tiles): part[split] = x[:, ks] @ W[:, ks].T (ks: the split's
+    K_SPLIT columns) for 64 output columns of BLOCK_T tokens; W stored k-major ([K, N])."""
+    pid_n, split, pid_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    acc = tl.zeros([64, BLOCK_T], tl.float32)  # ROWS
+    k0 = split * K_SPLIT
+    for k in tl.range(k0, k0 + K_SPLIT, BLOCK_K, num_stages=STAGES):
+        w = wt_desc.load([k, pid_n * 64]).T
+        acc = tl.dot(w, x_desc.load([pid_t * BLOCK_T, k]).T, acc)
+    cols = pid_n * 64 + tl.arange(0, 64)[:, None]
+    toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
+    tl.store(part_ptr + (split * M + toks).to(tl.int64) * N + cols, acc, mask=toks < M)
+
+
 def fits_qkv(hidden_size: int, head_dim: int, dtype: torch.dtype) -> bool:
     """Whether qkv_rope_store takes these sizes: 16-bit, half heads of exactly one 64-row MMA
     tile, rows of a 16-byte multiple (TMA)."""
@@ -137,6 +155,12 @@ def fits_gate_up(hidden_size: int, intermediate_size: int, dtype: torch.dtype) -
     """Whether gate_up_silu takes these sizes (intermediate_size: this rank's)."""
     return dtype in (torch.float16, torch.bfloat16) and intermediate_size % ROWS == 0 \
         and hidden_size % 64 == 0
+
+
+def fits_split_k(input_size: int, output_size: int, dtype: torch.dtype) -> bool:
+    """Whether split_k_linear takes these sizes."""
+    return dtype in (torch.float16, torch.bfloat16) and output_size % ROWS == 0 \
+        and input_size % 128 == 0
 
 
 def _launch(num_tokens: int) -> tuple[int, int, int, int]:
@@ -197,3 +221,33 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_K=block_k, STAGES=stages,
         num_warps=warps)
     return out
+
+
+def _num_splits(output_size: int, input_size: int, token_tiles: int, num_tokens: int) -> int:
+    """Splits of K that give >= 128 programs (256 up to 16 tokens), at most 16, each split
+    a whole number of 128-wide K tiles (benchmarks/split_k_gemm.py's sweep on the H200)."""
+    target = 256 if num_tokens <= 16 else 128
+    splits = min(16, triton.next_power_of_2(triton.cdiv(target, output_size // ROWS * token_tiles)))
+    while input_size % (splits * 128):
+        splits //= 2
+    return splits
+
+
+def split_k_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """float32 partials [S, M, N] whose sum over S is x @ weight.T, for a weight [N, K] stored
+    k-major (weight.t() contiguous, as RowParallelLinear keeps it): a decode step's o_proj or
+    down_proj, whose splits the add + RMSNorm after it sums in a fixed order."""
+    num_tokens, input_size = x.shape
+    output_size = weight.shape[0]
+    w_kn = weight.t()
+    assert fits_split_k(input_size, output_size, x.dtype) and weight.dtype == x.dtype
+    assert w_kn.is_contiguous() and x.stride(1) == 1 and w_kn.shape[0] == input_size
+    block_t = 16 if num_tokens <= 16 else 64 if num_tokens <= 128 else 128
+    tiles = triton.cdiv(num_tokens, block_t)
+    splits = _num_splits(output_size, input_size, tiles, num_tokens)
+    part = torch.empty(splits, num_tokens, output_size, dtype=torch.float32, device=x.device)
+    _split_k_kernel[(output_size // ROWS, splits, tiles)](
+        TensorDescriptor.from_tensor(w_kn, [128, ROWS]),
+        TensorDescriptor.from_tensor(x, [block_t, 128]), part, num_tokens, output_size,
+        input_size // splits, BLOCK_T=block_t, BLOCK_K=128, STAGES=4, num_warps=4)
+    return part

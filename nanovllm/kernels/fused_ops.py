@@ -6,14 +6,24 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, eps,
-                     H: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr):
-    """Grid (N,): normalise one row; with ADD, first add the residual row and store the sum."""
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res,
+                     stride_split, eps, H: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr,
+                     PARTIALS: tl.constexpr):
+    """Grid (N,): normalise one row; with ADD, first add the residual row and store the sum.
+    With PARTIALS > 0, x is that many float32 split-K partial rows (kernels.fused_linear),
+    summed in order and rounded as the GEMM's own output would be."""
     row = tl.program_id(0).to(tl.int64)  # int64 offsets: no overflow on long prefills
     cols = tl.arange(0, BLOCK)
     mask = cols < H  # H need not be a power of two; padded lanes load 0 and add nothing
     dtype = out_ptr.dtype.element_ty
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if PARTIALS:
+        x = tl.zeros([BLOCK], tl.float32)
+        for split in tl.static_range(PARTIALS):
+            x += tl.load(x_ptr + split * stride_split + row * stride_x + cols, mask=mask,
+                         other=0.0)
+        x = x.to(dtype).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     # Loaded before the residual store: no load may pass a store the compiler cannot prove
     # apart from it, and the weight would then cost one more memory round trip.
     w = tl.load(w_ptr + cols, mask=mask).to(tl.float32)
@@ -51,21 +61,25 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Shared wrapper of rms_norm and add_rms_norm: new contiguous outputs shaped like x."""
-    hidden = x.shape[-1]
-    assert weight.shape == (hidden,) and weight.dtype == x.dtype, "weight in the input dtype"
+                 eps: float, partials: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Shared wrapper of rms_norm and add_rms_norm: new contiguous outputs shaped like the
+    residual (x, or x's rows, without one)."""
+    like = x if residual is None else residual
+    hidden = like.shape[-1]
+    assert weight.shape == (hidden,) and weight.dtype == like.dtype, "weight in the input dtype"
     assert weight.is_contiguous()
-    x2 = _rows(x)
+    x2 = x if partials else _rows(x)
     res2 = None if residual is None else _rows(residual)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(like.shape, dtype=like.dtype, device=x.device)
     res_out = None if residual is None else torch.empty_like(out)
-    if x2.shape[0] > 0:
+    num_rows = res2.shape[0] if partials else x2.shape[0]
+    if num_rows > 0:
         block = triton.next_power_of_2(hidden)
-        _rms_norm_kernel[(x2.shape[0],)](
+        _rms_norm_kernel[(num_rows,)](
             x2, x2 if res2 is None else res2, weight, out, out if res_out is None else res_out,
-            x2.stride(0), 0 if res2 is None else res2.stride(0), eps,
-            H=hidden, BLOCK=block, ADD=residual is not None, num_warps=8 if block >= 4096 else 4)
+            x2.stride(-2), 0 if res2 is None else res2.stride(0), x2.stride(0), eps,
+            H=hidden, BLOCK=block, ADD=residual is not None, PARTIALS=partials,
+            num_warps=8 if block >= 4096 else 4)
     return out, res_out
 
 
@@ -76,7 +90,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual), x + residual) as new tensors, as RMSNorm.add_rms_forward."""
+    """(RMSNorm(x + residual), x + residual) as new tensors, as RMSNorm.add_rms_forward. x is
+    shaped like the residual, or float32 split-K partials [S, *residual.shape] of it."""
+    if x.dim() == residual.dim() + 1:  # kernels.fused_linear.split_k_linear's partials
+        assert x.shape[1:] == residual.shape and x.dtype == torch.float32 and x.is_contiguous()
+        assert residual.dim() == 2
+        return _launch_norm(x, residual, weight, eps, partials=x.shape[0])
     assert residual.shape == x.shape and residual.dtype == x.dtype
     return _launch_norm(x, residual, weight, eps)
 

@@ -28,6 +28,7 @@ BACKENDS = ("flash-attn", "triton", "torch")
 # faster than cuBLAS + the kernel it absorbs on the H200; larger ones keep the separate kernels.
 FUSED_QKV_MAX_TOKENS = 256
 FUSED_GATE_UP_MAX_TOKENS = 64
+FUSED_SPLIT_K_MAX_TOKENS = 256  # o_proj and down_proj as split-K GEMMs (RowParallelLinear)
 
 
 def decode_fuses(num_tokens: int, max_tokens: int) -> bool:
@@ -202,7 +203,8 @@ def select_backend(device: str, dtype: torch.dtype, name: str = "auto",
     logger.info("kernels: attention %s; q/k norm + RoPE + K/V write, RMSNorm, SiLU-and-mul: %s%s; "
                 "experts (MoE): %s%s", name, "fused Triton kernels" if fused_ops else "torch",
                 " (in decode, q/k norm + RoPE + K/V write and SiLU-and-mul inside qkv_proj and "
-                "gate_up_proj)" if backend.fused_projections else "",
+                "gate_up_proj, o_proj and down_proj split over K)" if backend.fused_projections
+                else "",
                 "torch loop" if name == "torch" else "fused Triton kernel",
                 "; no CUDA graphs (eager decode)" if device == "cuda" and not backend.cuda_graphs
                 else "")
@@ -221,3 +223,5 @@ def bind_backend(model: nn.Module, backend: TorchBackend) -> None:
             module.fused = backend.fused_ops
         if hasattr(module, "fused_decode"):
             module.fused_decode = backend.fused_projections and module.can_fuse_decode()
+        if hasattr(module, "split_k"):
+            module.split_k = backend.fused_projections and module.can_split_k()

@@ -25,7 +25,11 @@ class RMSNorm(nn.Module):
 
     def add_rms_forward(self, x: torch.Tensor,
                         residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The torch path: (RMSNorm(x + residual), x + residual), the sum taken in float32."""
+        """The torch path: (RMSNorm(x + residual), x + residual), the sum taken in float32. x may
+        be float32 split-K partials [S, *residual.shape] (RowParallelLinear in decode steps),
+        summed and rounded as the GEMM's output first."""
+        if x.dim() == residual.dim() + 1:
+            x = x.sum(0).to(residual.dtype)
         dtype = x.dtype
         x = x.float() + residual.float()
         residual = x.to(dtype)

@@ -4,6 +4,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.backends import FUSED_SPLIT_K_MAX_TOKENS, decode_fuses
+
 
 def tp_rank_and_size() -> tuple[int, int]:
     """This process's tensor-parallel rank and world size (0, 1 without a process group)."""
@@ -102,13 +104,25 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; partial outputs summed by all-reduce."""
+    """Input features split across ranks; partial outputs summed by all-reduce.
+
+    With `split_k` (set by layers.backends.bind_backend) a decode step returns float32 split-K
+    partials [S, tokens, output] instead (kernels.fused_linear.split_k_linear), which the add +
+    RMSNorm that follows every o_proj and down_proj sums (DecoderLayer)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         _, tp_size = tp_rank_and_size()
         # k_major: from that layout cuBLAS ran Qwen3-0.6B's o_proj twice as fast below 8 rows
         # on the H200 and tied or won elsewhere (other shapes: docs/benchmarks.md)
         super().__init__(divide(input_size, tp_size), output_size, bias, 1, k_major=True)
+        self.split_k = False
+
+    def can_split_k(self) -> bool:
+        """Whether split_k_linear takes this layer: one rank, no bias, the k-major weight."""
+        from nanovllm.kernels.fused_linear import fits_split_k
+        weight = self.weight
+        return self.tp_size == 1 and self.bias is None and weight.t().is_contiguous() \
+            and fits_split_k(weight.shape[1], weight.shape[0], weight.dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         if param.dim() == 1:  # the bias is added once, on rank 0 only
@@ -117,6 +131,9 @@ class RowParallelLinear(LinearBase):
         super().weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.split_k and decode_fuses(x.shape[0], FUSED_SPLIT_K_MAX_TOKENS):
+            from nanovllm.kernels.fused_linear import split_k_linear
+            return split_k_linear(x, self.weight)
         y = F.linear(x, self.weight, self.bias)
         if self.tp_size > 1:
             dist.all_reduce(y)

@@ -126,7 +126,9 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block; the residual add is fused into the next RMSNorm."""
+    """Pre-norm block; the residual add is fused into the next RMSNorm. In decode steps o_proj and
+    down_proj may return split-K partials (RowParallelLinear.split_k): every output of the
+    attention and of the MLP goes to an add + RMSNorm, which sums them."""
 
     def __init__(self, config: PretrainedConfig, spec: DecoderSpec, rotary_emb: RotaryEmbedding,
                  layer_idx: int):

@@ -12,10 +12,13 @@ import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from nanovllm.kernels.fused_linear import (  # noqa: E402
+    _num_splits,
     fits_gate_up,
     fits_qkv,
+    fits_split_k,
     gate_up_silu,
     qkv_rope_store,
+    split_k_linear,
 )  # noqa: E402
 from nanovllm.kernels.kv_quant import FP8_DTYPE  # noqa: E402
 from nanovllm.kernels.store_kvcache import store_kvcache_torch  # noqa: E402
@@ -49,6 +52,18 @@ def test_fits() -> None:
     assert not fits_qkv(1024, 256, torch.bfloat16)  # or wider
     assert not fits_qkv(1024, 128, torch.float32)
     assert fits_gate_up(1024, 3072, torch.bfloat16) and not fits_gate_up(1024, 3000, torch.bfloat16)
+    assert fits_split_k(3072, 1024, torch.bfloat16) and not fits_split_k(3000, 1024, torch.bfloat16)
+    assert not fits_split_k(2048, 1000, torch.bfloat16)
+    assert not fits_split_k(2048, 1024, torch.float32)
+
+
+def test_num_splits() -> None:
+    """Qwen3-0.6B's o_proj (K = 2,048) and down_proj (K = 3,072): the sweep's best splits."""
+    assert _num_splits(1024, 2048, 1, 16) == 16 and _num_splits(1024, 3072, 1, 16) == 8
+    assert _num_splits(1024, 2048, 1, 64) == 8 and _num_splits(1024, 3072, 1, 64) == 8
+    assert _num_splits(1024, 2048, 2, 128) == 4 and _num_splits(1024, 3072, 2, 256) == 4
+    assert _num_splits(4096, 14336, 2, 256) == 1  # enough programs already
+    assert _num_splits(128, 384, 1, 5) == 1  # K = 3 tiles: only one split divides it
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -116,3 +131,20 @@ def test_gate_up_silu(dtype: torch.dtype, num_tokens: int, bias: bool) -> None:
     got = gate_up_silu(x, weight, b)
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,input_size,splits", [(5, 512, 4), (40, 384, 1), (130, 256, 2)])
+def test_split_k_linear(dtype: torch.dtype, num_tokens: int, input_size: int,
+                        splits: int) -> None:
+    """The partials of a k-major weight (RowParallelLinear's layout) sum to F.linear."""
+    torch.manual_seed(num_tokens)
+    output = 128
+    w_kn = (torch.randn(input_size, output, device=DEVICE) * input_size ** -0.5).to(dtype)
+    weight = w_kn.t()  # [N, K] seen through a transposed view, as the layer keeps it
+    scale = torch.rand(num_tokens, 1, device=DEVICE) * 3 + 0.2
+    x = (torch.randn(num_tokens, input_size, device=DEVICE) * scale).to(dtype)
+    parts = split_k_linear(x, weight)
+    assert parts.dtype == torch.float32 and parts.shape == (splits, num_tokens, output)
+    want = F.linear(x.float(), weight.float())
+    torch.testing.assert_close(parts.sum(0), want, atol=1e-3, rtol=1e-3)
