@@ -23,15 +23,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from benchmarks.gemm_layouts import LAYERS, layer_shapes, random_bf16
 from benchmarks.runs import graph_replay_us
 from benchmarks.shapes import SHAPES
-
-
-@triton.jit
-def _prefetch_l2(ptr, nbytes):
-    """One thread of the program asks the L2 for nbytes from ptr (a hint; no value)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+from benchmarks.tma_gemm import _swap_ab_kernel
 
 
 @triton.jit
@@ -45,28 +37,6 @@ def _rms_norm_kernel(x_ptr, stride_x, w_ptr, out_ptr, eps, H: tl.constexpr, PDL:
     x = tl.load(x_ptr + row * stride_x + cols).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / H + eps)
     tl.store(out_ptr + row * H + cols, (x * rstd * w).to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _swap_ab_kernel(w_ptr, w_desc, x_desc, out_ptr, M, N, K, BN: tl.constexpr,
-                    BT: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                    PDL: tl.constexpr, PREFETCH: tl.constexpr):
-    pid_n, pid_t = tl.program_id(0), tl.program_id(1)
-    if PREFETCH:
-        if pid_t == 0:  # rows pid_n*BN.. are BN*K contiguous elements
-            _prefetch_l2(w_ptr + pid_n.to(tl.int64) * BN * K, BN * K * 2)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    acc = tl.zeros([BN, BT], tl.float32)
-    for k in tl.range(0, K, BK, num_stages=STAGES):
-        w = w_desc.load([pid_n * BN, k])
-        x = x_desc.load([pid_t * BT, k])
-        acc = tl.dot(w, x.T, acc)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_t = pid_t * BT + tl.arange(0, BT)
-    dst = out_ptr + offs_t[None, :].to(tl.int64) * N + offs_n[:, None]
-    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=offs_t[None, :] < M)
 
 
 def rms_norm(x, w, out, pdl):

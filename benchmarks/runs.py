@@ -42,6 +42,26 @@ def graph_replay_us(fn, reps: int, calls: int) -> float:
     return statistics.median(times[3:])
 
 
+def time_launches(launches, build, matches, reps: int, calls: int) -> list[tuple]:
+    """[(us per call, launch)], fastest first, of each launch that compiles and whose output
+    matches(launch) after its first call: build(launch) gives the `calls` functions one graph
+    replay runs."""
+    timed = []
+    for launch in launches:
+        try:
+            fns = build(launch)
+            fns[0]()
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001 - a launch that does not compile or fit
+            continue
+        if not matches(launch):
+            print(f"  mismatch {launch}")
+            continue
+        us = graph_replay_us(lambda fns=fns: [f() for f in fns], reps, 1) / calls
+        timed.append((us, launch))
+    return sorted(timed)
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -19,7 +19,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from benchmarks.gemm_layouts import LAYERS, layer_shapes, random_bf16
-from benchmarks.runs import graph_replay_us
+from benchmarks.runs import graph_replay_us, time_launches
 from benchmarks.shapes import SHAPES
 
 
@@ -77,21 +77,13 @@ def main() -> None:
             ref = torch.mm(x, ws[0]).float()
             cublas = graph_replay_us(lambda x=x, ws=ws: [torch.mm(x, w) for w in ws],
                                      args.reps, 1) / LAYERS
-            timed = []
-            for launch in launches(m, k):
-                part = torch.empty(launch[1], m, n, device="cuda", dtype=torch.float32)
-                try:
-                    fns = [split_k(x, w, part, *launch) for w in ws]
-                    fns[0]()
-                    torch.cuda.synchronize()
-                except Exception:  # noqa: BLE001 - a launch that does not compile or fit
-                    continue
-                if not torch.allclose(part.sum(0), ref, rtol=2e-2, atol=2e-2):
-                    print(f"  mismatch {name} M={m} {launch}")
-                    continue
-                us = graph_replay_us(lambda fns=fns: [f() for f in fns], args.reps, 1) / LAYERS
-                timed.append((us, launch))
-            timed.sort()
+            part = torch.empty(16, m, n, device="cuda", dtype=torch.float32)  # [:splits] used
+            timed = time_launches(
+                launches(m, k),
+                lambda launch, x=x, ws=ws, part=part: [split_k(x, w, part[:launch[1]], *launch)
+                                                       for w in ws],
+                lambda launch, part=part, ref=ref: torch.allclose(
+                    part[:launch[1]].sum(0), ref, rtol=2e-2, atol=2e-2), args.reps, LAYERS)
             rest = "  ".join(f"{us:.2f} {launch}" for us, launch in timed[1:3])
             print(f"{name:5s} M={m:3d} {cublas:6.2f} / {timed[0][0]:6.2f} {timed[0][1]} / {rest}",
                   flush=True)

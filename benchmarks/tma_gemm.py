@@ -17,14 +17,32 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from benchmarks.gemm_layouts import LAYERS, layer_shapes, random_bf16
-from benchmarks.runs import graph_replay_us
+from benchmarks.runs import graph_replay_us, time_launches
 from benchmarks.shapes import SHAPES
 
 
 @triton.jit
-def _swap_ab_kernel(w_desc, x_desc, out_ptr, M, N, K, BN: tl.constexpr, BT: tl.constexpr,
-                    BK: tl.constexpr, STAGES: tl.constexpr):
+def _prefetch_l2(ptr, nbytes):
+    """One thread of the program asks the L2 for nbytes from ptr (a hint; no value)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _swap_ab_kernel(w_ptr, w_desc, x_desc, out_ptr, M, N, K, BN: tl.constexpr,
+                    BT: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                    PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+    """out = x @ W.T; with PDL it waits for the previous kernel, then releases the next (after
+    PREFETCH: its weight rows, BN * K contiguous elements, asked of the L2 first)."""
     pid_n, pid_t = tl.program_id(0), tl.program_id(1)
+    if PREFETCH:
+        if pid_t == 0:
+            _prefetch_l2(w_ptr + pid_n.to(tl.int64) * BN * K, BN * K * 2)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([BN, BT], tl.float32)
     for k in tl.range(0, K, BK, num_stages=STAGES):
         w = w_desc.load([pid_n * BN, k])
@@ -43,7 +61,7 @@ def swap_ab(x, w, out, bn, bt, bk, stages, warps):
     w_desc = TensorDescriptor.from_tensor(w, [bn, bk])
     x_desc = TensorDescriptor.from_tensor(x, [bt, bk])
     grid = (n // bn, triton.cdiv(m, bt))
-    return lambda: _swap_ab_kernel[grid](w_desc, x_desc, out, m, n, k, BN=bn, BT=bt, BK=bk,
+    return lambda: _swap_ab_kernel[grid](w, w_desc, x_desc, out, m, n, k, BN=bn, BT=bt, BK=bk,
                                          STAGES=stages, num_warps=warps)
 
 
@@ -70,23 +88,13 @@ def main() -> None:
             ref = F.linear(x, ws[0])
             fn = lambda x=x, ws=ws: [F.linear(x, w) for w in ws]  # noqa: E731
             cublas = graph_replay_us(fn, args.reps, 1) / LAYERS
-            timed = []
-            for launch in launches(m):
-                bn, bt, bk, stages, warps = launch
-                if bk * (bn + bt) * 2 * stages > 200_000:
-                    continue
-                try:
-                    fns = [swap_ab(x, w, out, *launch) for w in ws]
-                    fns[0]()
-                    torch.cuda.synchronize()
-                except Exception:  # noqa: BLE001 - a launch that does not compile or fit
-                    continue
-                if not torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2):
-                    print(f"  mismatch {name} M={m} {launch}")
-                    continue
-                us = graph_replay_us(lambda fns=fns: [f() for f in fns], args.reps, 1) / LAYERS
-                timed.append((us, launch))
-            timed.sort()
+            fitting = [(bn, bt, bk, stages, warps) for bn, bt, bk, stages, warps in launches(m)
+                       if bk * (bn + bt) * 2 * stages <= 200_000]
+            timed = time_launches(
+                fitting, lambda launch, x=x, ws=ws, out=out: [swap_ab(x, w, out, *launch)
+                                                              for w in ws],
+                lambda _, out=out, ref=ref: torch.allclose(out.float(), ref.float(), rtol=2e-2,
+                                                           atol=2e-2), args.reps, LAYERS)
             for us, launch in timed:
                 print(f"  {name} M={m} {us:.2f} {launch}")
             rest = "  ".join(f"{us:.2f} {launch}" for us, launch in timed[1:3])

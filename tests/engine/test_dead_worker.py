@@ -52,8 +52,8 @@ class NeverDone:
 def test_a_step_waiting_on_a_dead_peer_gives_up_once_told():
     sampled = SampledIds(torch.zeros(3, dtype=torch.int64))
     sampled.ready, give_up = NeverDone(), threading.Event()
+    started = time.monotonic()  # before the timer starts: it may fire 0.2 s after its start
     threading.Timer(0.2, give_up.set).start()
-    started = time.monotonic()
     with pytest.raises(RuntimeError, match="step abandoned"):
         sampled.wait(give_up)
     assert 0.2 <= time.monotonic() - started < 2
