@@ -21,11 +21,17 @@ SHAPE = dict(hidden_size=128, head_dim=128, num_attention_heads=2, num_key_value
              intermediate_size=256)
 
 
-@pytest.fixture(scope="module", params=["Qwen3", "Qwen2"])
+# Qwen3MoE: experts in every layer, so only the attention's projections take part
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+
+
+@pytest.fixture(scope="module", params=["Qwen3", "Qwen2", "Qwen3Moe"])
 def checkpoint(request, tmp_path_factory) -> str:
-    """Qwen3 (q/k norm) and Qwen2 (q/k/v biases, no q/k norm) at sizes the kernels tile."""
+    """Qwen3 (q/k norm), Qwen2 (q/k/v biases, no q/k norm) and Qwen3-MoE at sizes the kernels
+    tile."""
+    extra = MOE if request.param == "Qwen3Moe" else {}
     return build_checkpoint(str(tmp_path_factory.mktemp(request.param)), family=request.param,
-                            **SHAPE)
+                            **SHAPE, **extra)
 
 
 def _spy(fn, calls: list):
@@ -51,8 +57,9 @@ def test_fused_decode_same_tokens(checkpoint: str, monkeypatch: pytest.MonkeyPat
               enforce_eager=True, num_kvcache_blocks=8, max_num_seqs=4, max_model_len=512)
     try:
         modules, linears = _fusable(llm), _split(llm)
-        assert len(modules) == 4 and all(m.can_fuse_decode() for m in modules)
-        assert len(linears) == 4 and all(m.can_split_k() for m in linears)
+        mlps = sum(hasattr(m, "gate_up_proj") for m in modules)  # dense MLPs (none with MoE)
+        assert len(modules) == 2 + mlps and all(m.can_fuse_decode() for m in modules)
+        assert len(linears) == 2 + mlps and all(m.can_split_k() for m in linears)
         assert all(m.fused_decode == (DEVICE == "cuda") for m in modules)
         assert all(m.split_k == (DEVICE == "cuda") for m in linears)
         prompts = [[(7 * i + 3 * j) % 300 + 1 for j in range(n)] for i, n in enumerate((5, 40, 17))]
@@ -74,8 +81,9 @@ def test_fused_decode_same_tokens(checkpoint: str, monkeypatch: pytest.MonkeyPat
         llm.shutdown()
     assert got == want
     # 5 decode steps of the 3 sequences (one batch), 2 layers, each kernel (split-K: o and down)
-    assert calls.count("qkv_rope_store") == calls.count("gate_up_silu") == 5 * 2
-    assert calls.count("split_k_linear") == 5 * 2 * 2
+    assert calls.count("qkv_rope_store") == 5 * 2
+    assert calls.count("gate_up_silu") == 5 * mlps
+    assert calls.count("split_k_linear") == 5 * (2 + mlps)
 
 
 def test_can_fuse_decode_rules(checkpoints) -> None:
