@@ -10,6 +10,7 @@ import triton.language as tl
 from nanovllm.kernels import attention_triton  # dot_precision looked up per call (tests patch it)
 from nanovllm.kernels.attention_torch import check_sliding_window
 from nanovllm.kernels.attention_triton import LOG2E, check_shapes, softmax_step
+from nanovllm.kernels.pdl import launch_options, wait_then_release
 
 _MIN_SPLIT_LEN = 256  # fewest keys worth a split of their own
 _TARGET_PROGRAMS = 512  # enough programs to fill an H100/H200 a few times over
@@ -62,9 +63,10 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGES_PER_CHUNK: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr, FP16_DOT: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, FP16_DOT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Grid (Hkv, B, splits): all GROUP query heads of one kv head over one slice of the keys."""
+    wait_then_release(USE_PDL)
     # kv heads vary fastest: the programs running together read neighbouring bytes of each
     # cache row ([slot, kv head, dim]), which the H200 streams measurably faster.
     kv_head = tl.program_id(0)
@@ -120,8 +122,10 @@ def _decode_split_kernel(
 def _decode_reduce_kernel(
     part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ob, stride_oh, num_splits,
     NUM_HEADS: tl.constexpr, SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Grid (B, H): merge the per-split softmax partials of one query head."""
+    wait_then_release(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_P2)
@@ -202,11 +206,12 @@ def decode_attention_triton(
         SLIDING=window > 0, SINGLE_SPLIT=num_splits == 1,
         FP16_DOT=fp8 and q.dtype == torch.bfloat16,
         num_warps=_FP8_NUM_WARPS if fp8 else 4, num_stages=_FP8_NUM_STAGES if fp8 else 2,
+        **launch_options(),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
             part_m, part_l, part_acc, out, out.stride(0), out.stride(1), num_splits,
             NUM_HEADS=num_heads, SPLITS_P2=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim,
+            HEAD_DIM=head_dim, **launch_options(),
         )
     return out

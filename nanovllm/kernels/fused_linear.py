@@ -18,6 +18,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanovllm.kernels.kv_quant import FP8_DTYPE
+from nanovllm.kernels.pdl import launch_options, wait_then_release
 from nanovllm.kernels.qk_norm_rope import _norm_rope
 from nanovllm.kernels.store_kvcache import quantize_kv
 
@@ -45,10 +46,12 @@ def _qkv_rope_store_kernel(w_desc, x_desc, bias_ptr, q_out_ptr, qn_w_ptr, kn_w_p
                            k_inv_scale, v_inv_scale, NUM_Q_HEADS: tl.constexpr,
                            NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                            HAS_BIAS: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
-                           BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                           BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                           USE_PDL: tl.constexpr):
     """Grid (q + k + v heads, token tiles): one head's projection for BLOCK_T tokens; q heads
     normed, rotated and stored to q_out, k heads normed, rotated and written to the cache, v
     heads written to the cache (slot < 0: a padding row, not written)."""
+    wait_then_release(USE_PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     head = tl.program_id(0)
     tok0 = tl.program_id(1) * BLOCK_T
@@ -106,9 +109,10 @@ def _qkv_rope_store_kernel(w_desc, x_desc, bias_ptr, q_out_ptr, qn_w_ptr, kn_w_p
 @triton.jit
 def _gate_up_silu_kernel(w_desc, x_desc, bias_ptr, out_ptr, M, K, inter,
                          HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                         STAGES: tl.constexpr):
+                         STAGES: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (inter / 64, token tiles): silu(gate) * up for 64 columns of BLOCK_T tokens; gate
     rows are W[:inter], up rows W[inter:]."""
+    wait_then_release(USE_PDL)
     col0 = tl.program_id(0) * 64  # ROWS
     tok0 = tl.program_id(1) * BLOCK_T
     cols = col0 + tl.arange(0, 64)[:, None]
@@ -130,9 +134,10 @@ def _gate_up_silu_kernel(w_desc, x_desc, bias_ptr, out_ptr, M, K, inter,
 
 @triton.jit
 def _split_k_kernel(wt_desc, x_desc, part_ptr, M, N, K_SPLIT, BLOCK_T: tl.constexpr,
-                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (N / 64, splits, token tiles): part[split] = x[:, ks] @ W[:, ks].T (ks: the split's
     K_SPLIT columns) for 64 output columns of BLOCK_T tokens; W stored k-major ([K, N])."""
+    wait_then_release(USE_PDL)
     pid_n, split, pid_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     acc = tl.zeros([64, BLOCK_T], tl.float32)  # ROWS
     k0 = split * K_SPLIT
@@ -202,7 +207,7 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         hidden, eps, 1.0 / kv_scales[0], 1.0 / kv_scales[1], NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_BIAS=bias is not None, NORM=norm,
         FP8=k_cache.dtype == FP8_DTYPE, BLOCK_T=block_t, BLOCK_K=block_k, STAGES=stages,
-        num_warps=warps)
+        num_warps=warps, **launch_options())
     return q
 
 
@@ -219,7 +224,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     _gate_up_silu_kernel[(inter // ROWS, triton.cdiv(num_tokens, block_t))](
         w_desc, x_desc, bias if bias is not None else weight, out, num_tokens, hidden, inter,
         HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_K=block_k, STAGES=stages,
-        num_warps=warps)
+        num_warps=warps, **launch_options())
     return out
 
 
@@ -249,5 +254,6 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _split_k_kernel[(output_size // ROWS, splits, tiles)](
         TensorDescriptor.from_tensor(w_kn, [128, ROWS]),
         TensorDescriptor.from_tensor(x, [block_t, 128]), part, num_tokens, output_size,
-        input_size // splits, BLOCK_T=block_t, BLOCK_K=128, STAGES=4, num_warps=4)
+        input_size // splits, BLOCK_T=block_t, BLOCK_K=128, STAGES=4, num_warps=4,
+        **launch_options())
     return part

@@ -4,14 +4,17 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.pdl import launch_options, wait_then_release
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res,
                      stride_split, eps, H: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr,
-                     PARTIALS: tl.constexpr):
+                     PARTIALS: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (N,): normalise one row; with ADD, first add the residual row and store the sum.
     With PARTIALS > 0, x is that many float32 split-K partial rows (kernels.fused_linear),
     summed in order and rounded as the GEMM's own output would be."""
+    wait_then_release(USE_PDL)
     row = tl.program_id(0).to(tl.int64)  # int64 offsets: no overflow on long prefills
     cols = tl.arange(0, BLOCK)
     mask = cols < H  # H need not be a power of two; padded lanes load 0 and add nothing
@@ -40,8 +43,10 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, D: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, D: tl.constexpr, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     """Grid (N, cdiv(D, BLOCK)): silu(x[:D]) * x[D:] for one tile of one row (no reduction)."""
+    wait_then_release(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
@@ -79,7 +84,7 @@ def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
             x2, x2 if res2 is None else res2, weight, out, out if res_out is None else res_out,
             x2.stride(-2), 0 if res2 is None else res2.stride(0), x2.stride(0), eps,
             H=hidden, BLOCK=block, ADD=residual is not None, PARTIALS=partials,
-            num_warps=8 if block >= 4096 else 4)
+            num_warps=8 if block >= 4096 else 4, **launch_options())
     return out, res_out
 
 
@@ -109,5 +114,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] > 0 and d > 0:
         block = min(triton.next_power_of_2(d), 1024)  # tiles: wide rows (d = 25,600) fit too
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            x2, out, x2.stride(0), D=d, BLOCK=block)
+            x2, out, x2.stride(0), D=d, BLOCK=block, **launch_options())
     return out

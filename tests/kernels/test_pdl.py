@@ -1,0 +1,84 @@
+"""Programmatic dependent launch: every kernel launched with it waits for its predecessor before
+touching memory, the CPU interpreter never asks for it, and sm_90 code carries the wait and the
+release."""
+import importlib
+import inspect
+import os
+import pkgutil
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
+
+import nanovllm.kernels  # noqa: E402
+from nanovllm.kernels import pdl  # noqa: E402
+
+
+def _pdl_kernels() -> list:
+    """Every @triton.jit function of nanovllm.kernels with a USE_PDL parameter."""
+    found = []
+    for info in pkgutil.iter_modules(nanovllm.kernels.__path__):
+        module = importlib.import_module(f"nanovllm.kernels.{info.name}")
+        for name, obj in vars(module).items():
+            fn = getattr(obj, "fn", None)  # a JITFunction, or the interpreter's wrapper
+            if (inspect.isfunction(fn) and fn.__module__ == module.__name__
+                    and "USE_PDL" in inspect.signature(fn).parameters
+                    and name != "wait_then_release"):
+                found.append(obj)
+    return found
+
+
+def test_every_pdl_kernel_waits_first() -> None:
+    """A PDL kernel may start while the previous one still writes: no load, store or early
+    return may come before wait_for_previous (and every program must reach it)."""
+    kernels = _pdl_kernels()
+    names = {k.fn.__name__ for k in kernels}
+    assert {"_rms_norm_kernel", "_silu_and_mul_kernel", "_decode_split_kernel",
+            "_decode_reduce_kernel", "_qkv_rope_store_kernel", "_gate_up_silu_kernel",
+            "_split_k_kernel"} <= names
+    for kernel in kernels:
+        body = inspect.getsource(kernel.fn).split('"""')[-1]  # after the docstring
+        head, sep, _ = body.partition("wait_then_release(USE_PDL)")
+        assert sep, f"{kernel.fn.__name__} never waits"
+        assert not re.search(r"tl\.(load|store|atomic)|return|\bif\b|\bfor\b", head), \
+            f"{kernel.fn.__name__} does work before its wait: {head!r}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only on CPU here")
+def test_interpreter_never_launches_with_pdl() -> None:
+    assert pdl.launch_options() == {"USE_PDL": False}
+
+
+_COMPILE_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from nanovllm.kernels.fused_ops import _rms_norm_kernel as kernel
+names = [p.name for p in kernel.params]
+for use_pdl in (True, False):
+    consts = dict(H=1024, BLOCK=1024, ADD=True, PARTIALS=0, USE_PDL=use_pdl)
+    sig = {n: "constexpr" if n in consts else "fp32" if n == "eps" else
+           "i32" if n.startswith("stride") else "*bf16" for n in names}
+    src = ASTSource(fn=kernel, signature=sig,
+                    constexprs={(names.index(n),): v for n, v in consts.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4, launch_pdl=use_pdl))
+    ptx = k.asm["ptx"]
+    print(use_pdl, "griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx,
+          k.metadata.launch_pdl)
+"""
+
+
+def test_sm90_code_has_the_wait() -> None:
+    """Compiled for sm_90 (no GPU needed; a process without the interpreter), a PDL launch of
+    RMSNorm has griddepcontrol.wait, the release and the launch flag; without USE_PDL none."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:2] == ["True True True True", "False False False False"]
