@@ -49,17 +49,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         hf_config = config.hf_config
         t0 = perf_counter()
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(config.torch_dtype)
-        try:
-            with self.device:
-                self.model = build_model(hf_config)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        if config.load_format == "dummy":
-            load_dummy_weights(self.model)
-        else:
-            load_model(self.model, config.model)
+        self.model = self.build_shard()
         self.startup_s = {"load": perf_counter() - t0}
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = select_backend(config.device, config.torch_dtype, config.attention_backend,
@@ -89,6 +79,22 @@ class ModelRunner:
             self.capture_cudagraph()
             self.startup_s["capture"] = perf_counter() - t0
         logger.info("start-up: %s", ", ".join(f"{k} {v:.1f}s" for k, v in self.startup_s.items()))
+
+    def build_shard(self) -> torch.nn.Module:
+        """This rank's shard of the model, built in the model dtype on its device, loaded."""
+        config = self.config
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(config.torch_dtype)
+        try:
+            with self.device:
+                model = build_model(config.hf_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if config.load_format == "dummy":
+            load_dummy_weights(model)
+        else:
+            load_model(model, config.model)
+        return model
 
     # ---- memory -------------------------------------------------------------------------
     def block_bytes(self) -> int:
