@@ -8,6 +8,7 @@ thread, which does not hold up the interpreter's exit.
 import contextlib
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -71,10 +72,16 @@ class Rank0Thread:
         self.calls.put(None)
 
 
-def abandoned_call_running() -> bool:
-    """Whether a call some caller gave up on still runs: its collectives would reach any new
-    process group, so no tensor-parallel engine may start in this process until it ends."""
-    return any(t.thread.is_alive() for t in list(_abandoned))
+def abandoned_call_running(wait_s: float = 0.0) -> bool:
+    """Whether a call some caller gave up on still runs after up to `wait_s` seconds: its
+    collectives would reach any new process group, so no tensor-parallel engine may start in
+    this process until it ends."""
+    deadline = time.monotonic() + wait_s
+    while any(t.thread.is_alive() for t in list(_abandoned)):
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(GIVE_UP_POLL_S)
+    return False
 
 
 def _wait(future: Future, give_up: threading.Event) -> object:

@@ -89,6 +89,38 @@ def test_a_running_abandoned_call_blocks_new_engines_until_it_ends():
     assert not abandoned_call_running()
 
 
+def test_waiting_for_an_abandoned_call_returns_once_it_ends():
+    rank0, give_up, release = Rank0Thread(torch.device("cpu")), threading.Event(), threading.Event()
+    give_up.set()
+    with pytest.raises(PeerDiedError):
+        rank0.call(give_up, release.wait)
+    rank0.close()
+    try:
+        assert abandoned_call_running(wait_s=0.2)  # still running after the wait
+        threading.Timer(0.3, release.set).start()
+        started = time.monotonic()
+        assert not abandoned_call_running(wait_s=10)
+        assert time.monotonic() - started < 2  # returned when the call ended, not at 10 s
+    finally:
+        release.set()
+        rank0.thread.join(2)
+
+
+def test_a_tp_engine_starts_once_a_recently_abandoned_call_ends(tiny_model):
+    # As after a worker died mid-collective: the stuck gloo call fails a moment later.
+    rank0, give_up, release = Rank0Thread(torch.device("cpu")), threading.Event(), threading.Event()
+    give_up.set()
+    with pytest.raises(PeerDiedError):
+        rank0.call(give_up, release.wait)
+    rank0.close()
+    threading.Timer(0.5, release.set).start()
+    llm = LLM(tiny_model, tensor_parallel_size=2, num_kvcache_blocks=16)
+    try:
+        assert not abandoned_call_running()
+    finally:
+        llm.shutdown()
+
+
 def test_a_tp_engine_refuses_to_start_beside_an_abandoned_call(tiny_model):
     rank0, give_up, release = Rank0Thread(torch.device("cpu")), threading.Event(), threading.Event()
     give_up.set()

@@ -18,6 +18,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
 from nanovllm.engine import shm_channel, worker
 from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.rank0_thread import abandoned_call_running
 from nanovllm.utils.checkpoint import build_checkpoint
 from tests.reference import hf_greedy, load_hf
 
@@ -73,6 +74,7 @@ def assert_nothing_left(shm_name: str) -> None:
     assert not segment_exists(shm_name)
     assert mp.active_children() == []
     assert not dist.is_initialized()
+    assert not abandoned_call_running(wait_s=10)  # a call left on a dead peer has failed too
 
 
 @pytest.fixture(scope="module")
