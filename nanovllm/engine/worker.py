@@ -120,8 +120,7 @@ class WorkerGroup:
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed process group already exists in this "
                                "process (another tensor-parallel engine?); shut it down first")
-        # A call abandoned a moment ago usually ends as soon as its collective fails on the
-        # dead peer's closed sockets (gloo); one stuck in NCCL may never end.
+        # One abandoned a moment ago ends once gloo sees the dead peer; NCCL's may never end.
         if abandoned_call_running(wait_s=DEATH_GRACE_S):
             raise RuntimeError("a step of a tensor-parallel engine whose worker died still runs "
                                "in this process and would disturb a new one; start the new "
