@@ -34,8 +34,8 @@ def test_calls_return_results_and_raise_errors_in_order():
 
 def test_a_call_stuck_forever_is_abandoned_once_a_peer_died():
     rank0, give_up, never = Rank0Thread(torch.device("cpu")), threading.Event(), threading.Event()
+    started = time.monotonic()  # before the timer starts: it may fire 0.2 s after its start
     threading.Timer(0.2, give_up.set).start()
-    started = time.monotonic()
     with pytest.raises(PeerDiedError, match="peer died"):
         rank0.call(give_up, never.wait)  # as an NCCL launch blocked on a dead peer
     assert 0.2 <= time.monotonic() - started < 1
