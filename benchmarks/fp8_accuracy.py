@@ -20,7 +20,7 @@ import time
 import torch
 
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step_inputs import prepare_prefill
+from nanovllm.runner.step_inputs import prepare_prefill
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import Context, forward_context
 
@@ -33,7 +33,7 @@ _GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True
 
 
 def checkpoint(name: str) -> str:
-    from nanovllm.utils.checkpoint import build_checkpoint, qwen3_0_6b_random
+    from nanovllm.utils.dummy_checkpoint import build_checkpoint, qwen3_0_6b_random
     if name == "qwen3-0.6b":
         return qwen3_0_6b_random()
     path = os.path.join(tempfile.gettempdir(), f"nanovllm-fp8-{name}")

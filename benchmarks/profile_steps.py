@@ -13,7 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.runs import sync
 from benchmarks.workloads import max_token_id, standard
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.checkpoint import qwen3_0_6b_random
+from nanovllm.utils.dummy_checkpoint import qwen3_0_6b_random
 
 
 def table(prof, title: str, rows: int = 30) -> None:

@@ -9,7 +9,7 @@ from nanovllm.kernels.kv_quant import FP8_DTYPE
 from nanovllm.layers.backends import BACKENDS, check_attention_backend
 from nanovllm.layers.rotary_embedding import rope_parameters
 from nanovllm.models.registry import architecture, decoder_spec, with_family_defaults
-from nanovllm.validation import INT32_MAX, check, check_int, check_real, is_int
+from nanovllm.utils.field_checks import INT32_MAX, check, check_int, check_real, is_int
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights from config.json alone (benchmarks)

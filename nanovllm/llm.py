@@ -4,10 +4,9 @@ from itertools import islice
 
 import torch
 
-from nanovllm.engine.data_parallel import check_data_parallel_size
+from nanovllm.data_parallel.engine import DataParallelEngine, check_data_parallel_size
 from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.engine.validation import Conversation, as_conversation_list
-from nanovllm.engine.worker import WORKER_COMMANDS
+from nanovllm.engine.request_checks import Conversation, as_conversation_list
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.loader import check_weight_names
 from nanovllm.utils.tokenizer import chat_prompt_ids
@@ -19,12 +18,10 @@ class LLM(LLMEngine):
     """An offline LLM: `LLM(path, **config).generate(prompts, SamplingParams(...))`."""
 
     def __new__(cls, model: str, data_parallel_size: int = 1, **kwargs):
-        # data_parallel_size > 1 returns a front end over that many engines in Ray actors, with
-        # the same generate/chat/stats; with 1 this class is built as always and Ray is never
-        # imported.
-        if check_data_parallel_size(data_parallel_size) > 1:
-            from nanovllm.engine.data_parallel import DataParallelLLM
-            return DataParallelLLM(model, data_parallel_size, **kwargs)
+        # data_parallel_size > 1 builds a DataParallelLLM (an LLM over N engines in Ray actors);
+        # with 1 this class is built as always and Ray is never imported.
+        if cls is LLM and check_data_parallel_size(data_parallel_size) > 1:
+            return super().__new__(DataParallelLLM)
         return super().__new__(cls)
 
     def __init__(self, model: str, data_parallel_size: int = 1, **kwargs):
@@ -94,14 +91,10 @@ class LLM(LLMEngine):
         self._sleep_level = 0
 
     def _on_all_ranks(self, command: str, *args, **rank0_kwargs) -> None:
-        if self.workers is None:
-            WORKER_COMMANDS[command](self.model_runner, *args, **rank0_kwargs)
-        else:
-            self.workers.execute(command, *args, **rank0_kwargs)
+        self.executor.execute(command, *args, **rank0_kwargs)
 
     def _check_idle(self, what: str) -> None:
-        if self.model_runner is None:
-            raise RuntimeError("the engine is shut down")
+        self._check_running()
         if self._has_work():
             raise RuntimeError(f"{what}() needs an idle engine: requests are still queued")
 
@@ -112,3 +105,53 @@ class LLM(LLMEngine):
         if getattr(self, "_weights_dropped", False):
             raise RuntimeError(f"{what}() after sleep(level=2) and wake_up(): the weights were "
                                f"dropped; call update_weights() first")
+
+
+def _needs_one_engine(name: str):
+    """A method DataParallelLLM refuses: it acts on one engine's queue, weights or memory."""
+    def refuse(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"{name}() is not supported with data parallelism (data_parallel_size="
+            f"{self.data_parallel_size}): each replica is an engine of its own in a Ray actor; "
+            f"use generate(), chat(), stats(), reset_stats(), reset_prefix_cache(), shutdown()")
+    refuse.__name__ = name
+    return refuse
+
+
+class DataParallelLLM(LLM):
+    """`LLM(model, data_parallel_size=N, **kwargs)`: generate() and chat() over N whole engines
+    in Ray actors (data_parallel.engine); what acts on one engine raises NotImplementedError."""
+
+    def __init__(self, model: str, data_parallel_size: int = 1, **kwargs):
+        self.data_parallel_size = data_parallel_size
+        self._sleep_level, self._weights_dropped = 0, False
+        self.engine = DataParallelEngine(model, data_parallel_size, **kwargs)
+        self.tokenizer, self.replica_info = self.engine.tokenizer, self.engine.replica_info
+
+    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[dict]:
+        return self.engine.generate(prompts, sampling_params, use_tqdm)
+
+    def stats(self) -> dict:
+        """The replicas' counters summed, each replica's own under "replicas"."""
+        return self.engine.stats()
+
+    def reset_stats(self, timeline: bool = False) -> None:
+        self.engine.reset_stats(timeline)
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    add_request = _needs_one_engine("add_request")
+    step = _needs_one_engine("step")
+    abort_request = _needs_one_engine("abort_request")
+    new_tokens = _needs_one_engine("new_tokens")
+    is_finished = _needs_one_engine("is_finished")
+    request_limits = _needs_one_engine("request_limits")
+    update_weights = _needs_one_engine("update_weights")
+    sleep = _needs_one_engine("sleep")
+    wake_up = _needs_one_engine("wake_up")

@@ -1,7 +1,7 @@
 """Per-request sampling parameters."""
 from dataclasses import dataclass
 
-from nanovllm.validation import (
+from nanovllm.utils.field_checks import (
     FLOAT32_MAX,
     FLOAT32_TINY,
     INT32_MAX,

@@ -10,7 +10,7 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.runner.model_runner import ModelRunner
 
 
 def copy_checkpoint(src: str, dst: str, drop: tuple[str, ...] = (),

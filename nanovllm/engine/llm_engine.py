@@ -5,15 +5,14 @@ from time import perf_counter
 from tqdm.auto import tqdm
 
 from nanovllm.config import config_from_kwargs
-from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.outputs import RequestTable, record_logprobs, request_output
-from nanovllm.engine.sampled_ids import InFlightStep, SampledIds
+from nanovllm.engine.request_checks import RequestLimits, validate_request, validate_requests
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stats import StepCounters
 from nanovllm.engine.stop_strings import StopStringChecker
-from nanovllm.engine.validation import RequestLimits, validate_request, validate_requests
-from nanovllm.engine.worker import WorkerGroup
+from nanovllm.executor.base import Executor, make_executor
+from nanovllm.runner.sampled_ids import InFlightStep, SampledIds
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.tokenizer import load_tokenizer
 
@@ -26,12 +25,8 @@ class LLMEngine:
         self.config = config = config_from_kwargs(model, kwargs)
         # The tokenizer first: a bad directory then fails before any model or worker exists.
         self.tokenizer = load_tokenizer(config.model)
-        self.workers = None
-        if config.tensor_parallel_size > 1:
-            self.workers = WorkerGroup(config)
-            self.model_runner = self.workers.runner
-        else:
-            self.model_runner = ModelRunner(config, 0)
+        self.executor: Executor | None = make_executor(config)
+        self.model_runner = self.executor.runner  # rank 0's
         eos = self.tokenizer.eos_token_id
         if eos is None:
             eos = getattr(config.hf_config, "eos_token_id", None)
@@ -45,17 +40,16 @@ class LLMEngine:
         self._in_flight: InFlightStep | None = None
         self._unreturned: list[dict] = []  # hand-queued requests that finished in generate()
         self._requests = RequestTable()
-        # Workers build their inputs from host token ids, so tensor parallelism runs lockstep.
-        self._pipelined = self.workers is None
+        self._pipelined = self.executor.pipelined
         # Runs on `del llm`, garbage collection or interpreter exit, whichever is first; it
-        # holds the workers and runner, not the engine, so it does not keep the engine alive.
-        self._finalizer = weakref.finalize(self, _release, self.workers, self.model_runner)
+        # holds the executor, not the engine, so it does not keep the engine alive.
+        self._finalizer = weakref.finalize(self, self.executor.shutdown)
 
     def shutdown(self) -> None:
-        """Stop the workers; release the model, KV pool and graphs; safe to call twice."""
+        """Release every rank's model, KV pool and graphs (ending any workers); idempotent."""
         if hasattr(self, "_finalizer"):
             self._finalizer()
-        self.workers = self.model_runner = self._in_flight = None
+        self.executor = self.model_runner = self._in_flight = None
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
         """Validate and queue one request; returns its request id (see step())."""
@@ -72,6 +66,7 @@ class LLMEngine:
 
     def request_limits(self) -> RequestLimits:
         """What a request may ask for: checked before it is queued."""
+        self._check_running()
         return RequestLimits(vocab_size=self.config.hf_config.vocab_size,
                              max_model_len=self.config.max_model_len,
                              block_size=self.config.kvcache_block_size,
@@ -89,8 +84,7 @@ class LLMEngine:
         """Advance the in-flight step, launch the next, commit the in-flight one's ids (so the
         host's bookkeeping overlaps the GPU); lockstep (tensor parallelism: workers need host
         ids), commit the launched step at once. Returns (finished sequences, token count)."""
-        if self.model_runner is None:
-            raise RuntimeError("the engine is shut down")
+        self._check_running()
         if not self._has_work():
             return [], 0
         t0 = perf_counter()
@@ -123,13 +117,11 @@ class LLMEngine:
 
     def _launch(self, seqs: list[Sequence], is_prefill: bool,
                 previous: InFlightStep | None = None) -> SampledIds:
-        """Enqueue a step (with workers: run it on every rank); pending tokens from `previous`."""
-        if self.workers is not None:
-            return self.workers.execute("run", seqs, is_prefill)
+        """Start a step on every rank; pending tokens from `previous` (pipelined only)."""
         if previous is None or is_prefill or not previous.advanced:  # no pending token
-            return self.model_runner.launch(seqs, is_prefill)
-        return self.model_runner.launch(seqs, False, previous.sampled.device,
-                                        previous.source_rows(seqs))
+            return self.executor.launch(seqs, is_prefill)
+        return self.executor.launch(seqs, False, previous.sampled.device,
+                                    previous.source_rows(seqs))
 
     def _commit(self, step: InFlightStep) -> list[Sequence]:
         """Read an advanced step's ids (the one host sync per step); returns the finished."""
@@ -184,6 +176,10 @@ class LLMEngine:
     def is_finished(self) -> bool:
         """Nothing left to run, and step() has returned every hand-queued request's output."""
         return not self._has_work() and not self._unreturned
+
+    def _check_running(self) -> None:
+        if self.executor is None:
+            raise RuntimeError("the engine is shut down")
 
     def _has_work(self) -> bool:
         return not self.scheduler.is_finished() or self._in_flight is not None
@@ -274,11 +270,3 @@ class LLMEngine:
                     new[seq.seq_id] = ids, None if logprobs is None else logprobs[start:]
         return new
 
-
-def _release(workers: WorkerGroup | None, runner: ModelRunner) -> None:
-    """Stop the workers, which frees rank 0's runner (and, after a worker's death, knows not to
-    wait on the GPU for it); without workers, free the runner."""
-    if workers is not None:
-        workers.shutdown()
-    else:
-        runner.shutdown()

@@ -2,9 +2,9 @@
 sequences that ran it (n of them for SamplingParams.n = n)."""
 from dataclasses import replace
 
-from nanovllm.engine.sampled_ids import SampledIds
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import LogprobsTensors, derive_seed
+from nanovllm.runner.sampled_ids import SampledIds
 from nanovllm.sampling_params import SamplingParams
 
 

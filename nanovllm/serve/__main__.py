@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import uvicorn
 
-        from nanovllm.engine.async_llm import AsyncLLM
-        from nanovllm.serve.app import build_app
+        from nanovllm.serve.async_llm import AsyncLLM
+        from nanovllm.serve.openai.app import build_app
     except ImportError as e:
         sys.exit(f"serving needs the serve extra: pip install 'nanovllm[serve]' ({e})")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")

@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.request_checks import max_blocks_needed
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
-from nanovllm.engine.validation import max_blocks_needed
 from nanovllm.sampling_params import SamplingParams
 
 BS = 4
@@ -142,7 +142,8 @@ def interrupt_after(num_lines: int):
         return local
 
     def tracer(frame, event, arg):
-        return local if "nanovllm/engine/" in frame.f_code.co_filename else None
+        return local if any(f"nanovllm/{room}/" in frame.f_code.co_filename
+                            for room in ("engine", "runner", "executor")) else None
 
     sys.settrace(tracer)
     try:

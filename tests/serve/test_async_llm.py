@@ -5,7 +5,7 @@ import multiprocessing
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.async_llm import AsyncLLM
+from nanovllm.serve.async_llm import AsyncLLM
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 

@@ -7,7 +7,7 @@ import pytest
 
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.stop_strings import StopStringChecker
-from nanovllm.utils.checkpoint import corpus
+from nanovllm.utils.dummy_checkpoint import corpus
 from nanovllm.utils.tokenizer import load_tokenizer
 
 

@@ -13,9 +13,9 @@ import time
 import pytest
 
 from nanovllm import SamplingParams
-from nanovllm.engine.async_llm import AsyncLLM
-from nanovllm.engine.engine_loop import EngineLoop
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.serve.async_llm import AsyncLLM
+from nanovllm.serve.engine_loop import EngineLoop
 
 LONG = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
 
@@ -94,7 +94,7 @@ def test_a_script_that_never_shuts_down_exits(tiny_model, tmp_path):
     script.write_text(textwrap.dedent(f"""
         import asyncio
         from nanovllm import SamplingParams
-        from nanovllm.engine.async_llm import AsyncLLM
+        from nanovllm.serve.async_llm import AsyncLLM
 
         async def main(llm):
             async for out in llm.generate([1, 2, 3], SamplingParams(max_tokens=4), "r"):

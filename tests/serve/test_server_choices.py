@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("fastapi")  # the serve extra; without it this module is not collected
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.serve.serving import interleave  # noqa: E402
+from nanovllm.serve.openai.serving import interleave  # noqa: E402
 from tests.serve.conftest import metrics, stream, wait_until_idle  # noqa: E402
 
 WORDS = ["hello", "world", "the", "quick", "brown", "fox", "cache", "block"]

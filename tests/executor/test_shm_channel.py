@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from nanovllm.engine.shm_channel import DEFAULT_CAPACITY, CommandChannel
+from nanovllm.executor.shm_channel import DEFAULT_CAPACITY, CommandChannel
 
 
 def segment_exists(name: str) -> bool:

@@ -2,7 +2,7 @@
 import pytest
 
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step_inputs import DecodeInputs
+from nanovllm.runner.step_inputs import DecodeInputs
 from nanovllm.sampling_params import SamplingParams
 
 BLOCK = 4

@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine import worker
-from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.engine.rank0_thread import abandoned_call_running
-from nanovllm.engine.sampled_ids import SampledIds
-from tests.engine.test_tensor_parallel import (
+from nanovllm.executor import multiproc as worker
+from nanovllm.executor.rank0_thread import abandoned_call_running
+from nanovllm.runner.model_runner import ModelRunner
+from nanovllm.runner.sampled_ids import SampledIds
+from tests.executor.test_tensor_parallel import (
     assert_nothing_left,
     process_gone,
     prompts,
@@ -75,11 +75,11 @@ def test_watchdog_aborts_the_communicator_when_a_worker_dies(tiny_model, monkeyp
                         lambda device: aborted.append((device, time.monotonic())))
     llm = LLM(tiny_model, tensor_parallel_size=2, num_kvcache_blocks=16)
     try:
-        shm, victim = llm.workers.channel.name, llm.workers.processes[0]
+        shm, victim = llm.executor.channel.name, llm.executor.processes[0]
         llm.generate(prompts(), SamplingParams(max_tokens=2), use_tqdm=False)
         os.kill(victim.pid, signal.SIGKILL)
         killed = time.monotonic()
-        assert llm.workers.worker_died.wait(timeout=5)  # set just before the abort
+        assert llm.executor.worker_died.wait(timeout=5)  # set just before the abort
         assert wait_until(lambda: aborted, 2)
         assert aborted[0][0] == "cpu" and aborted[0][1] - killed < 2
         with pytest.raises(worker.WorkerDiedError, match=r"rank 1 \(pid \d+\) exit code -9"):
@@ -94,7 +94,7 @@ def test_no_abort_on_a_clean_shutdown(tiny_model, monkeypatch):
     aborted = []
     monkeypatch.setattr(worker, "abort_communicator", aborted.append)
     llm = LLM(tiny_model, tensor_parallel_size=2, num_kvcache_blocks=16)
-    workers = llm.workers
+    workers = llm.executor
     llm.shutdown()
     time.sleep(2 * worker.PARENT_POLL_S)  # the watchdog has seen the workers exit by now
     assert not aborted and not workers.worker_died.is_set()
@@ -109,7 +109,7 @@ def test_shutdown_after_a_death_never_waits_on_the_group(tiny_model, monkeypatch
     monkeypatch.setattr(ModelRunner, "shutdown",
                         lambda runner: release.wait() and real_shutdown(runner))
     llm = LLM(tiny_model, tensor_parallel_size=2, num_kvcache_blocks=16)
-    shm, victim = llm.workers.channel.name, llm.workers.processes[0]
+    shm, victim = llm.executor.channel.name, llm.executor.processes[0]
     times = {}
 
     def generate_then_shut_down() -> None:
@@ -144,13 +144,13 @@ def test_a_launch_blocked_on_a_dead_peer_still_raises_within_seconds(tiny_model,
     release = threading.Event()
     monkeypatch.setattr(worker, "abort_communicator", lambda device: release.wait())
     llm = LLM(tiny_model, tensor_parallel_size=2, num_kvcache_blocks=16)
-    shm, victim = llm.workers.channel.name, llm.workers.processes[0]
+    shm, victim = llm.executor.channel.name, llm.executor.processes[0]
 
     def kill_then_block(runner: ModelRunner, seqs, is_prefill) -> None:
         os.kill(victim.pid, signal.SIGKILL)
         release.wait()
 
-    monkeypatch.setitem(worker.WORKER_COMMANDS, "run", kill_then_block)  # rank 0 only
+    monkeypatch.setitem(worker.RANK_COMMANDS, "run", kill_then_block)  # rank 0 only
     errors = []
 
     def generate() -> None:
@@ -179,20 +179,20 @@ KILL_SCRIPT = """
 import json, multiprocessing as mp, os, signal, sys, time
 import torch, torch.distributed as dist
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine import worker
-from nanovllm.engine.model_runner import ModelRunner
-from tests.engine.test_tensor_parallel import process_gone, prompts, segment_exists
+from nanovllm.executor import multiproc as worker
+from nanovllm.runner.model_runner import ModelRunner
+from tests.executor.test_tensor_parallel import process_gone, prompts, segment_exists
 if __name__ == "__main__":
     path, kill_at_step = sys.argv[1], int(sys.argv[2])
     llm = LLM(path, tensor_parallel_size=2, num_kvcache_blocks=16, device="cuda")
-    shm, victim, calls, killed = llm.workers.channel.name, llm.workers.processes[0], [0], []
+    shm, victim, calls, killed = llm.executor.channel.name, llm.executor.processes[0], [0], []
     def run_after_killing(runner, seqs, is_prefill):
         calls[0] += 1
         if calls[0] == kill_at_step:
             os.kill(victim.pid, signal.SIGKILL)  # rank 0 then waits on a dead peer's kernel
             killed.append(time.monotonic())
         return ModelRunner.run(runner, seqs, is_prefill)
-    worker.WORKER_COMMANDS["run"] = run_after_killing  # rank 0 only
+    worker.RANK_COMMANDS["run"] = run_after_killing  # rank 0 only
     try:
         llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
                      use_tqdm=False)

@@ -16,10 +16,11 @@ import torch.distributed as dist
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
-from nanovllm.engine import shm_channel, worker
-from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.engine.rank0_thread import abandoned_call_running
-from nanovllm.utils.checkpoint import build_checkpoint
+from nanovllm.executor import multiproc as worker
+from nanovllm.executor import shm_channel
+from nanovllm.executor.rank0_thread import abandoned_call_running
+from nanovllm.runner.model_runner import ModelRunner
+from nanovllm.utils.dummy_checkpoint import build_checkpoint
 from tests.reference import hf_greedy, load_hf
 
 NUM_TOKENS = 12
@@ -31,8 +32,8 @@ from nanovllm import LLM, SamplingParams
 if __name__ == "__main__":
     path, prompts, barrier = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
     llm = LLM(path, tensor_parallel_size=2, num_kvcache_blocks=16)
-    print(json.dumps({"pid": os.getpid(), "worker_pid": llm.workers.processes[0].pid,
-                      "shm": llm.workers.channel.name, "port": llm.workers.store.port}),
+    print(json.dumps({"pid": os.getpid(), "worker_pid": llm.executor.processes[0].pid,
+                      "shm": llm.executor.channel.name, "port": llm.executor.store.port}),
           flush=True)
     open(os.path.join(barrier, str(os.getpid())), "w").close()
     deadline = time.monotonic() + 120
@@ -139,7 +140,7 @@ NOTICED_WITHIN_S = 60
 
 def test_killing_a_worker_between_steps_raises_and_leaks_nothing(tiny_model):
     llm = LLM(tiny_model, tensor_parallel_size=2, num_kvcache_blocks=16)
-    shm, victim = llm.workers.channel.name, llm.workers.processes[0]
+    shm, victim = llm.executor.channel.name, llm.executor.processes[0]
     assert segment_exists(shm) and mp.active_children() == [victim]
     for prompt in prompts():
         llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
@@ -159,13 +160,13 @@ def test_killing_a_worker_between_steps_raises_and_leaks_nothing(tiny_model):
 
 def test_killing_a_worker_inside_a_step_raises_and_leaks_nothing(tiny_model, monkeypatch):
     llm = LLM(tiny_model, tensor_parallel_size=2, num_kvcache_blocks=16)
-    shm, victim = llm.workers.channel.name, llm.workers.processes[0]
+    shm, victim = llm.executor.channel.name, llm.executor.processes[0]
 
     def run_after_killing(runner: ModelRunner, seqs, is_prefill):
         os.kill(victim.pid, signal.SIGKILL)  # rank 0 then waits on a dead peer's collective
         return ModelRunner.run(runner, seqs, is_prefill)
 
-    monkeypatch.setitem(worker.WORKER_COMMANDS, "run", run_after_killing)  # rank 0 only
+    monkeypatch.setitem(worker.RANK_COMMANDS, "run", run_after_killing)  # rank 0 only
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="worker died: rank 1"):
         llm.generate(prompts(), GREEDY, use_tqdm=False)
@@ -207,9 +208,9 @@ def test_two_engines_one_after_the_other_in_one_process(tiny_model, monkeypatch)
     for capacity in (1 << 20, 1024):  # the second engine's prefill outgrows its channel
         monkeypatch.setattr(shm_channel, "DEFAULT_CAPACITY", capacity)
         llm = LLM(tiny_model, tensor_parallel_size=2, num_kvcache_blocks=16)
-        names.append(llm.workers.channel.name)
+        names.append(llm.executor.channel.name)
         results.append(tokens(llm, batch))
-        names.append(llm.workers.channel.name)
+        names.append(llm.executor.channel.name)
         assert (names[-1] != names[-2]) == (capacity == 1024)  # grown: a new, bigger segment
         llm.shutdown()
         assert_nothing_left(names[-1])

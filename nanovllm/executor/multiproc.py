@@ -12,7 +12,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from multiprocessing.connection import wait
@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.engine.rank0_thread import Rank0Thread, abandoned_call_running
-from nanovllm.engine.shm_channel import CommandChannel
-from nanovllm.engine.sleep_mode import sleep, wake_up
-from nanovllm.engine.weight_update import update_weights
+from nanovllm.executor.base import Executor
+from nanovllm.executor.rank0_thread import Rank0Thread, abandoned_call_running
+from nanovllm.executor.shm_channel import CommandChannel
+from nanovllm.runner.model_runner import ModelRunner
+from nanovllm.runner.rank_commands import RANK_COMMANDS
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +40,6 @@ JOIN_TIMEOUT_S = 10.0
 # After a worker's death, freeing rank 0's GPU state and group waits at most this long: an
 # abort or a device sync may wait forever on the dead peer's collective (NCCL issues 829, 863).
 RELEASE_TIMEOUT_S = 5.0
-# The fixed set of commands a worker obeys; "shutdown" ends its loop.
-WORKER_COMMANDS: dict[str, Callable] = {"run": ModelRunner.run, "sleep": sleep,
-                                         "wake_up": wake_up, "update_weights": update_weights}
 
 
 class WorkerDiedError(RuntimeError):
@@ -106,15 +103,17 @@ def worker_loop(runner: ModelRunner, channel: CommandChannel, wakeup: Semaphore)
         method, args = channel.read()
         if method == "shutdown":
             return
-        if method not in WORKER_COMMANDS:
+        if method not in RANK_COMMANDS:
             raise RuntimeError(f"unknown worker command {method!r}; expected one of "
-                               f"{[*WORKER_COMMANDS, 'shutdown']}")
-        WORKER_COMMANDS[method](runner, *args)
+                               f"{[*RANK_COMMANDS, 'shutdown']}")
+        RANK_COMMANDS[method](runner, *args)
 
 
-class WorkerGroup:
+class MultiprocExecutor(Executor):
     """All ranks of one engine: spawns ranks 1..N-1, builds rank 0's runner in this process,
     runs every command on all of them and notices deaths."""
+
+    pipelined = False
 
     def __init__(self, config: Config):
         if dist.is_initialized():
@@ -236,7 +235,7 @@ class WorkerGroup:
             self.channel.write(method, args)
             for wakeup in self.wakeups:
                 wakeup.release()
-            result = self.rank0.call(self.worker_died, WORKER_COMMANDS[method], self.runner,
+            result = self.rank0.call(self.worker_died, RANK_COMMANDS[method], self.runner,
                                      *args, **rank0_kwargs)
         self.check_alive()  # an aborted collective may return garbage instead of raising
         return result

@@ -8,15 +8,19 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from nanovllm.engine.async_llm import AsyncLLM, RequestOutput
 from nanovllm.engine.outputs import completion_params
-from nanovllm.engine.validation import validate_request
+from nanovllm.engine.request_checks import validate_request
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.serve.errors import APIError, bad_request
-from nanovllm.serve.logprobs import LogprobsFormat
-from nanovllm.serve.metrics import ServerMetrics
-from nanovllm.serve.protocol import ChatCompletionRequest, CompletionRequest, _SamplingRequest
-from nanovllm.serve.responses import Choice, ChoiceOutput, ResponseFormat
+from nanovllm.serve.async_llm import AsyncLLM, RequestOutput
+from nanovllm.serve.openai.errors import APIError, bad_request
+from nanovllm.serve.openai.logprobs import LogprobsFormat
+from nanovllm.serve.openai.metrics import ServerMetrics
+from nanovllm.serve.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    _SamplingRequest,
+)
+from nanovllm.serve.openai.responses import Choice, ChoiceOutput, ResponseFormat
 
 
 class ClientDisconnected(Exception):

@@ -5,7 +5,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from nanovllm.engine.async_llm import EngineDeadError
+from nanovllm.serve.async_llm import EngineDeadError
 
 
 class APIError(Exception):

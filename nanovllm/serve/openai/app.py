@@ -5,9 +5,9 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, Depends, FastAPI, Header
 from fastapi.responses import Response
 
-from nanovllm.engine.async_llm import AsyncLLM
-from nanovllm.serve.errors import APIError, add_error_handlers
-from nanovllm.serve.serving import OpenAIServing
+from nanovllm.serve.async_llm import AsyncLLM
+from nanovllm.serve.openai.errors import APIError, add_error_handlers
+from nanovllm.serve.openai.serving import OpenAIServing
 
 
 def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> FastAPI:

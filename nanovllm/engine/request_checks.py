@@ -3,7 +3,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.validation import describe, is_int
+from nanovllm.utils.field_checks import describe, is_int
 
 Prompt = str | list[int]
 Conversation = list[dict[str, str]]

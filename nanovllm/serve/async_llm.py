@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 
 from nanovllm.config import config_from_kwargs
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.engine_loop import EngineStats, EngineThread, Update
-from nanovllm.engine.engine_process import EngineProcess
 from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.engine.validation import Prompt, validate_request
+from nanovllm.engine.request_checks import Prompt, validate_request
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.serve.engine_loop import EngineStats, EngineThread, Update
+from nanovllm.serve.engine_process import EngineProcess
 from nanovllm.utils.tokenizer import load_tokenizer
 
 

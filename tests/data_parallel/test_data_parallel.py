@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.request_placement import place_requests
+from nanovllm.data_parallel.placement import place_requests
 from tests.reference import hf_greedy, load_hf
 
 ROOT = Path(__file__).resolve().parents[1]

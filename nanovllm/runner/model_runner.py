@@ -9,17 +9,17 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.engine.cuda_graphs import capture_decode_graphs
-from nanovllm.engine.prompt_logprobs import prompt_logprobs, wants_prompt_logprobs
-from nanovllm.engine.sampled_ids import SampledIds
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step_inputs import DecodeInputs, prepare_prefill, to_device
 from nanovllm.layers.attention import Attention, kv_scale_calibration
 from nanovllm.layers.backends import bind_backend, select_backend
 from nanovllm.layers.linear import tp_rank_and_size
 from nanovllm.layers.penalties import Penalties, TokenCounts
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models.registry import build_model
+from nanovllm.runner.cuda_graphs import capture_decode_graphs
+from nanovllm.runner.prompt_logprobs import prompt_logprobs, wants_prompt_logprobs
+from nanovllm.runner.sampled_ids import SampledIds
+from nanovllm.runner.step_inputs import DecodeInputs, prepare_prefill, to_device
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import Context, forward_context
 from nanovllm.utils.loader import load_dummy_weights, load_model
@@ -279,7 +279,7 @@ class ModelRunner:
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> SampledIds | None:
         """Execute one step and, on rank 0, wait for it (so a tensor-parallel step fails inside
-        WorkerGroup.execute, which names a dead worker); rank 0 returns its sampled ids."""
+        MultiprocExecutor.execute, which names a dead worker); rank 0 returns its sampled ids."""
         sampled = self.launch(seqs, is_prefill)
         if sampled is not None:
             sampled.wait(self.peer_died)

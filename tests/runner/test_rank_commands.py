@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.checkpoint import build_checkpoint
+from nanovllm.utils.dummy_checkpoint import build_checkpoint
 from tests.reference import hf_greedy, load_hf
 
 NUM_TOKENS = 8

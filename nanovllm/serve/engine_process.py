@@ -11,9 +11,9 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.util import Finalize
 
-from nanovllm.engine.engine_loop import EngineLoop, EngineStats, Publish, Update
-from nanovllm.engine.validation import RequestLimits
+from nanovllm.engine.request_checks import RequestLimits
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.serve.engine_loop import EngineLoop, EngineStats, Publish, Update
 
 logger = logging.getLogger(__name__)
 _STOP_TIMEOUT_S = 60  # a clean stop frees the model, the KV pool and any tensor-parallel workers

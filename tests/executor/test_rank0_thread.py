@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nanovllm import LLM
-from nanovllm.engine.rank0_thread import PeerDiedError, Rank0Thread, abandoned_call_running
+from nanovllm.executor.rank0_thread import PeerDiedError, Rank0Thread, abandoned_call_running
 from nanovllm.utils.context import Context, forward_context, get_context
 
 

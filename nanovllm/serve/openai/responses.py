@@ -6,9 +6,9 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from uuid import uuid4
 
-from nanovllm.engine.async_llm import RequestOutput
-from nanovllm.serve.errors import error_body
-from nanovllm.serve.logprobs import LogprobsFormat
+from nanovllm.serve.async_llm import RequestOutput
+from nanovllm.serve.openai.errors import error_body
+from nanovllm.serve.openai.logprobs import LogprobsFormat
 
 # (choice index, its next output): what a request's n completions yield, interleaved
 ChoiceOutput = tuple[int, RequestOutput]

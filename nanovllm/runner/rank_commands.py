@@ -1,4 +1,6 @@
-"""Sleep mode of one rank: give the GPU back between rollouts, and take it again.
+"""The commands every rank obeys besides "run": sleep, wake_up and update_weights.
+
+Sleep mode gives the GPU back between rollouts, and takes it again:
 
     level 1: KV pool and CUDA graphs freed, weights and buffers moved to (pinned) host memory
     level 2: KV pool and CUDA graphs freed, weights dropped (each parameter holds an empty
@@ -8,11 +10,21 @@
 Parameters keep their identity (only `.data` moves), so their weight loaders, tied weights and
 the engine's references stay valid. wake_up allocates the same number of KV blocks, so the
 scheduler's block ids still mean the same, and captures the CUDA graphs again.
+
+Weight updates go through the same per-parameter loaders as loading. With tensor parallelism
+every rank needs every full tensor (each loader cuts its own shard): the engine sends the names,
+shapes and dtypes through the command channel, and rank 0 broadcasts the tensors themselves, one
+by one, over the process group.
 """
+from collections.abc import Callable, Iterator
+
 import torch
 import torch.distributed as dist
 
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.runner.model_runner import ModelRunner
+from nanovllm.utils.loader import load_weights
+
+WeightSpec = tuple[str, tuple[int, ...], torch.dtype]  # name, shape, dtype
 
 
 def sleep(runner: ModelRunner, level: int) -> None:
@@ -71,3 +83,30 @@ def _move_buffers(runner: ModelRunner, move) -> None:
     for module in runner.model.modules():
         for name, buffer in list(module.named_buffers(recurse=False)):
             setattr(module, name, move(buffer))
+
+
+@torch.no_grad()
+def update_weights(runner: ModelRunner, specs: list[WeightSpec],
+                   weights: list[torch.Tensor] | None = None) -> None:
+    """Load the named tensors; `weights` (rank 0 only) are on any device, in `specs`' order."""
+    load_weights(runner.model, _received(runner, specs, weights))
+    all_ranks_done(runner)
+
+
+def _received(runner: ModelRunner, specs: list[WeightSpec],
+              weights: list[torch.Tensor] | None) -> Iterator[tuple[str, torch.Tensor]]:
+    for i, (name, shape, dtype) in enumerate(specs):
+        if runner.world_size == 1:
+            yield name, weights[i]
+            continue
+        if runner.rank == 0:
+            tensor = weights[i].to(runner.device).contiguous()
+        else:
+            tensor = torch.empty(shape, dtype=dtype, device=runner.device)
+        dist.broadcast(tensor, src=0)
+        yield name, tensor
+
+
+# The fixed set of commands a rank obeys (an executor adds "shutdown", which ends a worker).
+RANK_COMMANDS: dict[str, Callable] = {"run": ModelRunner.run, "sleep": sleep,
+                                      "wake_up": wake_up, "update_weights": update_weights}

@@ -5,8 +5,8 @@ from time import perf_counter
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from nanovllm.engine.async_llm import RequestOutput
-from nanovllm.engine.engine_loop import EngineStats
+from nanovllm.serve.async_llm import RequestOutput
+from nanovllm.serve.engine_loop import EngineStats
 
 # Seconds; dense where an interactive SLO lives (tens to hundreds of milliseconds).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,

@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from nanovllm.config import Config
-from nanovllm.engine.step_inputs import DecodeInputs
+from nanovllm.runner.step_inputs import DecodeInputs
 from nanovllm.utils.context import forward_context
 
 

@@ -1,0 +1,58 @@
+"""One interface to run a step, and the rank commands, on one rank or many."""
+from abc import ABC, abstractmethod
+
+from nanovllm.config import Config
+from nanovllm.engine.sequence import Sequence
+from nanovllm.runner.model_runner import ModelRunner
+from nanovllm.runner.rank_commands import RANK_COMMANDS
+from nanovllm.runner.sampled_ids import SampledIds
+
+
+class Executor(ABC):
+    """Owns every rank of one engine; `runner` is rank 0's, in this process."""
+
+    runner: ModelRunner
+    # Whether a step may be launched before the previous one's ids reach the host: with one
+    # rank; workers build their inputs from host token ids, so tensor parallelism runs lockstep.
+    pipelined: bool
+
+    @abstractmethod
+    def execute(self, method: str, *args, **rank0_kwargs) -> object:
+        """Run RANK_COMMANDS[method] on every rank; `rank0_kwargs` go to rank 0 only (tensors,
+        which reach other ranks through collectives). Returns rank 0's result."""
+
+    def launch(self, seqs: list[Sequence], is_prefill: bool, *carried) -> SampledIds:
+        """Start one step; `carried` (previous_ids, source_rows) only when `pipelined`: see
+        ModelRunner.launch. Returns rank 0's sampled ids, maybe still on their way."""
+        assert not carried or self.pipelined
+        return self.execute("run", seqs, is_prefill)
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Free every rank's model, KV pool and graphs (and end the other ranks); idempotent."""
+
+
+class UniprocExecutor(Executor):
+    """One rank, in this process: commands are plain calls."""
+
+    pipelined = True
+
+    def __init__(self, config: Config):
+        self.runner = ModelRunner(config, 0)
+
+    def execute(self, method: str, *args, **rank0_kwargs) -> object:
+        return RANK_COMMANDS[method](self.runner, *args, **rank0_kwargs)
+
+    def launch(self, seqs: list[Sequence], is_prefill: bool, *carried) -> SampledIds:
+        return self.runner.launch(seqs, is_prefill, *carried)
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()
+
+
+def make_executor(config: Config) -> Executor:
+    """Tensor parallelism's worker processes when tensor_parallel_size > 1, else one rank."""
+    if config.tensor_parallel_size > 1:
+        from nanovllm.executor.multiproc import MultiprocExecutor
+        return MultiprocExecutor(config)
+    return UniprocExecutor(config)
