@@ -143,7 +143,7 @@ class EngineThread:
     def __init__(self, engine: LLMEngine, publish: Publish):
         self.limits = engine.request_limits()
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
-        loop = EngineLoop(engine, self._next_command, publish, _call)
+        loop = EngineLoop(engine, self._next_command, publish, run_callback)
         self._thread = threading.Thread(target=loop.run, name="nanovllm-engine", daemon=True)
         self._thread.start()
 
@@ -174,6 +174,11 @@ class EngineThread:
             return None
 
 
-def _call(done: Callable[[], None] | None) -> None:
-    if done is not None:
+def run_callback(done: Callable[[], None] | None) -> None:
+    """Run an abort's callback; one that fails (its event loop has closed) is only logged."""
+    if done is None:
+        return
+    try:
         done()
+    except Exception:
+        logger.exception("an abort callback failed")

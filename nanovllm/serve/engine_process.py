@@ -7,13 +7,14 @@ import logging
 import multiprocessing as mp
 import pickle
 import signal
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.util import Finalize
 
 from nanovllm.engine.request_checks import RequestLimits
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.serve.engine_loop import EngineLoop, EngineStats, Publish, Update
+from nanovllm.serve.engine_loop import EngineLoop, EngineStats, Publish, Update, run_callback
 
 logger = logging.getLogger(__name__)
 _STOP_TIMEOUT_S = 60  # a clean stop frees the model, the KV pool and any tensor-parallel workers
@@ -70,7 +71,7 @@ class EngineProcess:
         """Abort a request before the next step; `done` is called (in the attached loop) after
         its blocks are freed."""
         if self._closed:
-            _call(done)
+            run_callback(done)
             return
         ack = next(self._next_ack)
         if done is not None:
@@ -85,12 +86,17 @@ class EngineProcess:
         Call it from the attached loop's thread, or once that loop has ended."""
         if self._process.is_alive():
             self._send(("stop",))
-        for _ in range(_STOP_TIMEOUT_S * 20):  # drain: its last updates must not block it
-            if not self._process.is_alive():
+        deadline = time.monotonic() + _STOP_TIMEOUT_S
+        # Drain until EOF: its last updates must not block it. EOF comes when _engine_main
+        # returns, before the process has exited (the interpreter is still tearing down), and
+        # poll() returns at once from then on; so the deadline is a time, not a poll count.
+        while not self._closed and self._process.is_alive():
+            left = deadline - time.monotonic()
+            if left <= 0:
                 break
-            if self._updates.poll(0.05):
+            if self._updates.poll(min(left, 0.05)):
                 self._drain()
-        self._kill(timeout=0)
+        self._kill(timeout=max(deadline - time.monotonic(), 0))
         self._drain()  # what is left, then EOF: the open requests fail
 
     def _send(self, command: tuple) -> None:
@@ -119,7 +125,7 @@ class EngineProcess:
             while self._updates.poll(0):
                 kind, *payload = self._updates.recv()
                 if kind == "ack":
-                    _call(self._acks.pop(payload[0], None))
+                    run_callback(self._acks.pop(payload[0], None))
                 else:
                     self._publish(*payload)
         except (EOFError, OSError):
@@ -142,7 +148,7 @@ class EngineProcess:
         self.publish(lost, EngineStats())
         acks, self._acks = self._acks, {}
         for done in acks.values():
-            _call(done)
+            run_callback(done)
 
     def _kill(self, timeout: float) -> None:
         """Close the command pipe (a live engine stops at its next poll), wait `timeout` s for
@@ -153,16 +159,6 @@ class EngineProcess:
             logger.error("the engine process did not stop in time: killing it")
             self._process.kill()
             self._process.join()
-
-
-def _call(done: Callable[[], None] | None) -> None:
-    """Run an abort's callback; one that fails (its event loop has closed) is only logged."""
-    if done is None:
-        return
-    try:
-        done()
-    except Exception:
-        logger.exception("an abort callback failed")
 
 
 def _engine_main(model: str, kwargs: dict, commands: Connection, updates: Connection) -> None:

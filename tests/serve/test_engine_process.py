@@ -1,6 +1,7 @@
 """The engine loop's ordering, and the engine in a process of its own: start-up errors, death,
 and an interpreter that exits without shutting it down."""
 import asyncio
+import logging
 import multiprocessing
 import os
 import shutil
@@ -112,3 +113,25 @@ def test_a_script_that_never_shuts_down_exits(tiny_model, tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "done length" in proc.stdout and time.monotonic() - start < 60
+
+
+def test_shutdown_joins_a_cleanly_exiting_engine(tiny_model, caplog):
+    """shutdown() waits for the engine process to exit by itself: its update pipe reaches EOF
+    while the process is still tearing down (the loop returned, the interpreter is exiting),
+    and that is no reason to kill it. It used to be killed (exit code -9) every time."""
+    before = children()
+    llm = AsyncLLM(tiny_model, device="cpu", num_kvcache_blocks=16)
+    (process,) = children() - before
+
+    async def run():
+        outputs = [out async for out in llm.generate([1, 2, 3], SamplingParams(max_tokens=4),
+                                                     "r")]
+        assert outputs[-1].finish_reason == "length"
+
+    asyncio.run(run())
+    with caplog.at_level(logging.WARNING, logger="nanovllm.serve.engine_process"):
+        llm.shutdown()
+    assert process.exitcode == 0
+    assert "did not stop in time" not in caplog.text
+    assert not llm.is_running and children() == before
+    llm.shutdown()  # idempotent
