@@ -11,7 +11,8 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stats import StepCounters
 from nanovllm.engine.stop_strings import StopStringChecker
-from nanovllm.executor.base import Executor, make_executor
+from nanovllm.executor.base import Executor, UniprocExecutor
+from nanovllm.executor.multiproc import MultiprocExecutor
 from nanovllm.runner.sampled_ids import InFlightStep, SampledIds
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.tokenizer import load_tokenizer
@@ -25,7 +26,10 @@ class LLMEngine:
         self.config = config = config_from_kwargs(model, kwargs)
         # The tokenizer first: a bad directory then fails before any model or worker exists.
         self.tokenizer = load_tokenizer(config.model)
-        self.executor: Executor | None = make_executor(config)
+        # Tensor parallelism's worker processes, or one rank in this process: one interface.
+        self.executor: Executor | None = (MultiprocExecutor(config)
+                                          if config.tensor_parallel_size > 1
+                                          else UniprocExecutor(config))
         self.model_runner = self.executor.runner  # rank 0's
         eos = self.tokenizer.eos_token_id
         if eos is None:

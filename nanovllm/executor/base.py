@@ -49,10 +49,3 @@ class UniprocExecutor(Executor):
     def shutdown(self) -> None:
         self.runner.shutdown()
 
-
-def make_executor(config: Config) -> Executor:
-    """Tensor parallelism's worker processes when tensor_parallel_size > 1, else one rank."""
-    if config.tensor_parallel_size > 1:
-        from nanovllm.executor.multiproc import MultiprocExecutor
-        return MultiprocExecutor(config)
-    return UniprocExecutor(config)
