@@ -6,7 +6,7 @@ import torch
 from transformers import PretrainedConfig
 
 from nanovllm.kernels.kv_quant import FP8_DTYPE
-from nanovllm.layers.backends import BACKENDS, check_attention_backend
+from nanovllm.layers.backends import BACKENDS, resolve_attention_backend
 from nanovllm.layers.rotary_embedding import rope_parameters
 from nanovllm.models.registry import architecture, decoder_spec, with_family_defaults
 from nanovllm.utils.field_checks import INT32_MAX, check, check_int, check_real, is_int
@@ -55,8 +55,9 @@ class Config:
         check_tensor_parallel(self.tensor_parallel_size, self.device, self.hf_config)
         self.torch_dtype = resolve_dtype(self.dtype, self.device, self.hf_config)
         self.kv_cache_torch_dtype = FP8_DTYPE if self.kv_cache_dtype == "fp8" else self.torch_dtype
-        check_attention_backend(self.attention_backend, self.device, self.torch_dtype,
-                                self.kv_cache_dtype)
+        # 'auto' resolved here, once: the ModelRunner builds the backend this names
+        self.attention_backend = resolve_attention_backend(
+            self.attention_backend, self.device, self.torch_dtype, self.kv_cache_dtype)
 
     def _check_ranges(self) -> None:
         # Counts and sizes become int32 tensor sizes and indices on the device.

@@ -95,14 +95,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual), x + residual) as new tensors, as RMSNorm.add_rms_forward. x is
-    shaped like the residual, or float32 split-K partials [S, *residual.shape] of it."""
-    if x.dim() == residual.dim() + 1:  # kernels.fused_linear.split_k_linear's partials
-        assert x.shape[1:] == residual.shape and x.dtype == torch.float32 and x.is_contiguous()
-        assert residual.dim() == 2
-        return _launch_norm(x, residual, weight, eps, partials=x.shape[0])
+    """(RMSNorm(x + residual), x + residual) as new tensors, as RMSNorm.add_rms_forward."""
     assert residual.shape == x.shape and residual.dtype == x.dtype
     return _launch_norm(x, residual, weight, eps)
+
+
+def add_partials_rms_norm(partials: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm of split_k_linear's partials [S, *residual.shape], summed in order."""
+    assert partials.shape[1:] == residual.shape and partials.dtype == torch.float32
+    assert partials.is_contiguous() and residual.dim() == 2
+    return _launch_norm(partials, residual, weight, eps, partials=partials.shape[0])
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

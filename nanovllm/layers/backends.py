@@ -1,4 +1,8 @@
-"""Every kernel choice in one place: the attention backend and the fused ops that go with it.
+"""Every kernel choice in one place, made once per run, in this order:
+
+1. resolve_attention_backend (Config calls it): which attention backend runs;
+2. select_backend: that backend, with its FastPath (plan_fast_path): which fused kernels run;
+3. bind_backend: each layer gets what it runs; layers and models never choose kernels.
 
 A backend has one interface: `rope_and_store` (q/k norm, RoPE and the K/V cache write),
 `prefill`, `decode`, and `fused_moe` for mixture-of-experts layers. "torch" runs anywhere and is
@@ -15,27 +19,53 @@ build takes descale factors through **kwargs and ignores them.
 import importlib.util
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from nanovllm.kernels.kv_quant import FP8_DTYPE
-from nanovllm.utils.context import Context, get_context
+from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.fused_moe import FusedMoE
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.linear import (
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from nanovllm.utils.context import Context
 
 logger = logging.getLogger(__name__)
 BACKENDS = ("flash-attn", "triton", "torch")
-# Decode batches up to these sizes run kernels.fused_linear's projections, where each measured
-# faster than cuBLAS + the kernel it absorbs on the H200; larger ones keep the separate kernels.
-FUSED_QKV_MAX_TOKENS = 256
-FUSED_GATE_UP_MAX_TOKENS = 64
-FUSED_SPLIT_K_MAX_TOKENS = 256  # o_proj and down_proj as split-K GEMMs (RowParallelLinear)
 
 
-def decode_fuses(num_tokens: int, max_tokens: int) -> bool:
-    """Whether this step runs a fused decode projection where a layer has it: a decode step
-    that writes the cache, of at most max_tokens tokens."""
-    ctx = get_context()
-    return not ctx.is_prefill and ctx.slot_mapping is not None and num_tokens <= max_tokens
+@dataclass(frozen=True)
+class FastPath:
+    """Which fused kernels a run uses (all off: plain torch, the kernels' reference)."""
+
+    # RMSNorm (+ the residual add), SiLU-and-mul, and q/k norm + RoPE + K/V write as Triton
+    # kernels (kernels.fused_ops, kernels.qk_norm_rope), in every step
+    fused_ops: bool = False
+    # Decode projections carrying the kernel after them (kernels.fused_linear), in decode steps
+    # of at most the FUSED_*_MAX_TOKENS below, in the layers whose shapes the kernels take
+    fused_projections: bool = False
+
+
+# The largest decode step, in tokens, that runs each projection's fused kernel: up to there each
+# beat cuBLAS + the kernel it absorbs, measured on the H200 for Qwen3-0.6B's shapes
+# (docs/benchmarks.md); larger steps keep the separate kernels.
+FUSED_QKV_MAX_TOKENS = 256  # qkv_proj + q/k norm + RoPE + K/V write (QKVParallelLinear)
+FUSED_GATE_UP_MAX_TOKENS = 64  # gate_up_proj + SiLU-and-mul (MergedColumnParallelLinear)
+FUSED_SPLIT_K_MAX_TOKENS = 256  # o_proj and down_proj as split-K partials (RowParallelLinear)
+
+
+def plan_fast_path(name: str, device: str) -> FastPath:
+    """Fused ops on CUDA but for torch (the reference); fused projections from sm_90 (TMA)."""
+    fused_ops = device == "cuda" and name != "torch"
+    return FastPath(fused_ops=fused_ops,
+                    fused_projections=fused_ops and torch.cuda.get_device_capability()[0] >= 9)
 
 
 class TorchBackend:
@@ -48,12 +78,9 @@ class TorchBackend:
     # behind; free for torch, whose CPU tests then run the row order the Triton kernels get.
     longest_first = True
 
-    # Decode projections with their epilogues fused (kernels.fused_linear: TMA, sm_90 and up)
-    fused_projections = False
-
-    def __init__(self, fused_ops: bool = False) -> None:
+    def __init__(self, fast_path: FastPath = FastPath()) -> None:
         from nanovllm.kernels import attention_torch, fused_moe_torch, store_kvcache
-        self.fused_ops = fused_ops
+        self.fast_path = fast_path
         self.fused_moe = fused_moe_torch.fused_moe_torch
         self.store_kvcache = store_kvcache.store_kvcache_torch
         self._prefill = attention_torch.prefill_attention_torch
@@ -64,7 +91,7 @@ class TorchBackend:
         """RoPE(norm(q)), RoPE(norm(k)) (no norm when attn has none), writing K/V to the cache."""
         kv_store = attn.kv_store_args(v)
         kv_scales = (attn.k_scale, attn.v_scale)
-        if self.fused_ops:
+        if self.fast_path.fused_ops:
             from nanovllm.kernels.qk_norm_rope import qk_norm_rope
             norm = attn.q_norm is not None
             return qk_norm_rope(q, k, positions, attn.q_norm.weight if norm else None,
@@ -103,14 +130,14 @@ class TritonBackend(TorchBackend):
     name = "triton"
     cuda_graphs = True
 
-    def __init__(self, fused_ops: bool = False) -> None:
+    def __init__(self, fast_path: FastPath = FastPath()) -> None:
         from nanovllm.kernels import (
             attention_triton,
             attention_triton_decode,
             fused_moe,
             store_kvcache,
         )
-        self.fused_ops = fused_ops
+        self.fast_path = fast_path
         self.fused_moe = fused_moe.fused_moe
         self.store_kvcache = store_kvcache.store_kvcache
         self._prefill = attention_triton.prefill_attention_triton  # same signatures
@@ -124,12 +151,12 @@ class FlashAttnBackend(TorchBackend):
     cuda_graphs = True
     longest_first = False  # FA3 schedules its own work: sorted either way it ran 5% slower
 
-    def __init__(self, fused_ops: bool = True) -> None:
+    def __init__(self, fast_path: FastPath = FastPath()) -> None:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
         from nanovllm.kernels.fused_moe import fused_moe
         from nanovllm.kernels.store_kvcache import store_kvcache
-        self.fused_ops = fused_ops
+        self.fast_path = fast_path
         self.fused_moe = fused_moe
         self.store_kvcache = store_kvcache
         self._varlen = flash_attn_varlen_func
@@ -144,7 +171,7 @@ class FlashAttnBackend(TorchBackend):
     def prefill(self, q, k, v, k_cache, v_cache, ctx: Context, scale: float,
                 sliding_window: int | None, kv_scales: tuple[float, float] = (1.0, 1.0)
                 ) -> torch.Tensor:
-        assert k_cache.dtype != FP8_DTYPE, "select_backend never gives flash-attn an FP8 cache"
+        assert k_cache.dtype != FP8_DTYPE, "flash-attn never gets an FP8 cache"
         if ctx.prefix_cached:
             k, v = k_cache, v_cache
         return self._varlen(q, k, v, cu_seqlens_q=ctx.cu_seqlens_q, cu_seqlens_k=ctx.cu_seqlens_k,
@@ -156,21 +183,19 @@ class FlashAttnBackend(TorchBackend):
     def decode(self, q, k_cache, v_cache, ctx: Context, scale: float,
                sliding_window: int | None, kv_scales: tuple[float, float] = (1.0, 1.0)
                ) -> torch.Tensor:
-        assert k_cache.dtype != FP8_DTYPE, "select_backend never gives flash-attn an FP8 cache"
+        assert k_cache.dtype != FP8_DTYPE, "flash-attn never gets an FP8 cache"
         out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx.context_lens,
                                  block_table=ctx.block_tables, softmax_scale=scale, causal=True,
                                  **self._window(sliding_window))
         return out.squeeze(1)
 
 
-def check_attention_backend(name: str, device: str, dtype: torch.dtype,
-                            kv_cache_dtype: str = "auto") -> str:
-    """The backend `name` resolves to ('auto': flash-attn if importable on CUDA with fp16/bf16
-    and a cache in the model dtype, else triton on CUDA, torch on CPU); raises, naming the
-    value, when it cannot run."""
-    if name not in ("auto", *BACKENDS):
-        raise ValueError(f"attention_backend={name!r} is invalid: expected one of "
-                         f"{['auto', *BACKENDS]}")
+def resolve_attention_backend(name: str, device: str, dtype: torch.dtype,
+                              kv_cache_dtype: str = "auto") -> str:
+    """The backend `name` resolves to, or an error naming why it cannot run (Config, once)."""
+    # name is 'auto' or in BACKENDS (Config checked it before reading the model). 'auto':
+    # flash-attn if importable on CUDA with fp16/bf16 and a cache in the model dtype, else
+    # triton on CUDA, torch on CPU.
     if name == "flash-attn" and kv_cache_dtype == "fp8":
         raise ValueError("attention_backend='flash-attn' cannot read kv_cache_dtype='fp8' (the "
                          "installed flash-attn ignores FP8 descale factors): use 'triton' or "
@@ -192,18 +217,17 @@ def check_attention_backend(name: str, device: str, dtype: torch.dtype,
     return name
 
 
-def select_backend(device: str, dtype: torch.dtype, name: str = "auto",
-                   kv_cache_dtype: str = "auto") -> TorchBackend:
-    """Build the backend `name` resolves to and log the whole kernel choice once."""
-    name = check_attention_backend(name, device, dtype, kv_cache_dtype)
-    fused_ops = device == "cuda" and name != "torch"
+def select_backend(name: str, device: str, kv_cache_dtype: str = "auto") -> TorchBackend:
+    """Backend `name` (resolved by Config) with its fast path; logs the kernel choice once."""
+    assert name in BACKENDS, "Config.attention_backend is resolved before any backend is built"
+    fast_path = plan_fast_path(name, device)
     backend = {"flash-attn": FlashAttnBackend, "triton": TritonBackend,
-               "torch": TorchBackend}[name](fused_ops)
-    backend.fused_projections = fused_ops and torch.cuda.get_device_capability()[0] >= 9
+               "torch": TorchBackend}[name](fast_path)
     logger.info("kernels: attention %s; q/k norm + RoPE + K/V write, RMSNorm, SiLU-and-mul: %s%s; "
-                "experts (MoE): %s%s", name, "fused Triton kernels" if fused_ops else "torch",
+                "experts (MoE): %s%s", name,
+                "fused Triton kernels" if fast_path.fused_ops else "torch",
                 " (in decode, q/k norm + RoPE + K/V write and SiLU-and-mul inside qkv_proj and "
-                "gate_up_proj, o_proj and down_proj split over K)" if backend.fused_projections
+                "gate_up_proj, o_proj and down_proj split over K)" if fast_path.fused_projections
                 else "",
                 "torch loop" if name == "torch" else "fused Triton kernel",
                 "; no CUDA graphs (eager decode)" if device == "cuda" and not backend.cuda_graphs
@@ -214,14 +238,28 @@ def select_backend(device: str, dtype: torch.dtype, name: str = "auto",
     return backend
 
 
+def _fused_decode_max_tokens(linear: LinearBase) -> int:
+    """The FUSED_*_MAX_TOKENS of a projection with a fused decode kernel; 0 for any other."""
+    if isinstance(linear, QKVParallelLinear):
+        return FUSED_QKV_MAX_TOKENS
+    if isinstance(linear, MergedColumnParallelLinear):
+        return FUSED_GATE_UP_MAX_TOKENS
+    if isinstance(linear, RowParallelLinear):
+        return FUSED_SPLIT_K_MAX_TOKENS
+    return 0
+
+
 def bind_backend(model: nn.Module, backend: TorchBackend) -> None:
-    """Give every layer that runs a kernel the chosen backend (attention) or choice (fused ops)."""
+    """Give each layer what it runs, from the backend and its fast path (again: replaces it)."""
+    fast_path = backend.fast_path
+    # attention and experts: the backend; RMSNorm and SiLU-and-mul: their Triton kernel or not;
+    # projections: the largest decode step that runs their fused kernel (0: none, also where
+    # the kernel does not take the layer's shapes)
     for module in model.modules():
-        if hasattr(module, "backend"):
+        if isinstance(module, (Attention, FusedMoE)):
             module.backend = backend
-        if hasattr(module, "fused"):
-            module.fused = backend.fused_ops
-        if hasattr(module, "fused_decode"):
-            module.fused_decode = backend.fused_projections and module.can_fuse_decode()
-        if hasattr(module, "split_k"):
-            module.split_k = backend.fused_projections and module.can_split_k()
+        elif isinstance(module, (RMSNorm, SiluAndMul)):
+            module.fused = fast_path.fused_ops
+        elif isinstance(module, LinearBase):
+            fits = fast_path.fused_projections and module.fits_fused_decode()
+            module.fused_decode_max_tokens = _fused_decode_max_tokens(module) if fits else 0

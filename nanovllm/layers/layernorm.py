@@ -25,11 +25,7 @@ class RMSNorm(nn.Module):
 
     def add_rms_forward(self, x: torch.Tensor,
                         residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The torch path: (RMSNorm(x + residual), x + residual), the sum taken in float32. x may
-        be float32 split-K partials [S, *residual.shape] (RowParallelLinear in decode steps),
-        summed and rounded as the GEMM's output first."""
-        if x.dim() == residual.dim() + 1:
-            x = x.sum(0).to(residual.dtype)
+        """The torch path: (RMSNorm(x + residual), x + residual), the sum taken in float32."""
         dtype = x.dtype
         x = x.float() + residual.float()
         residual = x.to(dtype)
@@ -46,3 +42,13 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self.rms_forward(x)
         return self.add_rms_forward(x, residual)
+
+    def add_partials(self, partials: torch.Tensor,
+                     residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """self(x, residual) for x as float32 partials [S, *residual.shape] over K, summed."""
+        # RowParallelLinear.split_k_partials; their sum is rounded to the residual's dtype, as
+        # the GEMM's own output would be. The kernel sums them as it loads them: no extra launch.
+        if self.fused:
+            from nanovllm.kernels.fused_ops import add_partials_rms_norm
+            return add_partials_rms_norm(partials, residual, self.weight, self.eps)
+        return self.add_rms_forward(partials.sum(0).to(residual.dtype), residual)

@@ -4,7 +4,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.backends import FUSED_SPLIT_K_MAX_TOKENS, decode_fuses
+from nanovllm.utils.context import get_context
 
 
 def tp_rank_and_size() -> tuple[int, int]:
@@ -24,7 +24,10 @@ class LinearBase(nn.Module):
 
     W has nn.Linear's shape [output, input]. With k_major it is stored [input, output] and
     seen through a transposed view: loaders and F.linear are unchanged, and cuBLAS runs its
-    kernels for the other operand layout."""
+    kernels for the other operand layout.
+
+    fused_decode_max_tokens (set by layers.backends.bind_backend; 0: never) is the largest decode
+    step that runs the layer's fused decode kernel, for the three projections that have one."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None,
                  k_major: bool = False):
@@ -40,6 +43,19 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.fused_decode_max_tokens = 0
+
+    def fits_fused_decode(self) -> bool:
+        """Whether this layer's fused decode kernel takes its shapes (none here: no kernel)."""
+        return False
+
+    def runs_fused_decode(self, x: torch.Tensor) -> bool:
+        """Whether x's step runs the bound fused kernel: decode, writing the cache, few tokens."""
+        if not self.fused_decode_max_tokens:
+            return False
+        ctx = get_context()
+        return not ctx.is_prefill and ctx.slot_mapping is not None \
+            and x.shape[0] <= self.fused_decode_max_tokens
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         if self.tp_dim is not None and self.tp_size > 1:
@@ -73,6 +89,18 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
 
+    def fits_fused_decode(self) -> bool:
+        """Whether gate_up_silu takes this layer: a gate and an up projection of one size."""
+        from nanovllm.kernels.fused_linear import fits_gate_up
+        weight, sizes = self.weight, self.output_sizes
+        return len(sizes) == 2 and sizes[0] == sizes[1] and weight.is_contiguous() \
+            and fits_gate_up(weight.shape[1], weight.shape[0] // 2, weight.dtype)
+
+    def gate_up_silu(self, x: torch.Tensor) -> torch.Tensor:
+        """SiluAndMul()(self(x)) as one kernel, for the steps runs_fused_decode picks."""
+        from nanovllm.kernels.fused_linear import gate_up_silu
+        return gate_up_silu(x, self.weight, self.bias)
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: int) -> None:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
@@ -93,6 +121,12 @@ class QKVParallelLinear(ColumnParallelLinear):
         output_size = (total_num_heads + 2 * total_num_kv_heads) * head_dim
         super().__init__(hidden_size, output_size, bias)
 
+    def fits_fused_decode(self) -> bool:
+        """Whether qkv_rope_store (Attention.decode_projected) takes this layer's sizes."""
+        from nanovllm.kernels.fused_linear import fits_qkv
+        weight = self.weight
+        return weight.is_contiguous() and fits_qkv(weight.shape[1], self.head_dim, weight.dtype)
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: str) -> None:
         q_size = self.num_heads * self.head_dim
@@ -106,18 +140,16 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs summed by all-reduce.
 
-    With `split_k` (set by layers.backends.bind_backend) a decode step returns float32 split-K
-    partials [S, tokens, output] instead (kernels.fused_linear.split_k_linear), which the add +
-    RMSNorm that follows every o_proj and down_proj sums (DecoderLayer)."""
+    split_k_partials is the same product as float32 partials over K, for the decode steps
+    runs_fused_decode picks: the add + RMSNorm after the layer sums them (RMSNorm.add_partials)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         _, tp_size = tp_rank_and_size()
         # k_major: from that layout cuBLAS ran Qwen3-0.6B's o_proj twice as fast below 8 rows
         # on the H200 and tied or won elsewhere (other shapes: docs/benchmarks.md)
         super().__init__(divide(input_size, tp_size), output_size, bias, 1, k_major=True)
-        self.split_k = False
 
-    def can_split_k(self) -> bool:
+    def fits_fused_decode(self) -> bool:
         """Whether split_k_linear takes this layer: one rank, no bias, the k-major weight."""
         from nanovllm.kernels.fused_linear import fits_split_k
         weight = self.weight
@@ -131,10 +163,14 @@ class RowParallelLinear(LinearBase):
         super().weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.split_k and decode_fuses(x.shape[0], FUSED_SPLIT_K_MAX_TOKENS):
-            from nanovllm.kernels.fused_linear import split_k_linear
-            return split_k_linear(x, self.weight)
+        """x W^T (+ b) summed over the ranks: [tokens, output] in x's dtype."""
         y = F.linear(x, self.weight, self.bias)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y
+
+    def split_k_partials(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 [S, tokens, output] partials over K whose sum over S is x W^T."""
+        # split over K: a decode step's few tokens and outputs alone give too few programs
+        from nanovllm.kernels.fused_linear import split_k_linear
+        return split_k_linear(x, self.weight)

@@ -3,6 +3,9 @@ checkpoints.
 
 The families differ only in the flags of a DecoderSpec (models/registry.py): biases, q/k norm,
 sliding windows, the RoPE variant and which layers are sparse mixtures of experts.
+
+Kernels are chosen in layers.backends and bound to the layers; the decoder only asks a layer
+whether this step runs its fused decode kernel (runs_fused_decode) and then calls it by name.
 """
 from dataclasses import dataclass
 
@@ -12,11 +15,6 @@ from transformers import PretrainedConfig
 
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.backends import (
-    FUSED_GATE_UP_MAX_TOKENS,
-    FUSED_QKV_MAX_TOKENS,
-    decode_fuses,
-)
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.fused_moe import SparseMoeBlock, expert_weight_target
 from nanovllm.layers.layernorm import RMSNorm
@@ -56,7 +54,7 @@ class DecoderSpec:
 
 
 class DecoderAttention(nn.Module):
-    """QKV projection, attention (RoPE, optional q/k norm and window inside), output projection."""
+    """QKV projection and attention; DecoderLayer runs o_proj (project_add_norm)."""
 
     def __init__(self, config: PretrainedConfig, spec: DecoderSpec, rotary_emb: RotaryEmbedding,
                  layer_idx: int):
@@ -76,30 +74,24 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(self.num_heads, head_dim, head_dim ** -0.5, self.num_kv_heads,
                               rotary_emb, config.rms_norm_eps if spec.qk_norm else None,
                               spec.sliding_windows[layer_idx])
-        self.fused_decode = False  # set by layers.backends.bind_backend
 
-    def can_fuse_decode(self) -> bool:
-        """Whether kernels.fused_linear.qkv_rope_store takes this layer's sizes."""
-        from nanovllm.kernels.fused_linear import fits_qkv
-        weight = self.qkv_proj.weight
-        return weight.is_contiguous() and fits_qkv(weight.shape[1], self.head_dim, weight.dtype)
-
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        if (self.fused_decode and decode_fuses(hidden_states.shape[0], FUSED_QKV_MAX_TOKENS)
-                and self.attn.takes_projection()):
+    def attend(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Attention over the tokens of hidden_states: o_proj's input, [tokens, q_size]."""
+        if self.qkv_proj.runs_fused_decode(hidden_states) and self.attn.takes_projection():
+            # qkv_proj, q/k norm, RoPE and the K/V write as one kernel
             o = self.attn.decode_projected(positions, hidden_states, self.qkv_proj)
-            return self.o_proj(o.flatten(1, -1))
+            return o.flatten(1, -1)
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)      # (N, H, D)
         k = k.view(-1, self.num_kv_heads, self.head_dim)   # (N, Hkv, D)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         o = self.attn(positions, q, k, v)
-        return self.o_proj(o.flatten(1, -1))
+        return o.flatten(1, -1)
 
 
 class DecoderMLP(nn.Module):
-    """Gated SiLU MLP; gate and up projections share one GEMM."""
+    """Gated SiLU MLP, gate and up in one GEMM; DecoderLayer runs down_proj (project_add_norm)."""
 
     def __init__(self, config: PretrainedConfig, spec: DecoderSpec):
         super().__init__()
@@ -108,27 +100,29 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
                                            bias=spec.mlp_bias)
         self.act_fn = SiluAndMul()
-        self.fused_decode = False  # set by layers.backends.bind_backend
 
-    def can_fuse_decode(self) -> bool:
-        """Whether kernels.fused_linear.gate_up_silu takes this layer's sizes."""
-        from nanovllm.kernels.fused_linear import fits_gate_up
-        weight = self.gate_up_proj.weight
-        return weight.is_contiguous() and fits_gate_up(weight.shape[1], weight.shape[0] // 2,
-                                                       weight.dtype)
+    def gated(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up: down_proj's input, [tokens, intermediate_size]."""
+        if self.gate_up_proj.runs_fused_decode(x):
+            return self.gate_up_proj.gate_up_silu(x)  # SiLU-and-mul in the GEMM's epilogue
+        return self.act_fn(self.gate_up_proj(x))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_decode and decode_fuses(x.shape[0], FUSED_GATE_UP_MAX_TOKENS):
-            from nanovllm.kernels.fused_linear import gate_up_silu
-            return self.down_proj(gate_up_silu(x, self.gate_up_proj.weight,
-                                               self.gate_up_proj.bias))
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+def project_add_norm(proj: RowParallelLinear, x: torch.Tensor, residual: torch.Tensor,
+                     norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(proj(x) + residual), proj(x) + residual)."""
+    # In the decode steps bound to split-K, norm sums proj's partials: no launch of its own
+    if proj.runs_fused_decode(x):
+        return norm.add_partials(proj.split_k_partials(x), residual)
+    return norm(proj(x), residual)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block; the residual add is fused into the next RMSNorm. In decode steps o_proj and
-    down_proj may return split-K partials (RowParallelLinear.split_k): every output of the
-    attention and of the MLP goes to an add + RMSNorm, which sums them."""
+    """Pre-norm block that ends with the next layer's input_layernorm, or the final norm."""
+
+    # Each residual add is fused into the RMSNorm after it, and each o_proj and down_proj into
+    # that add (project_add_norm, where split-K partials meet the norm that sums them), so the
+    # norm after a layer runs inside it: DecoderModel runs only the first layer's own.
 
     def __init__(self, config: PretrainedConfig, spec: DecoderSpec, rotary_emb: RotaryEmbedding,
                  layer_idx: int):
@@ -144,14 +138,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+                residual: torch.Tensor, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(next_norm(h), h), h = residual + attention + MLP; hidden_states: normed residual."""
+        o = self.self_attn.attend(positions, hidden_states)
+        hidden_states, residual = project_add_norm(self.self_attn.o_proj, o, residual,
+                                                   self.post_attention_layernorm)
+        if isinstance(self.mlp, SparseMoeBlock):
+            return next_norm(self.mlp(hidden_states), residual)
+        return project_add_norm(self.mlp.down_proj, self.mlp.gated(hidden_states), residual,
+                                next_norm)
 
 
 class DecoderModel(nn.Module):
@@ -165,12 +160,14 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(config, spec, rotary_emb, i)
                                      for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # The norm each layer ends with (a tuple: the modules stay registered where they are)
+        self.next_norms = (*(layer.input_layernorm for layer in self.layers[1:]), self.norm)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
+        residual = self.embed_tokens(input_ids)
+        hidden_states = self.layers[0].input_layernorm(residual)
+        for layer, next_norm in zip(self.layers, self.next_norms):
+            hidden_states, residual = layer(positions, hidden_states, residual, next_norm)
         return hidden_states
 
 

@@ -52,7 +52,7 @@ class ModelRunner:
         self.model = self.build_shard()
         self.startup_s = {"load": perf_counter() - t0}
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.backend = select_backend(config.device, config.torch_dtype, config.attention_backend,
+        self.backend = select_backend(config.attention_backend, config.device,
                                       config.kv_cache_dtype)
         bind_backend(self.model, self.backend)
         check_float32_matmuls(config.device, config.torch_dtype)

@@ -10,7 +10,12 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from nanovllm.kernels.fused_ops import add_rms_norm, rms_norm, silu_and_mul  # noqa: E402
+from nanovllm.kernels.fused_ops import (  # noqa: E402
+    add_partials_rms_norm,
+    add_rms_norm,
+    rms_norm,
+    silu_and_mul,
+)
 from nanovllm.layers.activation import SiluAndMul  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
 
@@ -65,21 +70,24 @@ def test_rms_norm(num_tokens: int, hidden: int, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("splits", [1, 4])
 @torch.no_grad()
 def test_add_rms_norm_partials(splits: int, dtype: torch.dtype) -> None:
-    """add_rms_norm sums float32 split-K partials [S, N, H] as the torch path does (the sum
-    rounded to the activation dtype, as the GEMM's output, then added to the residual)."""
+    """add_partials_rms_norm sums float32 split-K partials [S, N, H] as the torch path does (the
+    sum rounded to the activation dtype, as the GEMM's output, then added to the residual)."""
     torch.manual_seed(splits)
     hidden = 96
     norm = _norm(hidden, dtype)
     parts = torch.randn(splits, 5, hidden, device=DEVICE)
     residual = _input(5, hidden, dtype)
-    normed, new_residual = add_rms_norm(parts, residual, norm.weight, EPS)
+    normed, new_residual = add_partials_rms_norm(parts, residual, norm.weight, EPS)
     summed = parts.sum(0).to(dtype)
     normed_ref, residual_ref = norm.add_rms_forward(summed, residual)
     torch.testing.assert_close(normed, normed_ref, atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(new_residual, residual_ref, atol=3e-2, rtol=3e-2)
-    # the torch path takes the partials too (the CPU model's reference)
-    for got, want in zip(norm.add_rms_forward(parts, residual), (normed_ref, residual_ref)):
-        torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+    # RMSNorm.add_partials, torch path (the CPU model's reference) and kernel alike
+    for fused in (False, True):
+        norm.fused = fused
+        for got, want in zip(norm.add_partials(parts, residual), (normed_ref, residual_ref)):
+            assert got.dtype == dtype and got.shape == residual.shape
+            torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

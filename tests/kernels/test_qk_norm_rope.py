@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 from nanovllm.kernels.qk_norm_rope import qk_norm_rope  # noqa: E402
 from nanovllm.kernels.store_kvcache import store_kvcache_torch  # noqa: E402
 from nanovllm.layers.attention import Attention  # noqa: E402
-from nanovllm.layers.backends import TorchBackend, TritonBackend  # noqa: E402
+from nanovllm.layers.backends import FastPath, TorchBackend, TritonBackend  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
 from nanovllm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 from nanovllm.utils.context import Context, forward_context  # noqa: E402
@@ -149,7 +149,8 @@ def test_attention_layer_fused_path(qk_norm: bool) -> None:
         q_ref, k_ref = TorchBackend().rope_and_store(attn, positions, q, k, v)
         ref_caches = attn.k_cache.clone(), attn.v_cache.clone()
         attn.k_cache, attn.v_cache = k_cache.clone(), v_cache.clone()
-        q_out, k_out = TritonBackend(fused_ops=True).rope_and_store(attn, positions, q, k, v)
+        fused = TritonBackend(FastPath(fused_ops=True))
+        q_out, k_out = fused.rope_and_store(attn, positions, q, k, v)
     torch.testing.assert_close(q_out, q_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k_out, k_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(attn.k_cache, ref_caches[0], atol=1e-5, rtol=1e-5)

@@ -1,6 +1,7 @@
 """Decode steps through kernels.fused_linear's projections (fused epilogues, split-K o_proj and
 down_proj) give the unfused path's greedy tokens (float16; Triton interpreted on CPU)."""
 import os
+from dataclasses import replace
 
 import torch
 
@@ -8,9 +9,25 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 
 import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.kernels import fused_linear  # noqa: E402
+from nanovllm.layers.backends import (  # noqa: E402
+    FUSED_GATE_UP_MAX_TOKENS,
+    FUSED_QKV_MAX_TOKENS,
+    FUSED_SPLIT_K_MAX_TOKENS,
+    FastPath,
+    TorchBackend,
+    bind_backend,
+)
+from nanovllm.layers.linear import (  # noqa: E402
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from nanovllm.utils.context import Context, forward_context  # noqa: E402
 from nanovllm.utils.dummy_checkpoint import build_checkpoint  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -19,6 +36,10 @@ pytestmark = pytest.mark.skipif(
 # head_dim 128: the kernels' half heads are whole 64-row MMA tiles
 SHAPE = dict(hidden_size=128, head_dim=128, num_attention_heads=2, num_key_value_heads=1,
              intermediate_size=256)
+# each projection with a fused decode kernel, and the largest decode step that runs it
+LIMITS = {QKVParallelLinear: FUSED_QKV_MAX_TOKENS,
+          MergedColumnParallelLinear: FUSED_GATE_UP_MAX_TOKENS,
+          RowParallelLinear: FUSED_SPLIT_K_MAX_TOKENS}
 
 
 # Qwen3MoE: experts in every layer, so only the attention's projections take part
@@ -42,12 +63,17 @@ def _spy(fn, calls: list):
     return spy
 
 
-def _fusable(llm: LLM) -> list:
-    return [m for m in llm.model_runner.model.modules() if hasattr(m, "fused_decode")]
+def _projections(model: nn.Module) -> list:
+    """The model's projections that have a fused decode kernel."""
+    return [m for m in model.modules() if type(m) in LIMITS]
 
 
-def _split(llm: LLM) -> list:
-    return [m for m in llm.model_runner.model.modules() if hasattr(m, "split_k")]
+def _rebind(llm: LLM, fused_projections: bool) -> None:
+    """Bind the model again, to a backend of its kind with the fused projections on or off (on
+    CPU the engine binds them off: they run here interpreted, for this test only)."""
+    backend = llm.model_runner.backend
+    fast_path = replace(backend.fast_path, fused_projections=fused_projections)
+    bind_backend(llm.model_runner.model, type(backend)(fast_path))
 
 
 def test_fused_decode_same_tokens(checkpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -56,26 +82,23 @@ def test_fused_decode_same_tokens(checkpoint: str, monkeypatch: pytest.MonkeyPat
     llm = LLM(checkpoint, device=DEVICE, attention_backend="triton", dtype="float16",
               enforce_eager=True, num_kvcache_blocks=8, max_num_seqs=4, max_model_len=512)
     try:
-        modules, linears = _fusable(llm), _split(llm)
-        mlps = sum(hasattr(m, "gate_up_proj") for m in modules)  # dense MLPs (none with MoE)
-        assert len(modules) == 2 + mlps and all(m.can_fuse_decode() for m in modules)
-        assert len(linears) == 2 + mlps and all(m.can_split_k() for m in linears)
-        assert all(m.fused_decode == (DEVICE == "cuda") for m in modules)
-        assert all(m.split_k == (DEVICE == "cuda") for m in linears)
+        projections = _projections(llm.model_runner.model)
+        mlps = sum(isinstance(m, MergedColumnParallelLinear) for m in projections)  # no MoE's
+        assert len(projections) == 2 * (2 + mlps) and all(m.fits_fused_decode()
+                                                          for m in projections)
+        bound = DEVICE == "cuda"  # the engine's own choice: sm_90 (see pytestmark)
+        assert all(m.fused_decode_max_tokens == (LIMITS[type(m)] if bound else 0)
+                   for m in projections)
         prompts = [[(7 * i + 3 * j) % 300 + 1 for j in range(n)] for i, n in enumerate((5, 40, 17))]
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-        for m in modules:
-            m.fused_decode = False
-        for m in linears:
-            m.split_k = False
+        _rebind(llm, False)
+        assert not any(m.fused_decode_max_tokens for m in projections)
         want = [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
         calls = []
         for fn in ("qkv_rope_store", "gate_up_silu", "split_k_linear"):
             monkeypatch.setattr(fused_linear, fn, _spy(getattr(fused_linear, fn), calls))
-        for m in modules:
-            m.fused_decode = True
-        for m in linears:
-            m.split_k = True
+        _rebind(llm, True)
+        assert all(m.fused_decode_max_tokens == LIMITS[type(m)] for m in projections)
         got = [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
     finally:
         llm.shutdown()
@@ -86,25 +109,51 @@ def test_fused_decode_same_tokens(checkpoint: str, monkeypatch: pytest.MonkeyPat
     assert calls.count("split_k_linear") == 5 * (2 + mlps)
 
 
-def test_can_fuse_decode_rules(checkpoints) -> None:
+def test_fits_fused_decode_rules(checkpoints) -> None:
     """float32 layers and head_dim below 128 keep the unfused path."""
     llm = LLM(checkpoints["untied_gqa4_d64"], device="cpu", dtype="float16",
               num_kvcache_blocks=8, max_num_seqs=4, max_model_len=512)
     try:
-        modules = _fusable(llm)
-        assert modules and not any(m.fused_decode for m in modules)
-        attn = [m for m in modules if hasattr(m, "qkv_proj")]
-        mlp = [m for m in modules if hasattr(m, "gate_up_proj")]
-        assert not any(m.can_fuse_decode() for m in attn)  # head_dim 64
-        assert all(m.can_fuse_decode() for m in mlp)  # intermediate 128, float16
+        projections = _projections(llm.model_runner.model)
+        assert projections and not any(m.fused_decode_max_tokens for m in projections)
+        qkv = [m for m in projections if isinstance(m, QKVParallelLinear)]
+        gate_up = [m for m in projections if isinstance(m, MergedColumnParallelLinear)]
+        assert qkv and not any(m.fits_fused_decode() for m in qkv)  # head_dim 64
+        assert gate_up and all(m.fits_fused_decode() for m in gate_up)  # intermediate 128
     finally:
         llm.shutdown()
 
 
-def test_can_split_k_rules() -> None:
+def test_split_k_rules() -> None:
     """Split-K takes one rank's bias-free, k-major 16-bit weight whose K is whole 128-wide tiles."""
-    from nanovllm.layers.linear import RowParallelLinear
-    assert RowParallelLinear(256, 128).to(torch.float16).can_split_k()
-    assert not RowParallelLinear(256, 128, bias=True).to(torch.float16).can_split_k()
-    assert not RowParallelLinear(256, 128).can_split_k()  # float32
-    assert not RowParallelLinear(192, 128).to(torch.float16).can_split_k()  # K not whole tiles
+    assert RowParallelLinear(256, 128).to(torch.float16).fits_fused_decode()
+    assert not RowParallelLinear(256, 128, bias=True).to(torch.float16).fits_fused_decode()
+    assert not RowParallelLinear(256, 128).fits_fused_decode()  # float32
+    assert not RowParallelLinear(192, 128).to(torch.float16).fits_fused_decode()  # K: 1.5 tiles
+
+
+@torch.no_grad()
+def test_row_parallel_forward_one_type_when_split_k_bound() -> None:
+    """forward returns [tokens, output] in the activation dtype even in a decode step bound to
+    split-K; split_k_partials is the separate float32 [S, tokens, output] operation."""
+    torch.manual_seed(0)
+    proj = RowParallelLinear(256, 128).to(device=DEVICE, dtype=torch.float16)
+    proj.weight.normal_(0.0, 256 ** -0.5)
+    bind_backend(proj, TorchBackend(FastPath(fused_projections=True)))
+    assert proj.fused_decode_max_tokens == FUSED_SPLIT_K_MAX_TOKENS
+    x = torch.randn(5, 256, device=DEVICE).to(torch.float16)
+    slots = torch.arange(5, device=DEVICE)
+    with forward_context(Context(is_prefill=False, slot_mapping=slots)):
+        assert proj.runs_fused_decode(x)
+        y = proj(x)
+        parts = proj.split_k_partials(x)
+    assert y.dtype == torch.float16 and y.shape == (5, 128)
+    assert torch.equal(y, F.linear(x, proj.weight))
+    assert parts.dtype == torch.float32 and parts.dim() == 3 and parts.shape[1:] == (5, 128)
+    torch.testing.assert_close(parts.sum(0), F.linear(x.float(), proj.weight.float()),
+                               atol=1e-3, rtol=1e-3)
+    # prefill, a step that writes no cache, or more tokens than the limit: never split
+    for ctx, tokens in ((Context(is_prefill=True, slot_mapping=slots), 5), (Context(), 5),
+                        (Context(slot_mapping=slots), FUSED_SPLIT_K_MAX_TOKENS + 1)):
+        with forward_context(ctx):
+            assert not proj.runs_fused_decode(torch.empty(tokens, 256))
