@@ -3,10 +3,11 @@ module of nanovllm, those inside functions and `if TYPE_CHECKING:` blocks includ
 
 The intended order, top to bottom (a package may import those below it, never one above):
 
-    llm.py -> data_parallel -> engine -> executor -> runner -> models -> layers -> kernels
+    llm.py -> data_parallel -> engine -> executor -> runner -> config -> models -> layers -> kernels
                       serve -> engine
 
-with config, sampling_params and utils below them all, usable by every package."""
+config sits above the model side because it checks a checkpoint against the model registry and
+the kernels; sequence, sampling_params and utils are below them all, usable by every package."""
 import ast
 import os
 import subprocess
@@ -22,20 +23,22 @@ PACKAGE = ROOT / "nanovllm"
 
 # What each layer may import, besides itself: the order above, written out. "nanovllm" is the
 # package's own __init__ (the public names); a layer is a subpackage or a top-level module.
-BASE = {"config", "sampling_params", "utils"}
-BELOW_ENGINE = {"executor", "runner", "models", "layers", "kernels"}
+BASE = {"sequence", "sampling_params", "utils"}
+MODEL_SIDE_BELOW_CONFIG = {"models", "layers", "kernels"}
 ALLOWED = {
     "nanovllm": {"llm", "sampling_params"},
-    "llm": {"data_parallel", "engine"} | BELOW_ENGINE | BASE,
-    "data_parallel": {"engine"} | BELOW_ENGINE | BASE,
-    "serve": {"engine"} | BELOW_ENGINE | BASE,
-    "engine": BELOW_ENGINE | BASE,
-    "executor": {"runner", "models", "layers", "kernels"} | BASE,
-    "runner": {"models", "layers", "kernels"} | BASE,
-    "models": {"layers", "kernels"} | BASE,  # kernels: see test_models_do_not_import_kernels
+    "llm": {"data_parallel", "engine", "executor", "runner", "config"}
+    | MODEL_SIDE_BELOW_CONFIG | BASE,
+    "data_parallel": {"engine", "executor", "runner", "config"} | MODEL_SIDE_BELOW_CONFIG | BASE,
+    "serve": {"engine", "executor", "runner", "config"} | MODEL_SIDE_BELOW_CONFIG | BASE,
+    "engine": {"executor", "runner", "config"} | MODEL_SIDE_BELOW_CONFIG | BASE,
+    "executor": {"runner", "config"} | MODEL_SIDE_BELOW_CONFIG | BASE,
+    "runner": {"config"} | MODEL_SIDE_BELOW_CONFIG | BASE,
+    "config": MODEL_SIDE_BELOW_CONFIG | BASE,
+    "models": {"layers"} | BASE,  # never kernels: layers/backends.py chooses them
     "layers": {"kernels"} | BASE,
     "kernels": BASE,
-    "config": {"sampling_params", "utils"},
+    "sequence": {"sampling_params", "utils"},
     "sampling_params": {"utils"},
     "utils": set(),
 }
@@ -54,7 +57,7 @@ MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
 def layer(module: str) -> str:
-    """nanovllm.engine.sequence -> engine; nanovllm.llm -> llm; nanovllm -> nanovllm."""
+    """nanovllm.engine.llm_engine -> engine; nanovllm.llm -> llm; nanovllm -> nanovllm."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
 

@@ -4,7 +4,7 @@ from collections import deque
 import numpy as np
 import xxhash
 
-from nanovllm.engine.sequence import Sequence
+from nanovllm.sequence import Sequence
 
 
 class Block:

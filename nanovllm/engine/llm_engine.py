@@ -8,13 +8,13 @@ from nanovllm.config import config_from_kwargs
 from nanovllm.engine.outputs import RequestTable, record_logprobs, request_output
 from nanovllm.engine.request_checks import RequestLimits, validate_request, validate_requests
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stats import StepCounters
 from nanovllm.engine.stop_strings import StopStringChecker
 from nanovllm.executor.base import Executor, UniprocExecutor
 from nanovllm.executor.multiproc import MultiprocExecutor
 from nanovllm.runner.sampled_ids import InFlightStep, SampledIds
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.sequence import Sequence
 from nanovllm.utils.tokenizer import load_tokenizer
 
 

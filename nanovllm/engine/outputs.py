@@ -2,10 +2,10 @@
 sequences that ran it (n of them for SamplingParams.n = n)."""
 from dataclasses import replace
 
-from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import LogprobsTensors, derive_seed
 from nanovllm.runner.sampled_ids import SampledIds
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.sequence import Sequence
 
 
 class RequestTable:

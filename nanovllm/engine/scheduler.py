@@ -9,7 +9,7 @@ from itertools import islice
 from time import perf_counter
 
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:

@@ -1,6 +1,6 @@
 """Stop strings: incremental detokenisation, kept only for sequences that have stop strings."""
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.sequence import Sequence
+from nanovllm.sequence import Sequence
 
 
 class StopStringChecker:

@@ -2,10 +2,10 @@
 from abc import ABC, abstractmethod
 
 from nanovllm.config import Config
-from nanovllm.engine.sequence import Sequence
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.runner.rank_commands import RANK_COMMANDS
 from nanovllm.runner.sampled_ids import SampledIds
+from nanovllm.sequence import Sequence
 
 
 class Executor(ABC):

@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, kv_scale_calibration
 from nanovllm.layers.backends import bind_backend, select_backend
 from nanovllm.layers.linear import tp_rank_and_size
@@ -21,6 +20,7 @@ from nanovllm.runner.prompt_logprobs import prompt_logprobs, wants_prompt_logpro
 from nanovllm.runner.sampled_ids import SampledIds
 from nanovllm.runner.step_inputs import DecodeInputs, prepare_prefill, to_device
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.sequence import Sequence
 from nanovllm.utils.context import Context, forward_context
 from nanovllm.utils.loader import load_dummy_weights, load_model
 from nanovllm.utils.precision import check_float32_matmuls

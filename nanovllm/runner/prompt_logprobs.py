@@ -9,8 +9,8 @@ prefill chunk scores its own positions; the LM head runs over CHUNK positions at
 """
 import torch
 
-from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import LogprobsTensors, compute_logprobs
+from nanovllm.sequence import Sequence
 from nanovllm.utils.context import Context, forward_context
 
 CHUNK = 512

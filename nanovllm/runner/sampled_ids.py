@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import LogprobsTensors
+from nanovllm.sequence import Sequence
 
 
 class SampledIds:

@@ -4,7 +4,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from nanovllm.engine.sequence import Sequence
+from nanovllm.sequence import Sequence
 from nanovllm.utils.context import Context
 
 

@@ -2,8 +2,8 @@
 import pytest
 
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.sequence import Sequence
 
 BS = 4
 

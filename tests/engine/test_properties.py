@@ -11,8 +11,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.request_checks import max_blocks_needed
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.sequence import Sequence, SequenceStatus
 
 BS = 4
 EOS = 0

@@ -2,8 +2,8 @@
 import random
 
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.sequence import Sequence, SequenceStatus
 
 BS = 4
 EOS = 0

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.sequence import Sequence
 from nanovllm.runner.step_inputs import prepare_prefill
+from nanovllm.sequence import Sequence
 from nanovllm.utils.context import forward_context
 from tests.conftest import CHECKPOINTS
 from tests.reference import hf_greedy, hf_last_logits, load_hf

@@ -1,9 +1,9 @@
 """DecodeInputs: what pack() writes, unpack() reads back, every section 16-byte aligned."""
 import pytest
 
-from nanovllm.engine.sequence import Sequence
 from nanovllm.runner.step_inputs import DecodeInputs
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.sequence import Sequence
 
 BLOCK = 4
 

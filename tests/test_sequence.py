@@ -3,8 +3,8 @@ its pending token (counted before its id is known)."""
 import pickle
 
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.sequence import Sequence
 
 BS = 4
 
