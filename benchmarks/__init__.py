@@ -1,1 +1,3 @@
-"""Benchmark scenarios, workloads and reports behind bench.py."""
+"""What users run to measure the engine: bench.py's library (runs, scenarios, workloads, report,
+shapes, plot, rl) and the tools beside it: serve (+ serve_client), floor, step_floor, ceilings,
+profile_steps, soak, cold_compiles, and gpu_figures.sh (the docs' GPU figures in one script)."""

@@ -2,9 +2,11 @@
 
 python -m benchmarks.profile_steps [--model DIR] [--attention-backend B] [--kv-cache-dtype D]:
 prints, for a prefill-only pass (every prompt, max_tokens=1) and for 32 decode steps at batch
-256, the kernels by total GPU time, then the wall time of each phase.
+256, the kernels by total GPU time, then the wall time of each phase. --tiny: a tiny random
+checkpoint and 8 prompts on CPU, ops by CPU time (a smoke run).
 """
 import argparse
+import tempfile
 import time
 
 import torch
@@ -13,17 +15,19 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.runs import sync
 from benchmarks.workloads import max_token_id, standard
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.dummy_checkpoint import qwen3_0_6b_random
+from nanovllm.utils.dummy_checkpoint import build_checkpoint, qwen3_0_6b_random
 
 
 def table(prof, title: str, rows: int = 30) -> None:
-    """Kernels by summed GPU time, with their share."""
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    total = sum(e.device_time_total for e in events)
-    print(f"== {title}: {total / 1e3:.1f} ms of GPU time in {len(events)} kernel names")
-    for e in sorted(events, key=lambda e: -e.device_time_total)[:rows]:
-        print(f"{e.device_time_total / 1e3:9.2f} ms {100 * e.device_time_total / total:5.1f}% "
-              f"x{e.count:<6d} {e.key[:90]}")
+    """Kernels by summed GPU time, with their share (without CUDA: ops by their own CPU time)."""
+    cuda = torch.cuda.is_available()
+    us = (lambda e: e.device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    events = [e for e in prof.key_averages() if us(e) > 0]
+    total = sum(map(us, events))
+    print(f"== {title}: {total / 1e3:.1f} ms of {'GPU' if cuda else 'CPU'} time in "
+          f"{len(events)} {'kernel' if cuda else 'op'} names")
+    for e in sorted(events, key=lambda e: -us(e))[:rows]:
+        print(f"{us(e) / 1e3:9.2f} ms {100 * us(e) / total:5.1f}% x{e.count:<6d} {e.key[:90]}")
 
 
 def main() -> None:
@@ -31,9 +35,12 @@ def main() -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--num-seqs", type=int)
+    p.add_argument("--tiny", action="store_true", help="tiny random checkpoint, 8 prompts (CPU)")
     args = p.parse_args()
-    path = args.model or qwen3_0_6b_random()
+    args.num_seqs = args.num_seqs or (8 if args.tiny else 256)
+    path = args.model or (build_checkpoint(tempfile.mkdtemp(prefix="nanovllm-tiny-"))
+                          if args.tiny else qwen3_0_6b_random())
     llm = LLM(path, attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype)
     prompts, _ = standard(args.num_seqs, (100, 1024), (100, 1024), max_token_id(path), seed=0)
     one = SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True)

@@ -3,7 +3,6 @@ import argparse
 import gc
 import os
 import platform
-import statistics
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,45 +20,6 @@ def percentile(values: list[float], q: float) -> float:
         return 0.0
     values = sorted(values)
     return values[min(len(values) - 1, int(q / 100 * len(values)))]
-
-
-def graph_replay_us(fn, reps: int, calls: int) -> float:
-    """Median over reps of one CUDA graph replay of `calls` calls of fn, per call, in us (the
-    first replays warm up; fn runs once before the capture, which compiles its kernels)."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps + 3):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times[3:])
-
-
-def time_launches(launches, build, matches, reps: int, calls: int) -> list[tuple]:
-    """[(us per call, launch)], fastest first, of each launch that compiles and whose output
-    matches(launch) after its first call: build(launch) gives the `calls` functions one graph
-    replay runs."""
-    timed = []
-    for launch in launches:
-        try:
-            fns = build(launch)
-            fns[0]()
-            torch.cuda.synchronize()
-        except Exception:  # noqa: BLE001 - a launch that does not compile or fit
-            continue
-        if not matches(launch):
-            print(f"  mismatch {launch}")
-            continue
-        us = graph_replay_us(lambda fns=fns: [f() for f in fns], reps, 1) / calls
-        timed.append((us, launch))
-    return sorted(timed)
 
 
 def sync() -> None:

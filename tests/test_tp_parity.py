@@ -1,7 +1,7 @@
-"""benchmarks/tp_parity.py: the TP=N vs TP=1 report (issue 5) on CPU with gloo."""
+"""tests/accuracy/tp_parity.py: the TP=N vs TP=1 report (issue 5) on CPU with gloo."""
 import torch
 
-from benchmarks.tp_parity import compare, greedy_run, leftovers
+from tests.accuracy.tp_parity import compare, greedy_run, leftovers
 
 PROMPTS = [[(5 * i + 7 * j) % 400 + 1 for j in range(20 + 30 * i)] for i in range(4)]
 

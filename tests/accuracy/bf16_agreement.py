@@ -5,7 +5,7 @@ Triton, and the torch reference in eager mode), eager and with CUDA graphs, gene
 x 64 tokens greedily; transformers in float32 is then teacher-forced along our tokens and we
 count the positions where its argmax is the token we chose.
 
-    python -m benchmarks.bf16_agreement [--json FILE]
+    python -m tests.accuracy.bf16_agreement [--json FILE]
 """
 import argparse
 import importlib.util

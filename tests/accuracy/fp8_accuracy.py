@@ -7,8 +7,8 @@ NUM_TOKENS tokens per prompt; the FP8 runs are fed those same tokens step by ste
 paged decode) and their logits compared with the bf16 run's at every step: argmax agreement,
 max and mean |logit error|.
 
-    python -m benchmarks.fp8_accuracy [--checkpoints tiny qwen3-0.6b] [--num-prompts 8]
-                                      [--backends triton] [--json FILE]
+    python -m tests.accuracy.fp8_accuracy [--checkpoints tiny qwen3-0.6b] [--num-prompts 8]
+                                          [--backends triton] [--json FILE]
 """
 import argparse
 import json
@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from nanovllm.engine.sequence import Sequence
 from nanovllm.runner.step_inputs import prepare_prefill
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.sequence import Sequence
 from nanovllm.utils.context import Context, forward_context
 
 NUM_TOKENS = 64

@@ -1,8 +1,8 @@
 """TP=N vs TP=1 on one checkpoint: greedy token agreement, the largest logit difference, and a
 clean exit (no worker process or shared-memory segment left). Issue 5's first and third checks:
 
-    python -m benchmarks.tp_parity --random-weights --tp 2     # Qwen3-0.6B shape, bf16, GPUs
-    python -m benchmarks.tp_parity --tiny --tp 2               # tiny model on CPU (gloo)
+    python -m tests.accuracy.tp_parity --random-weights --tp 2     # Qwen3-0.6B shape, bf16, GPUs
+    python -m tests.accuracy.tp_parity --tiny --tp 2               # tiny model on CPU (gloo)
 """
 import argparse
 import glob

@@ -1,8 +1,8 @@
 """FP8 KV cache on CUDA: the Triton kernels (eager and CUDA graphs) against the bf16 cache and
-against the torch reference, teacher-forced (benchmarks.fp8_accuracy)."""
+against the torch reference, teacher-forced (tests.accuracy.fp8_accuracy)."""
 import pytest
 
-from benchmarks.fp8_accuracy import compare, engine, prompts, teacher_forced
+from tests.accuracy.fp8_accuracy import compare, engine, prompts, teacher_forced
 
 pytestmark = pytest.mark.gpu
 

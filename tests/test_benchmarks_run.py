@@ -1,0 +1,116 @@
+"""Every script in benchmarks/ runs in CI, at least its smallest CPU case: each file has a case
+here or names the test that runs it, and a file added without either fails this test."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# File -> (the test that runs it, what that test runs): bench.py --tiny --scenario all runs the
+# library behind bench.py.
+BENCH = ("tests/test_bench.py", "bench.py")
+ELSEWHERE = {
+    "__init__.py": BENCH, "runs.py": BENCH, "scenarios.py": BENCH, "workloads.py": BENCH,
+    "report.py": BENCH, "rl.py": BENCH,
+    "shapes.py": ("tests/test_floor.py", "benchmarks.shapes"),
+    "step_floor.py": ("tests/test_step_floor.py", "benchmarks.step_floor"),
+    "ceilings.py": ("tests/test_ceilings.py", "benchmarks.ceilings"),
+    "serve.py": ("tests/serve/test_serve_bench.py", "benchmarks.serve"),
+    "serve_client.py": ("tests/serve/test_serve_bench.py", "benchmarks.serve"),
+}
+
+
+def run(*argv: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    """argv from the project root, one thread (the smoke model's ops are tiny)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env,
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run(argv, cwd=ROOT, env=env, text=True, capture_output=True, timeout=300)
+
+
+def ok(proc: subprocess.CompletedProcess, *expected: str) -> None:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for text in expected:
+        assert text in proc.stdout, proc.stdout[-3000:]
+
+
+def cold_compiles(tmp_path: Path) -> None:
+    proc = run(sys.executable, "-m", "benchmarks.cold_compiles", "--tiny", tmp_path=tmp_path,
+               TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    ok(proc, "compiled inside the timed run:", "median output throughput")
+
+
+def floor(tmp_path: Path) -> None:
+    proc = run(sys.executable, "-m", "benchmarks.floor", "--steps", "1", "256",
+               tmp_path=tmp_path)
+    ok(proc, "| qwen3-0.6b | 1.19 | ", "| 35,673 |", "| qwen3-30b-a3b | 256 |")
+
+
+def gpu_figures(tmp_path: Path) -> None:
+    proc = run("bash", "benchmarks/gpu_figures.sh", "--tiny", "--rounds", "1", "--out",
+               str(tmp_path), "--upstream", "echo 'Total: 1tok, Time: 1s, Throughput: 100.00tok/s'",
+               tmp_path=tmp_path)
+    ok(proc, "== bench", "| default (", "| --kv-cache-dtype fp8 (",
+       "| upstream nano-vLLM | 100 | 100 | 1.00x |", "| qwen3-0.6b | not run | | | 35,673 |",
+       "== tests", " tests collected")
+    run0 = json.loads((tmp_path / "bench_r0_c1.json").read_text())
+    assert run0["environment"]["kv_cache_dtype"] == "torch.float8_e4m3fn"
+    assert run("bash", "benchmarks/gpu_figures.sh", "--no-such-flag",
+               tmp_path=tmp_path).returncode == 2
+
+
+def plot(tmp_path: Path) -> None:
+    """A --json file's timelines drawn later; without matplotlib (the optional `plot` extra)
+    the command says what to install."""
+    results = tmp_path / "bench.json"
+    timeline = [[0.0, 0.1, True, 4, 400], [0.1, 0.01, False, 4, 4], [0.11, 0.01, False, 3, 3]]
+    results.write_text(json.dumps(dict(scenario="throughput", runs=[dict(timeline=timeline)])))
+    png = tmp_path / "bench.png"
+    proc = run(sys.executable, "-m", "benchmarks.plot", str(results), str(png), tmp_path=tmp_path)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert proc.returncode != 0 and "pip install -e '.[plot]'" in proc.stderr, proc.stderr
+        return
+    ok(proc, "plot: 1 runs")
+    assert png.stat().st_size > 0
+
+
+def profile_steps(tmp_path: Path) -> None:
+    proc = run(sys.executable, "-m", "benchmarks.profile_steps", "--tiny", "--num-seqs", "4",
+               tmp_path=tmp_path)
+    ok(proc, "== prefill (4 prompts, 1 token)", "== prefill + 32 decode steps at batch 4",
+       "aten::")
+
+
+def soak(tmp_path: Path) -> None:
+    out = tmp_path / "soak.json"
+    proc = run(sys.executable, "-m", "benchmarks.soak", "--tiny", "--calls", "3", "--json",
+               str(out), tmp_path=tmp_path)
+    ok(proc, "leaked_blocks")
+    summary = json.loads(out.read_text())
+    assert summary["calls"] == 3 and summary["leaked_blocks"] == 0 and summary["requests"] > 0
+
+
+# File -> its smallest CPU case, run here.
+CASES = {"cold_compiles.py": cold_compiles, "floor.py": floor, "gpu_figures.sh": gpu_figures,
+         "plot.py": plot, "profile_steps.py": profile_steps, "soak.py": soak}
+SLOW = {"gpu_figures.sh", "profile_steps.py"}  # each takes ~20-30 s on CPU
+
+
+def test_every_script_has_a_case():
+    scripts = {p.name for p in (ROOT / "benchmarks").iterdir() if p.suffix in (".py", ".sh")}
+    assert scripts - set(CASES) - set(ELSEWHERE) == set(), \
+        "a script in benchmarks/ without a CPU case: add one to CASES or ELSEWHERE"
+    assert set(CASES) | set(ELSEWHERE) <= scripts, "a case for a script that is gone"
+    for name, (test, runs) in ELSEWHERE.items():
+        assert runs in (ROOT / test).read_text(), (name, test, runs)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW else [])
+                                  for n in sorted(CASES)])
+def test_script_runs_its_smallest_case(name, tmp_path):
+    CASES[name](tmp_path)
