@@ -64,7 +64,7 @@ def parse_args() -> argparse.Namespace:
 
 def resolve_model(args: argparse.Namespace) -> str:
     """The checkpoint to load; builds a random one in a temporary directory when asked to."""
-    from nanovllm.utils.dummy_checkpoint import build_checkpoint, qwen3_0_6b_random
+    from benchmarks.random_checkpoints import build_checkpoint, qwen3_0_6b_random
     if args.shape:
         return write_shape(args.shape, tempfile.mkdtemp(prefix=f"nanovllm-{args.shape}-"))
     path = os.path.expanduser(args.model)

@@ -10,7 +10,7 @@ DEFAULT_MODEL = "~/huggingface/Qwen3-0.6B"
 
 def demo_checkpoint() -> str:
     """Build (once) a tiny random Qwen3 so the pipeline runs anywhere."""
-    from nanovllm.utils.dummy_checkpoint import build_checkpoint
+    from benchmarks.random_checkpoints import build_checkpoint
     path = os.path.join(tempfile.gettempdir(), "nanovllm-demo-random")
     if not os.path.isfile(os.path.join(path, "model.safetensors")):
         build_checkpoint(path)

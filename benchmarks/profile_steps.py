@@ -12,10 +12,10 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.random_checkpoints import build_checkpoint, qwen3_0_6b_random
 from benchmarks.runs import sync
 from benchmarks.workloads import max_token_id, standard
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.dummy_checkpoint import build_checkpoint, qwen3_0_6b_random
 
 
 def table(prof, title: str, rows: int = 30) -> None:

@@ -52,7 +52,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def resolve_model(args: argparse.Namespace) -> str:
-    from nanovllm.utils.dummy_checkpoint import build_checkpoint, qwen3_0_6b_random
+    from benchmarks.random_checkpoints import build_checkpoint, qwen3_0_6b_random
     if args.tiny:
         return build_checkpoint(tempfile.mkdtemp(prefix="nanovllm-tiny-"))
     if args.model:

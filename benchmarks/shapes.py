@@ -47,7 +47,7 @@ SHAPES: dict[str, dict] = {
 
 def write_shape(name: str, path: str) -> str:
     """config.json (bf16) of shape `name` and a small BPE tokenizer in `path`; returns `path`."""
-    from nanovllm.utils.dummy_checkpoint import build_tokenizer
+    from benchmarks.random_checkpoints import build_tokenizer
     os.makedirs(path, exist_ok=True)
     tokenizer = build_tokenizer(path)
     config = dict(SHAPES[name], dtype="bfloat16", hidden_act="silu",

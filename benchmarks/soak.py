@@ -215,7 +215,7 @@ def main() -> None:
     args = p.parse_args()
     if args.minutes is None and args.calls is None:
         args.minutes = 1.0
-    from nanovllm.utils.dummy_checkpoint import build_checkpoint, qwen3_0_6b_random
+    from benchmarks.random_checkpoints import build_checkpoint, qwen3_0_6b_random
     model = args.model
     if args.tiny:
         model = build_checkpoint(tempfile.mkdtemp(prefix="nanovllm-soak-"))

@@ -166,7 +166,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    from nanovllm.utils.dummy_checkpoint import build_checkpoint, qwen3_0_6b_random
+    from benchmarks.random_checkpoints import build_checkpoint, qwen3_0_6b_random
     if args.model:
         path = os.path.expanduser(args.model)
     elif args.tiny:

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
+from benchmarks.random_checkpoints import build_checkpoint
 from nanovllm.utils.context import reset_context
-from nanovllm.utils.dummy_checkpoint import build_checkpoint
 
 # name -> shape overrides of TINY_SHAPE; together they cover tied/untied embeddings,
 # GQA ratios 1, 2 and 4, and head_dim 16..64.

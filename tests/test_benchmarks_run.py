@@ -16,6 +16,7 @@ BENCH = ("tests/test_bench.py", "bench.py")
 ELSEWHERE = {
     "__init__.py": BENCH, "runs.py": BENCH, "scenarios.py": BENCH, "workloads.py": BENCH,
     "report.py": BENCH, "rl.py": BENCH,
+    "random_checkpoints.py": ("tests/conftest.py", "benchmarks.random_checkpoints"),
     "shapes.py": ("tests/test_floor.py", "benchmarks.shapes"),
     "step_floor.py": ("tests/test_step_floor.py", "benchmarks.step_floor"),
     "ceilings.py": ("tests/test_ceilings.py", "benchmarks.ceilings"),

@@ -63,7 +63,7 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
-    from nanovllm.utils.dummy_checkpoint import qwen3_0_6b_random
+    from benchmarks.random_checkpoints import qwen3_0_6b_random
 
     path = qwen3_0_6b_random()
     batch = prompts(151936)

@@ -33,7 +33,7 @@ _GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True
 
 
 def checkpoint(name: str) -> str:
-    from nanovllm.utils.dummy_checkpoint import build_checkpoint, qwen3_0_6b_random
+    from benchmarks.random_checkpoints import build_checkpoint, qwen3_0_6b_random
     if name == "qwen3-0.6b":
         return qwen3_0_6b_random()
     path = os.path.join(tempfile.gettempdir(), f"nanovllm-fp8-{name}")

@@ -75,7 +75,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    from nanovllm.utils.dummy_checkpoint import build_checkpoint, qwen3_0_6b_random
+    from benchmarks.random_checkpoints import build_checkpoint, qwen3_0_6b_random
     if args.tiny:
         path = build_checkpoint(tempfile.mkdtemp(prefix="nanovllm-tiny-"))
     elif args.random_weights:

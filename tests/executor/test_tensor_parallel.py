@@ -14,13 +14,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from benchmarks.random_checkpoints import build_checkpoint
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
 from nanovllm.executor import multiproc as worker
 from nanovllm.executor import shm_channel
 from nanovllm.executor.rank0_thread import abandoned_call_running
 from nanovllm.runner.model_runner import ModelRunner
-from nanovllm.utils.dummy_checkpoint import build_checkpoint
 from tests.reference import hf_greedy, load_hf
 
 NUM_TOKENS = 12

@@ -72,7 +72,7 @@ def test_graphs_equal_eager_for_every_backend(tiny_model):
 def test_qwen3_0_6b_shape_bf16_prefill_logits(backend):
     if backend == "flash-attn" and not HAS_FLASH:
         pytest.skip("flash-attn not importable")
-    from nanovllm.utils.dummy_checkpoint import qwen3_0_6b_random
+    from benchmarks.random_checkpoints import qwen3_0_6b_random
     path = qwen3_0_6b_random()
     llm = LLM(path, attention_backend=backend, max_model_len=2048, num_kvcache_blocks=64)
     prompts = batch(151936, seed=3)[:4]

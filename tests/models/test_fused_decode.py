@@ -12,6 +12,7 @@ import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
+from benchmarks.random_checkpoints import build_checkpoint  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.kernels import fused_linear  # noqa: E402
 from nanovllm.layers.backends import (  # noqa: E402
@@ -28,7 +29,6 @@ from nanovllm.layers.linear import (  # noqa: E402
     RowParallelLinear,
 )
 from nanovllm.utils.context import Context, forward_context  # noqa: E402
-from nanovllm.utils.dummy_checkpoint import build_checkpoint  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(

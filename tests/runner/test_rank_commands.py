@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
+from benchmarks.random_checkpoints import build_checkpoint
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.dummy_checkpoint import build_checkpoint
 from tests.reference import hf_greedy, load_hf
 
 NUM_TOKENS = 8

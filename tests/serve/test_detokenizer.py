@@ -5,9 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from benchmarks.random_checkpoints import corpus
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.stop_strings import StopStringChecker
-from nanovllm.utils.dummy_checkpoint import corpus
 from nanovllm.utils.tokenizer import load_tokenizer
 
 
