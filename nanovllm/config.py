@@ -121,9 +121,7 @@ def load_hf_config(model: str, load_format: str = "auto") -> PretrainedConfig:
 
 
 def read_config_json(model: str) -> PretrainedConfig:
-    """config.json through transformers' base PretrainedConfig (both formats: `dtype` or
-    `torch_dtype`, `rope_parameters` or `rope_theta`/`rope_scaling`), the family's defaults
-    filled in, `rope_parameters` in one flat format, checked for fields we do not implement.
+    """config.json through the base PretrainedConfig, the family's defaults filled in, checked.
     Not AutoConfig: its family config classes import transformers' whole modeling stack."""
     try:
         config_dict, _ = PretrainedConfig.get_config_dict(model)

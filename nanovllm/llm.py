@@ -32,8 +32,7 @@ class LLM(LLMEngine):
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True) -> list[dict]:
-        """Answer one conversation (a list of {"role", "content"} dicts) or a list of them through
-        the tokenizer's chat template; returns what generate() does."""
+        """generate() for one conversation or a list, through the tokenizer's chat template."""
         return self.generate(chat_prompt_ids(self.tokenizer, as_conversation_list(messages)),
                              sampling_params, use_tqdm)
 
@@ -51,9 +50,7 @@ class LLM(LLMEngine):
 
     # ---- weights and memory, between rollouts -------------------------------------------
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load (checkpoint name, tensor) pairs in place, e.g. a transformers model's
-        `state_dict().items()`, on any device; each group of names is checked before it loads.
-        Needs an idle, awake engine; drops the prefix cache (its K/V came from old weights)."""
+        """Load (checkpoint name, tensor) pairs in place; drops the prefix cache (old K/V)."""
         self._check_idle("update_weights")
         if self._sleep_level:
             raise RuntimeError("update_weights() while asleep: call wake_up() first")
@@ -64,34 +61,29 @@ class LLM(LLMEngine):
                 raise ValueError("update_weights() takes (name, torch.Tensor) pairs")
             check_weight_names(self.model_runner.model, [name for name, _ in batch])
             specs = [(name, tuple(t.shape), t.dtype) for name, t in batch]
-            self._on_all_ranks("update_weights", specs, weights=[t for _, t in batch])
+            self.executor.execute("update_weights", specs, weights=[t for _, t in batch])
         self.scheduler.reset_prefix_cache()
         self._weights_dropped = False
 
     def sleep(self, level: int = 1) -> None:
-        """Free GPU memory: the KV pool and CUDA graphs, and the weights (level 1: moved to
-        host memory; level 2: dropped, for an update_weights after wake_up)."""
+        """Free the KV pool, CUDA graphs and weights (level 1: to host memory; 2: dropped)."""
         if level not in (1, 2):
             raise ValueError(f"level={level!r} is invalid: expected 1 or 2")
         self._check_idle("sleep")
         if self._sleep_level:
             raise RuntimeError(f"already asleep (level {self._sleep_level})")
-        self._on_all_ranks("sleep", level)
+        self.executor.execute("sleep", level)
         self.scheduler.reset_prefix_cache()  # the cached K/V is gone
         self._sleep_level = level
 
     def wake_up(self) -> None:
-        """Take the GPU memory back (a no-op when awake); after sleep(level=2), the weights
-        are undefined until update_weights()."""
+        """Take the GPU memory back (a no-op when awake)."""
         if not self._sleep_level:
             return
         self._check_idle("wake_up")
-        self._on_all_ranks("wake_up")
+        self.executor.execute("wake_up")
         self._weights_dropped = self._sleep_level == 2
         self._sleep_level = 0
-
-    def _on_all_ranks(self, command: str, *args, **rank0_kwargs) -> None:
-        self.executor.execute(command, *args, **rank0_kwargs)
 
     def _check_idle(self, what: str) -> None:
         self._check_running()
@@ -124,7 +116,6 @@ class DataParallelLLM(LLM):
 
     def __init__(self, model: str, data_parallel_size: int = 1, **kwargs):
         self.data_parallel_size = data_parallel_size
-        self._sleep_level, self._weights_dropped = 0, False
         self.engine = DataParallelEngine(model, data_parallel_size, **kwargs)
         self.tokenizer, self.replica_info = self.engine.tokenizer, self.engine.replica_info
 

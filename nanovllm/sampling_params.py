@@ -46,10 +46,9 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Check every field against what the sampler's tensors hold (float32 sampling values,
-        int64 seeds), raising ValueError naming the field; normalise numpy scalars to Python
-        and clamp where the meaning is unchanged (top_k beyond any vocabulary = off; a top_p
-        float32 cannot hold > 0 = the smallest it can, which keeps only the top token)."""
+        """Check every field against what the sampler's tensors hold, raising ValueError naming
+        it; numpy scalars become Python ones, and clamps keep the meaning (top_k beyond any
+        vocabulary = off; a tiny top_p = float32's smallest, which keeps only the top token)."""
         self.temperature = check_real("temperature", self.temperature, 0.0, FLOAT32_MAX,
                                       f"a number in [0, {FLOAT32_MAX:.4g}] (0 = greedy)")
         self.max_tokens = check_int("max_tokens", self.max_tokens, 1, None, "an int >= 1")

@@ -2,7 +2,6 @@
 no GPU: the check only reads torch's process-wide flags."""
 import contextlib
 import logging
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,33 +9,22 @@ import torch
 from nanovllm.utils.precision import check_float32_matmuls, tf32_matmuls
 
 MATMUL = torch.backends.cuda.matmul
-NEW_API = hasattr(torch.backends, "fp32_precision")  # torch 2.9+
 
 
 @contextlib.contextmanager
 def restored_flags():
     """Put torch's TF32 flags back as they were, through the API that reads them cleanly.
     (pytest's monkeypatch cannot: the flags are computed attributes of a module object.)"""
-    if NEW_API:
-        saved = torch.backends.fp32_precision, MATMUL.fp32_precision
-        try:
-            yield
-        finally:
-            torch.backends.fp32_precision, MATMUL.fp32_precision = saved
-    else:
-        saved = MATMUL.allow_tf32
-        try:
-            yield
-        finally:
-            MATMUL.allow_tf32 = saved
+    saved = torch.backends.fp32_precision, MATMUL.fp32_precision
+    try:
+        yield
+    finally:
+        torch.backends.fp32_precision, MATMUL.fp32_precision = saved
 
 
 def set_tf32(enabled: bool) -> None:
     """As a user of the installed torch would: its current API."""
-    if NEW_API:
-        MATMUL.fp32_precision = "tf32" if enabled else "ieee"
-    else:
-        MATMUL.allow_tf32 = enabled
+    MATMUL.fp32_precision = "tf32" if enabled else "ieee"
 
 
 def test_tf32_matmul_flag_is_reported(caplog):
@@ -62,7 +50,6 @@ def test_set_float32_matmul_precision_is_reported(precision):
         assert check_float32_matmuls("cuda", torch.float32)
 
 
-@pytest.mark.skipif(not NEW_API, reason="torch before fp32_precision")
 def test_the_generic_fp32_precision_is_inherited():
     """matmul's "none" means: as torch.backends.fp32_precision says."""
     with restored_flags():
@@ -95,12 +82,10 @@ class NewTorchFlags:
 
 
 @pytest.mark.parametrize("flags, tf32", [
-    (SimpleNamespace(allow_tf32=True), True),  # torch before 2.9: no fp32_precision
-    (SimpleNamespace(allow_tf32=False), False),
     (NewTorchFlags("tf32"), True),
     (NewTorchFlags("ieee"), False),
     (NewTorchFlags("none"), False),  # the getter resolves "none"; unresolved it is the default
 ])
-def test_old_and_new_torch_flags(flags, tf32):
+def test_torch_flags(flags, tf32):
     assert tf32_matmuls(flags) is tf32
     assert check_float32_matmuls("cuda", torch.float32, flags) is not tf32

@@ -18,14 +18,13 @@ from nanovllm.data_parallel.replicas import (
 )
 from nanovllm.engine.request_checks import validate_requests
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.field_checks import check_int
 from nanovllm.utils.tokenizer import load_tokenizer
 
 
 def check_data_parallel_size(value: object) -> int:
     """The number of replicas, or a ValueError naming the bad value."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"data_parallel_size={value!r} is invalid: expected an int >= 1")
-    return value
+    return check_int("data_parallel_size", value, 1, None, "an int >= 1")
 
 
 class DataParallelEngine:
@@ -61,8 +60,7 @@ class DataParallelEngine:
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict]:
-        """As LLMEngine.generate: every request is validated here, then each replica runs its
-        share in one call; a failing replica stops them all (see _fail)."""
+        """As LLMEngine.generate; each replica runs its share in one call."""
         requests = validate_requests(prompts, sampling_params, self.limits, self.tokenizer.encode)
         token_ids = [ids for ids, _ in requests]
         placement = place_requests(token_ids, [p.max_tokens for _, p in requests],
@@ -80,8 +78,7 @@ class DataParallelEngine:
         return outputs
 
     def stats(self) -> dict:
-        """The replicas' counters summed (their rates too: replicas run at the same time), with
-        each replica's own under "replicas"."""
+        """The replicas' counters summed (rates too: they run at once), each's under "replicas"."""
         return merge_stats(self._call_all("stats"))
 
     def reset_stats(self, timeline: bool = False) -> None:

@@ -11,10 +11,8 @@ MAX_PIECE_OF_SHARE = 0.25
 
 def place_requests(prompts: list[list[int]], max_tokens: list[int], num_replicas: int,
                    block_size: int) -> list[list[int]]:
-    """The request indices each replica serves, in input order within a replica. A request is
-    expected to cost its prompt plus its max_tokens. Requests whose first KV block is the same
-    form a group (the prefix cache shares whole blocks only, starting at the first); shorter
-    prompts are groups of one."""
+    """The request indices each replica serves, in input order; a request costs its prompt plus
+    its max_tokens, and requests whose first KV block is the same form a group."""
     costs = [len(prompt) + n for prompt, n in zip(prompts, max_tokens)]
     groups: dict[object, list[int]] = {}
     for i, prompt in enumerate(prompts):

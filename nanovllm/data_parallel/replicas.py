@@ -91,8 +91,7 @@ def release(ray, replicas: list, owns_connection: bool, graceful: bool = True) -
 
 
 def describe_failure(error: Exception) -> str:
-    """One line: the exception raised inside the replica (its traceback's last line), or why
-    its process died."""
+    """One line: the exception raised inside the replica, or why its process died."""
     import ray
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     if not lines:

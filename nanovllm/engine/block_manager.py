@@ -61,14 +61,9 @@ class BlockManager:
         self.used_block_ids.add(block_id)
         return block
 
-    def _deallocate_block(self, block_id: int) -> None:
-        assert self.blocks[block_id].ref_count == 0
-        self.used_block_ids.remove(block_id)
-        self.free_block_ids.append(block_id)
-
     def cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids of the longest cached prefix of the sequence's full blocks; the block
-        holding its last token is never a hit, so a prefill always has a token to sample from."""
+        """Block ids of the longest cached prefix of the sequence's full blocks."""
+        # The block holding the last token is never a hit: a prefill always has a row to sample.
         hits, h = [], -1
         if seq.num_prompt_logprobs is not None:
             return hits  # prompt logprobs need every prompt position computed
@@ -88,13 +83,12 @@ class BlockManager:
         return self.compute_hash(seq.block(0))
 
     def can_allocate(self, seq: Sequence) -> bool:
-        """Whether the free list holds the blocks the sequence needs beyond shared cache hits."""
+        """Whether the free list holds the blocks the sequence needs beyond shared hits."""
         shared = sum(1 for block_id in self.cached_prefix(seq) if block_id in self.used_block_ids)
         return len(self.free_block_ids) >= seq.num_blocks - shared
 
     def allocate(self, seq: Sequence) -> None:
-        """Give a waiting sequence its whole block table: cached prefix blocks, then fresh ones
-        (hashed by hash_blocks once a step has written them)."""
+        """Give a waiting sequence its whole block table: cached prefix blocks, then fresh ones."""
         assert not seq.block_table
         hits = self.cached_prefix(seq)
         for block_id in hits:
@@ -117,7 +111,8 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._deallocate_block(block_id)
+                self.used_block_ids.remove(block_id)
+                self.free_block_ids.append(block_id)
         seq.num_cached_tokens = 0
         seq.block_table.clear()
 
@@ -131,8 +126,8 @@ class BlockManager:
         self.used_block_ids.clear()
 
     def free_all(self) -> None:
-        """Free every block but keep the cached prefixes (callers drop all block tables): a
-        block is hashed only once the step writing its K/V was launched, so they stay valid."""
+        """Free every block but keep the cached prefixes; callers drop all block tables."""
+        # A block is hashed only once the step writing its K/V was launched: the hashes hold.
         for block in self.blocks:
             block.ref_count = 0
         self.hash_to_block_id = {h: block_id for h, block_id in self.hash_to_block_id.items()
@@ -153,8 +148,8 @@ class BlockManager:
             seq.block_table.append(block.block_id)
 
     def hash_blocks(self, seq: Sequence) -> None:
-        """Register in the prefix cache the full blocks launched steps write: those below
-        num_cached_tokens that have no hash yet (chunk ends need not be block ends)."""
+        """Hash the full blocks below num_cached_tokens that have no hash yet."""
+        # Launched steps have written them; chunk ends need not be block ends.
         table = seq.block_table
         end = min(seq.num_cached_tokens // self.block_size, len(table))
         if end == 0 or self.blocks[table[end - 1]].hash != -1:

@@ -4,14 +4,11 @@
 class IncrementalDetokenizer:
     """Turns a growing completion into text pieces that concatenate to the final text.
 
-    Each update decodes a window: the tokens of the last settled piece (context, so that a
-    tokenizer that drops a leading space or joins bytes decodes them as it would in the whole
-    text) plus the new ones, and settles the new suffix unless it ends in U+FFFD (a character
-    still incomplete). The work per update is the window's, not the completion's. With stop
-    strings, the last max(len(stop)) - 1 characters are held back: they may begin a stop
-    string, which the final text will not contain. `start`: where the completion begins in
-    the token lists given (the engine passes a sequence's prompt and completion).
-    """
+    Each update decodes a window: the last settled piece's tokens (context, so that a tokenizer
+    that drops a leading space or joins bytes decodes as in the whole text) plus the new ones,
+    and settles the new suffix unless it ends in U+FFFD (an incomplete character). With stop
+    strings, the last max(len(stop)) - 1 characters are held back. `start`: where the completion
+    begins in the token lists given."""
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = (), start: int = 0,
                  skip_special_tokens: bool = True):

@@ -77,17 +77,16 @@ class LLMEngine:
                              num_blocks=self.model_runner.num_kvcache_blocks)
 
     def step(self) -> tuple[list[dict], int]:
-        """Run one scheduled batch; returns (outputs of the requests that finished, tokens
-        processed: + prefill, - decode). Outputs are generate()'s dicts with "request_id";
-        they include hand-queued requests that finished during an earlier generate()."""
+        """Run one step; returns (finished requests' outputs, tokens: + prefill, - decode)."""
+        # Outputs include hand-queued requests that finished during an earlier generate().
         finished, num_tokens = self._step()
         outputs, self._unreturned = self._unreturned, []
         return outputs + [self._output(g) for g in self._requests.finished(finished)], num_tokens
 
     def _step(self) -> tuple[list[Sequence], int]:
-        """Advance the in-flight step, launch the next, commit the in-flight one's ids (so the
-        host's bookkeeping overlaps the GPU); lockstep (tensor parallelism: workers need host
-        ids), commit the launched step at once. Returns (finished sequences, token count)."""
+        """Advance the in-flight step, launch the next, then commit the in-flight one's ids."""
+        # Committing after the launch overlaps the host's bookkeeping with the GPU. Lockstep
+        # (tensor parallelism: workers need host ids) commits the launched step at once.
         self._check_running()
         if not self._has_work():
             return [], 0
@@ -134,16 +133,14 @@ class LLMEngine:
         return finished + self._check_stop_strings([seq for _, seq in step.advanced])
 
     def _schedule(self) -> tuple[list[Sequence], bool, int, int]:
-        """The next batch, whether it is prefill, its token count (+ prompt tokens a prefill
-        computes, - sequences a decode extends) and the KV blocks in use once it is scheduled
-        (the step's peak: finishing sequences free blocks later)."""
+        """(batch, is_prefill, tokens: + prefill, - decode, KV blocks in use: the step's peak)."""
         seqs, is_prefill = self.scheduler.schedule()
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
         return seqs, is_prefill, num_tokens, self.scheduler.num_used_blocks
 
     def _check_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Finish sequences whose text now contains a stop string (the reason "stop" wins over
-        EOS or length on the same step); returns the newly finished."""
+        """Finish sequences whose text now holds a stop string; returns the newly finished."""
+        # "stop" wins over EOS or length on the same step.
         newly_finished = []
         for seq in seqs:
             if not seq.sampling_params.stop:  # the common path decodes nothing
@@ -191,11 +188,9 @@ class LLMEngine:
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict]:
-        """Run one prompt or a list to completion; one SamplingParams for all or one per prompt.
-        Returns one dict per prompt in input order (see outputs.request_output); hand-queued
-        requests that finish meanwhile are kept for step(). Every request is validated before any
-        is queued, so a ValueError changes nothing. On any exception (Ctrl-C included) this call's
-        requests are aborted; the engine stays usable."""
+        """Run one prompt or a list to completion; returns one dict per prompt, in order."""
+        # Every request is validated before any is queued, so a ValueError changes nothing. On
+        # any exception (Ctrl-C too) this call's requests are aborted; the engine stays usable.
         requests = validate_requests(prompts, sampling_params, self.request_limits(),
                                      self.tokenizer.encode)
         groups: list[list[Sequence]] = []
@@ -246,8 +241,7 @@ class LLMEngine:
     # ---- Online serving: what AsyncLLM needs beyond add_request/step ---------------------
 
     def abort_request(self, request_id: int) -> bool:
-        """Finish one waiting or running request now and free its KV blocks; returns False when
-        it is unknown or already finished. A token of it still in flight is dropped."""
+        """Finish a request now and free its KV blocks; False when unknown or finished."""
         aborted = [seq for seq in (*self.scheduler.running, *self.scheduler.waiting)
                    if seq.request_id == request_id]  # each of its n completions
         for seq in aborted:
@@ -258,10 +252,9 @@ class LLMEngine:
 
     def new_tokens(self, num_read: dict[int, int]
                    ) -> dict[int, tuple[list[int], list[dict[int, float]] | None]]:
-        """For each unfinished request in num_read (request id -> completion tokens already
-        read), its sampled completion tokens after those and their logprob dicts (None when not
-        asked); requests with none are left out. A committed token's logprobs are recorded in
-        the same step (see _commit), so the two lists stay aligned."""
+        """Request id -> (completion tokens after num_read[id], their logprobs or None)."""
+        # Requests with no new token are left out. _commit records a token's logprobs in the
+        # same step, so the two lists stay aligned.
         new = {}
         for seq in self.scheduler.running:
             start = num_read.get(seq.seq_id)

@@ -1,5 +1,4 @@
-"""What a request returns: its completions' text, tokens and logprobs, gathered from the
-sequences that ran it (n of them for SamplingParams.n = n)."""
+"""What a request returns: its completions' text, tokens and logprobs (n sequences for n)."""
 from dataclasses import replace
 
 from nanovllm.layers.sampler import LogprobsTensors, derive_seed
@@ -37,8 +36,8 @@ class RequestTable:
 
 
 def completion_params(params: SamplingParams) -> list[SamplingParams]:
-    """One SamplingParams per completion: completion i draws from (seed, i) when seeded, and
-    only the first computes the prompt logprobs (the others share its cached blocks)."""
+    """One SamplingParams per completion: completion i draws from (seed, i) when seeded."""
+    # Only the first computes the prompt logprobs: the others share its cached blocks.
     if params.n == 1:
         return [params]
     return [replace(params, n=1, prompt_logprobs=params.prompt_logprobs if i == 0 else None,
@@ -48,8 +47,7 @@ def completion_params(params: SamplingParams) -> list[SamplingParams]:
 
 def record_logprobs(seqs: list[Sequence], rows: list[tuple[int, Sequence]],
                     sampled: SampledIds) -> None:
-    """Attach a committed step's logprobs to `rows` (row, sequence), and in a prefill its
-    chunks' prompt logprobs to the sequences of `seqs` (the step's batch) that asked."""
+    """Attach a committed step's logprobs to `rows` and its prompt logprobs to `seqs`."""
     logprobs = sampled.logprobs()
     if logprobs is not None:
         ks = [0] * len(logprobs.token_ids)
@@ -67,8 +65,7 @@ def record_logprobs(seqs: list[Sequence], rows: list[tuple[int, Sequence]],
 
 
 def _record_prompt_chunk(seq: Sequence, chunk: tuple[int, LogprobsTensors] | None) -> None:
-    """Extend a sequence's prompt logprobs by one chunk's; a chunk at position 0 (a first
-    prefill, or a recompute after preemption) starts them afresh."""
+    """Extend a sequence's prompt logprobs by one chunk's; a chunk at position 0 restarts."""
     if chunk is not None:
         first, found = chunk
         if first == 0 or seq.prompt_logprobs is None:
@@ -81,8 +78,7 @@ def _record_prompt_chunk(seq: Sequence, chunk: tuple[int, LogprobsTensors] | Non
 
 
 def request_output(seqs: list[Sequence], decode) -> dict:
-    """The output dict of one request: its id, its first completion's fields at the top level,
-    every completion under "outputs", the prompt logprobs and the first completion's metrics."""
+    """One request's output dict: the first completion's fields on top, all under "outputs"."""
     completions = [{"text": seq.text if seq.text is not None else decode(
                         seq.completion_token_ids,
                         skip_special_tokens=seq.sampling_params.skip_special_tokens),

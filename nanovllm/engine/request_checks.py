@@ -21,8 +21,7 @@ class RequestLimits:
 
 def max_blocks_needed(num_prompt_tokens: int, max_tokens: int, max_model_len: int,
                       block_size: int) -> int:
-    """KV blocks a request holds at its peak: it ends at min(prompt + max_tokens, max_model_len)
-    tokens, and the last sampled token is never fed back, so its K/V is never stored."""
+    """KV blocks a request holds at its peak (the last sampled token's K/V is never stored)."""
     final_len = min(num_prompt_tokens + max_tokens, max_model_len)
     return -(-(final_len - 1) // block_size)
 
@@ -35,8 +34,8 @@ def check_sampling_params(params: SamplingParams) -> None:
 
 
 def as_prompt_list(prompts: object) -> list:
-    """One prompt (a string, or a list or tuple of int token ids) or a list of prompts, as a
-    list of prompts. Arrays and tensors are refused here: their truth value is ambiguous."""
+    """One prompt (a string or int token ids) or a list of prompts, as a list of prompts."""
+    # Arrays and tensors are refused here: their truth value is ambiguous.
     if isinstance(prompts, str) or (isinstance(prompts, list | tuple) and prompts
                                     and is_int(prompts[0])):
         return [prompts]
@@ -114,8 +113,7 @@ def validate_requests(prompts: list[Prompt],
 
 
 def as_conversation_list(messages: object) -> list[Conversation]:
-    """One conversation (a list of {"role": str, "content": str} dicts) or a list of them, as a
-    list of conversations; the error names the conversation and message index."""
+    """One conversation (a list of {"role", "content"} dicts) or a list of them, as a list."""
     if not isinstance(messages, list | tuple):
         raise ValueError(f"messages must be a conversation (a list of {{'role', 'content'}} "
                          f"dicts) or a list of conversations, got {describe(messages)}")

@@ -13,10 +13,8 @@ from nanovllm.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
-    """Picks each step's batch; a step is all prefill or all decode. A prefill step that leaves
-    a prompt unfinished is followed by a decode step when any sequence is decoding, so running
-    decodes advance once per chunk of a long prompt. With longest_first, a decode batch is
-    ordered by context length, longest first (the attention backend asks for it)."""
+    """Picks each step's batch: all prefill or all decode. A prefill step that leaves a prompt
+    unfinished is followed by a decode step, so decodes advance once per chunk of a long prompt."""
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  eos_token_id: int | None, num_blocks: int, block_size: int,
@@ -58,8 +56,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """Return (sequences, is_prefill) for the next step; each prefill sequence's
-        num_scheduled_tokens says how many of its tokens the step computes."""
+        """(sequences, is_prefill) of the next step; num_scheduled_tokens set per sequence."""
         if not (self._decode_next and self.running):
             scheduled = self._schedule_prefill()
             if scheduled:
@@ -67,7 +64,7 @@ class Scheduler:
                 return scheduled, True
         self._decode_next = False
         batch = self._schedule_decode()
-        if self.longest_first:  # `running` keeps its order, which decides preemption
+        if self.longest_first:  # the backend asks; `running` keeps the preemption order
             batch.sort(key=lambda seq: seq.num_tokens, reverse=True)
         return batch, False
 
@@ -138,8 +135,7 @@ class Scheduler:
         return next((seq for seq in reversed(self.waiting) if seq.block_table), None)
 
     def preempt(self, seq: Sequence) -> None:
-        """Free a running or partly prefilled sequence's blocks; it is prefilled again
-        (recompute) later."""
+        """Free a running or partly prefilled sequence's blocks; it is recomputed later."""
         self.block_manager.deallocate(seq)
         self.num_preemptions += 1
         if seq.status == SequenceStatus.RUNNING:
@@ -151,11 +147,10 @@ class Scheduler:
             self.waiting.insert(1 if head_holds_blocks else 0, seq)
 
     def abort(self, seqs: list[Sequence], in_flight: list[Sequence] = ()) -> None:
-        """Recover from an exception mid-step: drop `seqs` and the `in_flight` batch's pending
-        tokens, send every other unfinished sequence back to waiting (recompute), and start the
-        pool afresh: the failed step may have hashed blocks whose K/V was never written, and an
-        interrupt can land between any two lines, so no block table or reference count is
-        trusted; the cached prefixes are kept, since only launched steps hash blocks."""
+        """Recover from an exception mid-step: drop `seqs` and the in-flight pending tokens,
+        send every other unfinished sequence back to waiting, and free the whole pool."""
+        # An interrupt can land between any two lines, so no block table or reference count is
+        # trusted; the cached prefixes are kept, since only launched steps hash blocks.
         dropped = {seq.seq_id for seq in seqs}
         for seq in in_flight:
             if seq.drop_pending_token() and seq.finish_reason == "length":
@@ -182,15 +177,11 @@ class Scheduler:
 
     def advance(self, seqs: list[Sequence], samples: list[bool] | None = None
                 ) -> list[tuple[int, Sequence]]:
-        """After a step is launched: move each unfinished sequence's cached count past the
-        tokens the step computes and hash the blocks it fills; give those whose row samples
-        (samples[i]; every row of a decode step, where samples is None) a pending token (its
-        id comes with commit) and finish those at a length limit. Returns (row in the step's
-        ids, seq) pairs.
-
-        Hashing at launch is safe: later steps run after this one on the same stream, and an
-        aborted call waits for launched work before it recovers (a step that failed to launch
-        is never advanced)."""
+        """After a launch: count the step's tokens as cached, hash the blocks they fill, give
+        each sampling row a pending token and finish those at a length limit. Returns (row in
+        the step's ids, seq) of the sequences given one (samples None: every row samples)."""
+        # Hashing at launch is safe: later steps run after this one on the same stream, and an
+        # abort waits for launched work (a step that failed to launch is never advanced).
         advanced = []
         row = -1
         block_size, block_manager = self.block_manager.block_size, self.block_manager
@@ -232,7 +223,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str, now: float | None = None) -> None:
         """Retire a running (or, pipelined, just preempted) sequence: free its blocks, record why
-        it stopped. One already finished on this step (length) takes the new reason."""
+        it stopped (one finished by length on this step takes the new reason)."""
         if seq.is_finished:
             seq.finish_reason = reason
             return

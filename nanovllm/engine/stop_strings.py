@@ -4,16 +4,14 @@ from nanovllm.sequence import Sequence
 
 
 class StopStringChecker:
-    """Decodes only each sequence's newest tokens (IncrementalDetokenizer's window) and looks
-    for its stop strings in the new text."""
+    """Decodes each sequence's newest tokens and looks for its stop strings in the new text."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.states: dict[int, IncrementalDetokenizer] = {}
 
     def check(self, seq: Sequence) -> str | None:
-        """Decode seq's new tokens; if a stop string now appears (a match may span tokens),
-        the completion text before it, else None."""
+        """The completion text before a stop string that now appears, else None."""
         state = self.states.get(seq.seq_id)
         if state is None:
             state = self.states[seq.seq_id] = IncrementalDetokenizer(

@@ -18,12 +18,12 @@ class Executor(ABC):
 
     @abstractmethod
     def execute(self, method: str, *args, **rank0_kwargs) -> object:
-        """Run RANK_COMMANDS[method] on every rank; `rank0_kwargs` go to rank 0 only (tensors,
-        which reach other ranks through collectives). Returns rank 0's result."""
+        """Run RANK_COMMANDS[method] on every rank; returns rank 0's result."""
+        # rank0_kwargs go to rank 0 only: tensors, which reach other ranks through collectives.
 
     def launch(self, seqs: list[Sequence], is_prefill: bool, *carried) -> SampledIds:
-        """Start one step; `carried` (previous_ids, source_rows) only when `pipelined`: see
-        ModelRunner.launch. Returns rank 0's sampled ids, maybe still on their way."""
+        """Start one step; returns rank 0's sampled ids, maybe still on their way."""
+        # carried: (previous_ids, source_rows), only when pipelined (ModelRunner.prepare_decode)
         assert not carried or self.pipelined
         return self.execute("run", seqs, is_prefill)
 

@@ -1,10 +1,8 @@
 """Tensor parallelism: rank 0 (in the engine's process) drives ranks 1..N-1 (spawned workers).
 
-Each rank owns a ModelRunner (its model shard and KV pool). Rank 0 publishes every step as a
-("run", (seqs, is_prefill)) command through a CommandChannel and wakes each worker through its
-own semaphore; each worker's loop reads the command, builds its own step inputs from the
-sequences and joins the step's collectives (gloo on CPU, NCCL on CUDA). Tensors move only
-through those collectives.
+Rank 0 publishes every command through a CommandChannel and wakes each worker through its own
+semaphore; each worker builds its own step inputs from the sequences and joins the step's
+collectives (gloo on CPU, NCCL on CUDA), through which alone tensors move.
 """
 import logging
 import multiprocessing as mp
@@ -53,9 +51,9 @@ def cpu_threads_per_rank(world_size: int) -> int:
 
 
 def abort_communicator(device: str) -> None:
-    """Abort NCCL's communicator, so that collectives on a dead peer fail instead of waiting out
-    COLLECTIVE_TIMEOUT. On one host the abort itself can wait on the dead peer (NCCL 2.28 on two
-    H200s), so nobody waits for it (see Rank0Thread). gloo's sockets fail on their own."""
+    """Abort NCCL's communicator, so that collectives on a dead peer fail at once."""
+    # The abort itself can wait on the dead peer (NCCL 2.28 on two H200s), so nobody waits for
+    # it (see Rank0Thread). gloo's sockets fail on their own.
     if device == "cuda" and dist.is_initialized():
         dist.distributed_c10d._abort_process_group()
 
@@ -110,8 +108,7 @@ def worker_loop(runner: ModelRunner, channel: CommandChannel, wakeup: Semaphore)
 
 
 class MultiprocExecutor(Executor):
-    """All ranks of one engine: spawns ranks 1..N-1, builds rank 0's runner in this process,
-    runs every command on all of them and notices deaths."""
+    """All ranks of one engine: spawned workers, rank 0's runner here, and a watchdog."""
 
     pipelined = False
 
@@ -226,8 +223,7 @@ class MultiprocExecutor(Executor):
             raise
 
     def execute(self, method: str, *args, **rank0_kwargs) -> object:
-        """Run `method` on every rank: workers through the channel, then rank 0's runner.
-        `rank0_kwargs` go to rank 0 only (tensors, which reach workers through collectives)."""
+        """Run `method` on every rank: workers through the channel, then rank 0's runner."""
         if self.closed:
             raise RuntimeError("the tensor-parallel workers are shut down")
         self.check_alive()
@@ -241,8 +237,8 @@ class MultiprocExecutor(Executor):
         return result
 
     def shutdown(self, join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
-        """Tell workers to exit, join (or kill) them, unlink the segment, leave the group.
-        After a worker's death, nothing here waits on the GPU or the group without a bound."""
+        """Tell workers to exit, join (or kill) them, unlink the segment, leave the group."""
+        # After a worker's death, nothing here waits on the GPU or the group without a bound.
         with self.lock:
             if self.closed:
                 return
@@ -280,9 +276,8 @@ class MultiprocExecutor(Executor):
             dist.destroy_process_group()  # also breaks a worker out of a stuck gloo collective
 
     def _release_after_death(self) -> None:
-        """Abort the group, free rank 0's runner and leave the group in a daemon thread, and
-        stop waiting for it after RELEASE_TIMEOUT_S: with a peer gone mid-collective, NCCL's
-        abort, a device sync and destroy_process_group may each wait forever."""
+        """Abort, free rank 0's runner and leave the group in a thread, waited for at most
+        RELEASE_TIMEOUT_S: with a peer gone, each of these may wait forever."""
         def release() -> None:
             self._abort()  # on CUDA this also leaves the group: destroy would wait on the peer
             if self.runner is not None:

@@ -73,9 +73,8 @@ class Rank0Thread:
 
 
 def abandoned_call_running(wait_s: float = 0.0) -> bool:
-    """Whether a call some caller gave up on still runs after up to `wait_s` seconds: its
-    collectives would reach any new process group, so no tensor-parallel engine may start in
-    this process until it ends."""
+    """Whether a call some caller gave up on still runs after up to `wait_s` seconds."""
+    # Its collectives would reach any new process group: no TP engine may start until it ends.
     deadline = time.monotonic() + wait_s
     while any(t.thread.is_alive() for t in list(_abandoned)):
         if time.monotonic() >= deadline:

@@ -23,11 +23,9 @@ class CommandChannel:
         0          8          16                               16 + length      capacity
         | number   | length   | pickle.dumps((method, args))   | unused ...     |
 
-    Signalling (one semaphore per worker) lives outside; the writer may only overwrite a command
-    after every reader has read it, which the worker loop guarantees by reading before it
-    joins the step's collectives. A command too big for the segment moves the channel: the
-    writer creates a segment twice as big (or more), writes the command there, and leaves
-    (_MOVED, new_name) under the same command number in the old one; readers follow it.
+    The writer may only overwrite a command after every reader has read it: workers read
+    before they join the step's collectives. A command too big moves the channel: the writer
+    writes it to a segment twice as big (or more) and leaves (_MOVED, new_name) in the old one.
     """
 
     def __init__(self, shm: SharedMemory, owner: bool):

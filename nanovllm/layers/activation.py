@@ -5,8 +5,7 @@ from torch import nn
 
 
 class SiluAndMul(nn.Module):
-    """[..., 2d] -> silu(first half) * second half, [..., d]; `fused` (set by
-    layers.backends.bind_backend): a Triton kernel."""
+    """[..., 2d] -> silu(first half) * second half; `fused` (bound): a Triton kernel."""
 
     def __init__(self) -> None:
         super().__init__()

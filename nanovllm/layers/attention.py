@@ -20,11 +20,7 @@ KV_SCALE_MARGIN = 2.0
 
 class Attention(nn.Module):
     """RoPE (after a per-head RMSNorm of q and k when qk_norm_eps is given), this step's K/V
-    into the paged cache, then causal attention (within sliding_window keys, if set).
-
-    q/k/v are [N, heads, D] before RoPE. The backend (layers.backends) is set by the ModelRunner
-    with the KV cache; it decides whether the norm, RoPE and K/V write run as one kernel.
-    """
+    into the paged cache, then causal attention through the bound backend (layers.backends)."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  rotary_emb: RotaryEmbedding, qk_norm_eps: float | None = None,
@@ -53,14 +49,12 @@ class Attention(nn.Module):
         return None
 
     def takes_projection(self) -> bool:
-        """Whether decode_projected can run: the cache allocated, no FP8 calibration (which
-        reads K and V as tensors)."""
+        """Whether decode_projected can run: the cache allocated, no FP8 calibration."""
         return self.k_cache.numel() > 0 and self.kv_amax is None
 
     def decode_projected(self, positions: torch.Tensor, x: torch.Tensor,
                          qkv_proj: nn.Module) -> torch.Tensor:
-        """Decode attention over x's tokens, qkv_proj, q/k norm, RoPE and the K/V write done by
-        one kernel (kernels.fused_linear) before the backend's decode kernel."""
+        """Decode attention of x's tokens, qkv_proj through the K/V write as one kernel."""
         from nanovllm.kernels.fused_linear import qkv_rope_store
         ctx, norm, kv_scales = get_context(), self.q_norm is not None, (self.k_scale, self.v_scale)
         q = qkv_rope_store(x, qkv_proj.weight, qkv_proj.bias, self.num_heads, self.num_kv_heads,
@@ -88,8 +82,7 @@ class Attention(nn.Module):
 
 @contextmanager
 def kv_scale_calibration(layers: list[Attention], device: torch.device) -> Iterator[None]:
-    """Forward passes inside the block record each layer's max |K| and |V|; when it ends, each
-    layer's k_scale, v_scale = KV_SCALE_MARGIN * amax / 448 (1.0 where the amax is 0)."""
+    """Record each layer's max |K|, |V| inside; then scale = KV_SCALE_MARGIN * amax / 448."""
     for attn in layers:
         attn.kv_amax = torch.zeros(2, device=device)
     try:

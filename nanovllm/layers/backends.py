@@ -4,15 +4,11 @@
 2. select_backend: that backend, with its FastPath (plan_fast_path): which fused kernels run;
 3. bind_backend: each layer gets what it runs; layers and models never choose kernels.
 
-A backend has one interface: `rope_and_store` (q/k norm, RoPE and the K/V cache write),
-`prefill`, `decode`, and `fused_moe` for mixture-of-experts layers. "torch" runs anywhere and is
-the reference, on CUDA too (experts as a loop over experts); "triton" and "flash-attn" also fuse
-q/k norm + RoPE + K/V write into one kernel, run RMSNorm and SiLU-and-mul as Triton kernels on
-CUDA, and run experts with the fused Triton MoE kernel. Kernel modules are imported lazily: CPU
-runs never import Triton.
+A backend has one interface: `rope_and_store` (q/k norm, RoPE, the K/V write), `prefill`,
+`decode` and `fused_moe`. "torch" runs anywhere and is the reference; the others run the Triton
+kernels on CUDA. Kernel modules are imported lazily: CPU runs never import Triton.
 
-An FP8 KV cache (kv_cache_dtype="fp8") is written quantized and dequantized by every reader; its
-prefill reads this step's K/V back from the cache too, so that every query sees the same
+An FP8 KV cache's prefill reads this step's K/V back from the cache, so every query sees the same
 quantized keys whether or not its prefix was cached. flash-attn never serves it: the installed
 build takes descale factors through **kwargs and ignores them.
 """

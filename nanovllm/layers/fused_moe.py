@@ -1,9 +1,7 @@
 """Sparse mixture-of-experts block: a top-k router over stacked experts (Qwen3-MoE).
 
-Experts are stacked into two parameters, w13 [E, 2I, H] (gate rows, then up rows) and
-w2 [E, H, I]; with tensor parallelism each rank holds a slice of every expert's intermediate
-dimension I (as vLLM does), so each rank computes a partial sum that one all-reduce completes.
-The expert computation is the backend's `fused_moe` (layers.backends).
+Experts are stacked into w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]; with tensor
+parallelism each rank holds a slice of every expert's I (as vLLM), and one all-reduce sums.
 """
 import re
 
@@ -34,8 +32,7 @@ def expert_weight_target(name: str) -> tuple[str, str, int | None] | None:
 
 def select_experts(router_logits: torch.Tensor, top_k: int,
                    renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, ids) [M, top_k]: float32 softmax over the experts, top k, renormalised to sum
-    to one when asked; weights in the logits' dtype (as transformers' Qwen3-MoE router)."""
+    """(weights, ids) [M, top_k] of a float32 softmax, renormalised when asked (as transformers)."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:

@@ -4,11 +4,8 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32; with a residual, returns (normed, x + residual).
-
-    `fused` (set by layers.backends.bind_backend): a Triton kernel (nanovllm.kernels.fused_ops);
-    else the eager torch methods below, which are also the kernels' reference.
-    """
+    """x / rms(x) * weight, in float32; with a residual, (normed, x + residual). `fused` (bound
+    by layers.backends): a Triton kernel; else the torch methods, the kernels' reference."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -46,8 +43,7 @@ class RMSNorm(nn.Module):
     def add_partials(self, partials: torch.Tensor,
                      residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """self(x, residual) for x as float32 partials [S, *residual.shape] over K, summed."""
-        # RowParallelLinear.split_k_partials; their sum is rounded to the residual's dtype, as
-        # the GEMM's own output would be. The kernel sums them as it loads them: no extra launch.
+        # The sum is rounded to the residual's dtype, as the GEMM's own output would be.
         if self.fused:
             from nanovllm.kernels.fused_ops import add_partials_rms_norm
             return add_partials_rms_norm(partials, residual, self.weight, self.eps)

@@ -21,13 +21,8 @@ def divide(numerator: int, denominator: int) -> int:
 
 class LinearBase(nn.Module):
     """y = x W^T (+ b); tp_dim is the weight dimension split across ranks (None: replicated).
-
-    W has nn.Linear's shape [output, input]. With k_major it is stored [input, output] and
-    seen through a transposed view: loaders and F.linear are unchanged, and cuBLAS runs its
-    kernels for the other operand layout.
-
-    fused_decode_max_tokens (set by layers.backends.bind_backend; 0: never) is the largest decode
-    step that runs the layer's fused decode kernel, for the three projections that have one."""
+    W has nn.Linear's shape [output, input]; with k_major it is stored [input, output] and seen
+    through a transposed view (loaders and F.linear are unchanged)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None,
                  k_major: bool = False):
@@ -43,7 +38,7 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        self.fused_decode_max_tokens = 0
+        self.fused_decode_max_tokens = 0  # bind_backend's: largest step of the fused kernel
 
     def fits_fused_decode(self) -> bool:
         """Whether this layer's fused decode kernel takes its shapes (none here: no kernel)."""
@@ -138,10 +133,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; partial outputs summed by all-reduce.
-
-    split_k_partials is the same product as float32 partials over K, for the decode steps
-    runs_fused_decode picks: the add + RMSNorm after the layer sums them (RMSNorm.add_partials)."""
+    """Input features split across ranks; partial outputs summed by all-reduce."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         _, tp_size = tp_rank_and_size()
@@ -171,6 +163,7 @@ class RowParallelLinear(LinearBase):
 
     def split_k_partials(self, x: torch.Tensor) -> torch.Tensor:
         """float32 [S, tokens, output] partials over K whose sum over S is x W^T."""
-        # split over K: a decode step's few tokens and outputs alone give too few programs
+        # For the decode steps runs_fused_decode picks; RMSNorm.add_partials sums them. Split
+        # over K: a decode step's few tokens and outputs alone give too few programs.
         from nanovllm.kernels.fused_linear import split_k_linear
         return split_k_linear(x, self.weight)

@@ -5,11 +5,9 @@ Each sequence that asks for a penalty holds a slot, one row of two [S, V] tensor
     output_counts[slot, v]  int32  times token v was generated
     prompt_mask[slot, v]    bool   token v is in the prompt
 
-Row 0 is all zero and never written: rows of a batch that ask for no penalty point there, so
-one batched pass serves a mixed batch. The counts are updated on the device from the sampled
-ids, so the host never reads them; an engine whose requests ask for no penalty never makes the
-tensors bigger than that one row. Slots live until `release`, so preempted sequences keep their
-counts.
+Row 0 is all zero and never written: rows that ask for no penalty point there, so one batched
+pass serves a mixed batch. Counts are updated on the device from the sampled ids (the host never
+reads them). Slots live until `release`, so preempted sequences keep their counts.
 """
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,8 +34,7 @@ class TokenCounts:
 
     def slot(self, seq_id: int, prompt_token_ids: list[int],
              generated_token_ids: list[int] = ()) -> int:
-        """The sequence's row; a new row is filled from its prompt and generated tokens (a
-        known sequence's row is already counting on the device)."""
+        """The sequence's row; a new one is filled from its prompt and generated tokens."""
         row = self.slots.get(seq_id)
         if row is not None:
             return row

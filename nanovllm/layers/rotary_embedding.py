@@ -21,8 +21,7 @@ _BOOKKEEPING = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
 
 
 def rope_parameters(config: dict, default_theta: float = 10000.0) -> dict:
-    """One flat dict {rope_type, rope_theta, ...} from either config.json format (transformers 5
-    `rope_parameters`, or older `rope_theta` + `rope_scaling`), checked; raises on what we lack."""
+    """One flat dict {rope_type, rope_theta, ...} from either config.json format, checked."""
     params = dict(config.get("rope_parameters") or {})
     if params and all(isinstance(v, dict) for v in params.values()):
         raise ValueError(f"per-layer-type rope_parameters {sorted(params)} are not supported")

@@ -1,17 +1,11 @@
 """Token sampling without host syncs (the sampled ids' .tolist() is the only one).
 
-Fast path, when no row uses top-k/top-p/min-p/seed: the exponential race
-argmax(softmax(l / T) / E), E ~ Exp(1), computed in one pass as argmax(l / T - log E). On
-CUDA it is one fused Triton kernel (nanovllm.kernels.sample) drawing E = -log U from Philox
-keyed by a per-step seed from torch's CPU RNG; on CPU, eager torch with torch's RNG.
-Full path: l / T, then min_p, top_k and top_p as -inf masks, then
-the Gumbel-max draw argmax(l / T - log E) with E = -log U, where U is a counter-based hash
-of (seed, position, vocab index): a seeded row draws the same noise whatever its batch
-mates, its row in the batch, or whether CUDA graphs ran the model.
-Greedy rows (T = 0) take argmax(l) on either path.
-Before either path, penalties (when a row asks for one) rewrite l from token counts kept on
-the device (nanovllm.layers.penalties); after it, logprobs (when asked) are gathered from the
-same logits: nothing of this runs for a batch that asks for none of it.
+Fast path, when no row uses top-k/top-p/min-p/seed: the exponential race argmax(l / T - log E),
+E ~ Exp(1); on CUDA one Triton kernel (kernels.sample) with Philox noise keyed by a per-step
+seed from torch's CPU RNG. Full path: l / T, then min_p, top_k and top_p as -inf masks, then
+the same draw with E = -log U, U a counter-based hash of (seed, position, vocab index): a
+seeded row draws the same noise whatever its batch. Greedy rows (T = 0) take argmax(l).
+Penalties (layers.penalties) and logprobs run only for a batch that asks for them.
 """
 import functools
 from collections.abc import Callable
@@ -43,8 +37,7 @@ def _mix64(x: torch.Tensor) -> torch.Tensor:
 
 
 def derive_seed(seed: int, index: int) -> int:
-    """Seed of completion `index` of a request seeded `seed` (SamplingParams.n): the seed
-    itself for completion 0, else splitmix64 of both, in [0, MAX_SEED]."""
+    """Seed of completion `index` of a request seeded `seed`: the seed for 0, else splitmix64."""
     if index == 0:
         return seed
     mask = (1 << 64) - 1
@@ -56,9 +49,8 @@ def derive_seed(seed: int, index: int) -> int:
 
 @functools.cache
 def stream_steps(vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[V] int64: (v + 1) * golden, splitmix64's state increments for vocab index v. Made
-    eagerly and passed in: inside torch.compile, Inductor folds arange * constant into an int32
-    index expression that cannot hold the 64-bit constant."""
+    """[V] int64: (v + 1) * golden, splitmix64's state increments for vocab index v."""
+    # Made eagerly and passed in: Inductor would fold arange * constant into an int32 index.
     return torch.arange(1, vocab_size + 1, device=device) * _GOLDEN
 
 
@@ -103,8 +95,7 @@ class SamplingTensors:
 
 @dataclass
 class LogprobsTensors:
-    """[B, 1 + k]: column 0 is each row's own token (sampled, or the prompt's next), then the
-    k most likely tokens in rank order."""
+    """[B, 1 + k]: each row's own token (sampled, or the prompt's next), then the top k."""
 
     token_ids: torch.Tensor  # int64
     logprobs: torch.Tensor  # float32
@@ -141,12 +132,9 @@ LOGPROBS_MODES = ("raw", "processed")
 
 
 class Sampler(nn.Module):
-    """logits [B, V] + temperatures [B] (fast path) or SamplingTensors -> token ids [B], and
-    optionally penalties first and the top `num_logprobs` logprobs after.
-
-    logprobs_mode "raw": log_softmax of the model's logits; "processed": of the distribution
-    sampled from (after penalties, temperature and filters; greedy rows: after penalties).
-    """
+    """logits [B, V] + temperatures [B] (fast path) or SamplingTensors -> token ids [B].
+    logprobs_mode "raw": log_softmax of the logits; "processed": of the distribution sampled
+    from (after penalties, temperature and filters; greedy rows: after penalties)."""
 
     def __init__(self, logprobs_mode: str = "raw"):
         super().__init__()
@@ -197,8 +185,7 @@ class Sampler(nn.Module):
     def apply_penalties(self, logits: torch.Tensor, output_counts: torch.Tensor,
                         prompt_mask: torch.Tensor, rows: torch.Tensor, repetition: torch.Tensor,
                         presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
-        """Repetition (transformers': over prompt and generated tokens, l > 0: l / r, else
-        l * r), then frequency and presence (OpenAI's: over generated tokens)."""
+        """Repetition (transformers'), then frequency and presence (OpenAI's)."""
         logits = logits.float()
         counts = output_counts[rows]  # [B, V]
         generated = counts > 0
@@ -234,8 +221,8 @@ class Sampler(nn.Module):
     # once the batch dimension turns dynamic.
     def mask_top_k_top_p(self, logits: torch.Tensor, top_ks: torch.Tensor,
                          top_ps: torch.Tensor) -> torch.Tensor:
-        """-inf outside the top k (exactly k: ties go to the lower vocab index), then outside
-        the smallest set whose probability, renormalised over the top k, reaches top_p."""
+        """-inf outside the top k (ties: the lower index), then outside the smallest set whose
+        probability, renormalised over the top k, reaches top_p."""
         sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
         rank = torch.arange(logits.size(1), device=logits.device)
         drop = (rank >= top_ks.unsqueeze(1)) & (top_ks > 0).unsqueeze(1)  # [B, V], sorted order

@@ -10,17 +10,13 @@ from nanovllm.utils.context import forward_context
 @torch.inference_mode()  # graph input buffers are inference tensors
 def capture_decode_graphs(model: nn.Module, config: Config, max_num_blocks: int,
                           device: torch.device
-                          ) -> tuple[list[int], dict[int, torch.cuda.CUDAGraph],
-                                     dict[int, torch.Tensor], torch.Tensor]:
-    """Capture decode graphs for batch sizes 2, 3, 4, 6, 8, 12, 16, 24, ... max (powers of two
-    and their midpoints), largest first; returns (sizes, graphs, input buffers, output buffer).
-
-    A decode step reads every weight whatever its batch, so padding a batch up to the next size
-    costs little, and fewer graphs start faster (upstream captures every 16th). No graph of 1
-    (unless max_num_seqs is 1): a lone sequence runs in the graph of 2. Each graph reads its own
-    packed input buffer (see DecodeInputs) and all write their hidden states into one shared
-    output buffer; graphs share one memory pool.
-    """
+                          ) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor],
+                                     torch.Tensor]:
+    """(graphs, input buffers, output buffer) for batches 2, 3, 4, 6, ... min(max_num_seqs, 512)."""
+    # Powers of two and their midpoints, largest first: a decode step reads every weight
+    # whatever its batch, so padding a batch up costs little, and fewer graphs start faster
+    # (upstream captures every 16th). A lone sequence runs in the graph of 2. Each graph reads
+    # its own packed input buffer (DecodeInputs); all share one output buffer and memory pool.
     max_bs = min(config.max_num_seqs, 512)
     ladder = sorted({b * m // 2 for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) for m in (2, 3)})
     graph_bs = [b for b in ladder if 1 < b < max_bs] + [max_bs]
@@ -40,4 +36,4 @@ def capture_decode_graphs(model: nn.Module, config: Config, max_num_blocks: int,
         pool = pool or graph.pool()
         graphs[bs], inputs[bs] = graph, buf
         torch.cuda.synchronize()
-    return graph_bs, graphs, inputs, outputs
+    return graphs, inputs, outputs

@@ -62,7 +62,6 @@ class ModelRunner:
         self.token_counts = TokenCounts(hf_config.vocab_size, self.device)  # penalties only
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_inputs: dict[int, torch.Tensor] = {}
-        self.graph_bs: list[int] = []
         # Rank 0 of a tensor-parallel group: set once a worker dies, so a step stops waiting.
         self.peer_died: threading.Event | None = None
         self.max_num_blocks = -(-config.max_model_len // self.block_size)
@@ -104,10 +103,10 @@ class ModelRunner:
                 * layer.head_dim * self.config.kv_cache_torch_dtype.itemsize)
 
     def warmup_model(self, calibrate: bool = False) -> None:
-        """Run the largest prefill step once so the activation peak is known before sizing KV:
-        the whole token budget, split over as many sequences as a step may hold (each of which
-        samples, so the LM head's rows peak too). Its random token ids (the same on every rank)
-        also calibrate FP8 KV scales (calibrate), on CPU with a small batch."""
+        """Run the largest prefill step once, so the activation peak is known before sizing KV."""
+        # The whole token budget over as many sequences as a step may hold (each samples, so the
+        # LM head's rows peak too). Its random ids, the same on every rank, also calibrate FP8
+        # KV scales (on CPU with a small batch).
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.empty_cache()
@@ -128,12 +127,9 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def allocate_kv_cache(self) -> int:
-        """Allocate [2, layers, blocks, block_size, kv_heads, head_dim] and wire it per layer.
-
-        On CUDA: blocks = (total * gpu_memory_utilization - used - peak + current) // block_bytes,
-        where used is everything on the GPU now, and peak - current is what the warm-up's
-        activations needed on top of the resident tensors.
-        """
+        """Size the KV pool, allocate it (create_kv_cache) and return its block count."""
+        # On CUDA: blocks = (total * gpu_memory_utilization - used - peak + current) // block_bytes,
+        # used: everything on the GPU now; peak - current: the warm-up's activations on top.
         config, block_bytes = self.config, self.block_bytes()
         if config.num_kvcache_blocks > 0:
             num_blocks = config.num_kvcache_blocks
@@ -185,17 +181,13 @@ class ModelRunner:
         self.kv_cache = None
 
     # ---- step inputs --------------------------------------------------------------------
-    def graph_size(self, batch: int) -> int | None:
-        """The smallest captured graph batch size that holds `batch`, if any."""
-        return next((b for b in self.graph_bs if b >= batch), None) if self.graphs else None
-
     def prepare_decode(self, seqs: list[Sequence], previous_ids: torch.Tensor | None = None,
                        source_rows: list[int] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, Context]:
-        """Decode inputs, written straight into the graph's input buffer when one will run.
-        Sequence i with source_rows[i] = r >= 0 takes its input id from row r of `previous_ids`,
-        the sampled ids of the step still in flight, on the device."""
-        graph_rows = self.graph_size(len(seqs))
+        """Decode inputs, written straight into the graph's input buffer when one will run."""
+        # Sequence i with source_rows[i] = r >= 0 takes its input id from row r of previous_ids,
+        # the in-flight step's sampled ids, on the device.
+        graph_rows = min((b for b in self.graphs if b >= len(seqs)), default=None)
         rows, width = ((graph_rows, self.max_num_blocks) if graph_rows is not None
                        else (len(seqs), max(len(seq.block_table) for seq in seqs)))
         host = self.decode_inputs.pack(seqs, rows, width, source_rows)
@@ -209,8 +201,7 @@ class ModelRunner:
 
     def prepare_sample(self, seqs: list[Sequence]
                        ) -> tuple[torch.Tensor | SamplingTensors, Penalties | None, int | None]:
-        """The sampler's inputs: temperatures alone for its fast path, else every per-row
-        parameter; penalties and the number of top logprobs only when some row asks."""
+        """(temperatures or SamplingTensors, penalties, number of top logprobs) for the sampler."""
         params = [seq.sampling_params for seq in seqs]
         upload = partial(to_device, device=self.device)
         if all(p.simple for p in params):
@@ -243,8 +234,7 @@ class ModelRunner:
     def launch(self, seqs: list[Sequence], is_prefill: bool,
                previous_ids: torch.Tensor | None = None,
                source_rows: list[int] | None = None) -> SampledIds | None:
-        """Enqueue one step without waiting for it; rank 0 returns its sampled ids. A decode
-        step may take input ids from the in-flight step's: see prepare_decode."""
+        """Enqueue one step without waiting for it; rank 0 returns its sampled ids."""
         if is_prefill:
             input_ids, positions, context = prepare_prefill(seqs, self.block_size, self.device)
         else:
@@ -269,8 +259,8 @@ class ModelRunner:
         return SampledIds(out.token_ids, out.logprobs, prompt, is_prefill)
 
     def wait_idle(self) -> None:
-        """Wait for all queued GPU work, ignoring the error that may have stopped it; not after
-        a tensor-parallel peer died, as a collective waiting on it may never finish."""
+        """Wait for all queued GPU work, ignoring the error that may have stopped it."""
+        # Not after a tensor-parallel peer died: a collective waiting on it may never finish.
         if self.device.type == "cuda" and not (self.peer_died and self.peer_died.is_set()):
             try:
                 torch.cuda.synchronize(self.device)
@@ -278,8 +268,9 @@ class ModelRunner:
                 pass  # the caller is already handling the failure that raised this
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> SampledIds | None:
-        """Execute one step and, on rank 0, wait for it (so a tensor-parallel step fails inside
-        MultiprocExecutor.execute, which names a dead worker); rank 0 returns its sampled ids."""
+        """Execute one step and, on rank 0, wait for it and return its sampled ids."""
+        # Waiting here makes a tensor-parallel step fail inside MultiprocExecutor.execute, which
+        # names a dead worker.
         sampled = self.launch(seqs, is_prefill)
         if sampled is not None:
             sampled.wait(self.peer_died)
@@ -287,8 +278,8 @@ class ModelRunner:
 
     def capture_cudagraph(self) -> None:
         """Capture the decode graphs (see cuda_graphs.capture_decode_graphs)."""
-        self.graph_bs, self.graphs, self.graph_inputs, self.graph_outputs = (
-            capture_decode_graphs(self.model, self.config, self.max_num_blocks, self.device))
+        self.graphs, self.graph_inputs, self.graph_outputs = capture_decode_graphs(
+            self.model, self.config, self.max_num_blocks, self.device)
 
     def shutdown(self) -> None:
         """Free graphs, the KV pool and the weights."""

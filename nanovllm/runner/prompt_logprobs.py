@@ -1,11 +1,9 @@
-"""Prompt logprobs: log_softmax of the model's logits at each prompt position but the last, at
-the prompt's next token and at the top k (raw logits: no sampling parameter applies).
+"""Prompt logprobs: log_softmax of the raw logits at each prompt position but the last, at the
+next prompt token and the top k.
 
-They need the hidden state of every prompt position, so a sequence that asks for them gets no
-prefix-cache hits (as vLLM does), which is simpler than keeping logprobs per cached block and
-right whatever the cache holds. Its own blocks still enter the cache for later requests. Each
-prefill chunk scores its own positions; the LM head runs over CHUNK positions at a time, so the
-[positions, V] logits never exceed CHUNK rows.
+They need every prompt position's hidden state, so a sequence that asks gets no prefix-cache
+hits (as in vLLM): simpler than keeping logprobs per cached block. Each prefill chunk scores its
+own positions, CHUNK at a time through the LM head, so the logits never exceed CHUNK rows.
 """
 import torch
 
@@ -22,11 +20,8 @@ def wants_prompt_logprobs(seqs: list[Sequence]) -> bool:
 
 def prompt_logprobs(model: torch.nn.Module, hidden: torch.Tensor, seqs: list[Sequence]
                     ) -> list[tuple[int, int, LogprobsTensors]]:
-    """(row, first position, [positions, 1 + k] logprobs) for each sequence of a prefill step
-    that asks and has a position to score in this step's chunk. `hidden` [tokens, H] holds the
-    step's chunks, sequence after sequence. A chunk scores each of its positions at the next
-    prompt token; the prompt's last position is not scored. Every rank calls this (the LM head
-    gathers its vocabulary shards); rank 0 alone gets results."""
+    """(row, first position, [positions, 1 + k] logprobs) per sequence of the step that asks.
+    Every rank calls this (the LM head gathers its shards); rank 0 alone gets results."""
     results, start = [], 0
     for row, seq in enumerate(seqs):
         num_new = seq.num_scheduled_tokens

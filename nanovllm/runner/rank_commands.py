@@ -1,20 +1,14 @@
 """The commands every rank obeys besides "run": sleep, wake_up and update_weights.
 
-Sleep mode gives the GPU back between rollouts, and takes it again:
+Sleep frees the KV pool and CUDA graphs, and moves the weights to pinned host memory (level 1)
+or drops them, keeping each parameter's shape and strides (level 2: update_weights refills
+them); buffers go to host. Parameters keep their identity (only `.data` moves), so weight
+loaders, tied weights and references stay valid; wake_up allocates the same number of KV blocks,
+so block ids keep their meaning.
 
-    level 1: KV pool and CUDA graphs freed, weights and buffers moved to (pinned) host memory
-    level 2: KV pool and CUDA graphs freed, weights dropped (each parameter holds an empty
-             tensor and remembers its shape and strides), buffers moved to host; the next
-             update_weights refills the weights
-
-Parameters keep their identity (only `.data` moves), so their weight loaders, tied weights and
-the engine's references stay valid. wake_up allocates the same number of KV blocks, so the
-scheduler's block ids still mean the same, and captures the CUDA graphs again.
-
-Weight updates go through the same per-parameter loaders as loading. With tensor parallelism
-every rank needs every full tensor (each loader cuts its own shard): the engine sends the names,
-shapes and dtypes through the command channel, and rank 0 broadcasts the tensors themselves, one
-by one, over the process group.
+Weight updates go through the loaders. With tensor parallelism every rank needs every full
+tensor (each loader cuts its shard): names, shapes and dtypes go through the command channel,
+and rank 0 broadcasts the tensors one by one over the process group.
 """
 from collections.abc import Callable, Iterator
 
@@ -63,9 +57,7 @@ def wake_up(runner: ModelRunner) -> None:
 
 
 def all_ranks_done(runner: ModelRunner) -> None:
-    """A barrier that the host waits for: a command without a collective of its own (or with
-    only asynchronous NCCL ones) ends here, so that rank 0 cannot write the next command into
-    the channel before every worker has read this one."""
+    """A barrier: rank 0 writes no command before every worker has read this one."""
     if runner.world_size > 1:
         dist.barrier()
         if runner.device.type == "cuda":

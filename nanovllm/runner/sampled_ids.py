@@ -10,10 +10,9 @@ from nanovllm.sequence import Sequence
 
 
 class SampledIds:
-    """A step's sampled ids: on the device for the next step's inputs, and copied to pinned
-    host memory as soon as the sampler is done (a plain .tolist() would wait behind the next
-    step, which the pipelined engine has queued by then). The step's logprobs and prompt
-    logprobs, when some row asks, travel with them, behind the same event."""
+    """A step's sampled ids (and logprobs, when asked): on the device for the next step's
+    inputs, and copied to pinned host memory as soon as the sampler is done."""
+    # A plain .tolist() would wait behind the next step, which the pipelined engine has queued.
 
     def __init__(self, ids: torch.Tensor, logprobs: LogprobsTensors | None = None,
                  prompt_logprobs: list[tuple[int, int, LogprobsTensors]] = (),
@@ -33,8 +32,7 @@ class SampledIds:
             self.ready.record()
 
     def wait(self, give_up: threading.Event | None = None) -> None:
-        """Wait for this step only; the host's one sync per step. With `give_up`, poll instead
-        and raise once it is set: a collective waiting on a dead peer may never finish."""
+        """Wait for this step only; with `give_up`, poll and raise once it is set (dead peer)."""
         if self.ready is None:
             return
         if give_up is None:
@@ -54,8 +52,7 @@ class SampledIds:
         return LogprobsTensors(*self.host[1:3]) if self.has_logprobs else None
 
     def prompt_logprobs(self) -> dict[int, tuple[int, LogprobsTensors]]:
-        """Row -> (first position, its chunk's prompt logprobs as host tensors); call after
-        tolist()."""
+        """Row -> (first position, its chunk's prompt logprobs); call after tolist()."""
         at = 3 if self.has_logprobs else 1
         return {row: (first, LogprobsTensors(*self.host[at + 2 * i:at + 2 * i + 2]))
                 for i, (row, first) in enumerate(self.prompt_rows)}

@@ -37,10 +37,8 @@ def chunk_slots(block_table: list[int], start: int, end: int, block_size: int) -
 
 def prepare_prefill(seqs: list[Sequence], block_size: int,
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Context]:
-    """Inputs for each sequence's chunk: num_scheduled_tokens tokens after its cached ones.
-    The chunk's queries attend to the cached tokens (through block_tables) and to itself; only
-    rows whose chunk ends the sequence get logits (logits_indices), the others have no token
-    to sample yet."""
+    """Inputs for each sequence's chunk: num_scheduled_tokens tokens after its cached ones."""
+    # Only rows whose chunk ends the sequence get logits (logits_indices).
     input_ids, positions, slot_mapping, logits_indices = [], [], [], []
     cu_seqlens_q, cu_seqlens_k = [0], [0]
     max_seqlen_q = max_seqlen_k = 0
@@ -79,13 +77,10 @@ class DecodeInputs:
 
     Layout for `rows` sequences (the batch padded up to a CUDA-graph size) and `width` blocks:
         [input_ids | positions | slot_mapping | context_lens | source_rows | block_tables]
-    block_tables is rows x width. source_rows[i] is the row of the previous step's sampled ids
-    that holds sequence i's input id (its pending token), or -1 when input_ids[i] holds it.
-    Padding rows have slot -1 (write nothing) and context length 0 (attend to nothing). Each of
-    the first five sections takes a multiple of 4 entries, so every section starts 16-byte
-    aligned whatever `rows` is: Triton specialises kernels on pointer alignment, and would
-    otherwise compile new variants for some graph sizes.
-    """
+    block_tables is rows x width. source_rows[i]: the row of the previous step's sampled ids
+    holding sequence i's input id, or -1 (input_ids[i] holds it). Padding rows have slot -1
+    and context length 0. The first five sections take a multiple of 4 entries each, so every
+    section is 16-byte aligned: Triton specialises kernels on pointer alignment."""
 
     def __init__(self, max_rows: int, max_width: int, block_size: int, pin: bool):
         size = self.size(max_rows, max_width)
@@ -126,8 +121,7 @@ class DecodeInputs:
     @staticmethod
     def unpack(buf: torch.Tensor, rows: int, width: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Context]:
-        """Views of a packed (device) buffer: input_ids, positions, source_rows and the decode
-        Context."""
+        """Views of a packed buffer: input_ids, positions, source_rows, the decode Context."""
         seg = _aligned(rows)
         ids, pos, slots, ctx, src = (part[:rows] for part in buf[:5 * seg].split(seg))
         tables = buf[5 * seg:]

@@ -9,6 +9,7 @@ import typing
 from nanovllm.config import Config
 
 logger = logging.getLogger("nanovllm.serve")
+ENGINE_FIELDS = [f for f in dataclasses.fields(Config) if f.init and f.name != "model"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -17,9 +18,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 description="Serve MODEL over OpenAI's HTTP API.")
     p.add_argument("model", help="checkpoint directory")
     engine = p.add_argument_group("engine (LLM's keywords)")
-    for f in dataclasses.fields(Config):
-        if not f.init or f.name == "model":
-            continue
+    for f in ENGINE_FIELDS:
         flag = "--" + f.name.replace("_", "-")
         if f.type is bool:
             engine.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
@@ -40,8 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    names = [f.name for f in dataclasses.fields(Config) if f.init and f.name != "model"]
-    return {name: getattr(args, name) for name in names}
+    return {f.name: getattr(args, f.name) for f in ENGINE_FIELDS}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -50,12 +50,9 @@ class _Stream:
 
 
 class AsyncLLM:
-    """`async for out in llm.generate(prompt, params, request_id)` streams one request;
-    requests join the running batch between steps, and `await llm.abort(request_id)` frees a
-    request's KV blocks before the next step.
-
-    The engine runs in a process of its own (`engine_process=True`, as vLLM's engine core), or
-    in a thread of this one, where `engine` is the LLMEngine (tests read its state)."""
+    """`async for out in llm.generate(prompt, params, request_id)` streams one request; the
+    engine runs in a process of its own (as vLLM's engine core), or in a thread of this one,
+    where `engine` is the LLMEngine (tests read its state)."""
 
     def __init__(self, model: str, engine_process: bool = True, **kwargs):
         config = config_from_kwargs(model, kwargs)  # a bad keyword fails before any process
@@ -81,8 +78,8 @@ class AsyncLLM:
 
     async def generate(self, prompt: Prompt, params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
-        """Queue a request and yield its outputs until one has a finish_reason. Raises
-        ValueError (before queueing) for a bad request; leaving early aborts the request."""
+        """Queue a request and yield its outputs until one has a finish_reason."""
+        # A bad request raises ValueError before it is queued; leaving early aborts it.
         if not self.is_running:
             raise EngineDeadError("the engine is not running (it was shut down or it died)")
         token_ids = validate_request(prompt, params, self.limits, self.tokenizer.encode)

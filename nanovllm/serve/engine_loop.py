@@ -37,9 +37,8 @@ NextCommand = Callable[[bool], tuple | None]
 
 
 class EngineLoop:
-    """Owns an LLMEngine: applies add/abort commands between steps, so requests join the
-    running batch, and publishes each step's updates. Requests are named by handles chosen by
-    the caller; after an abort, `acknowledge(ack)` tells the caller its blocks are free."""
+    """Owns an LLMEngine: applies add/abort commands (requests named by the caller's handles)
+    between steps, and publishes each step's updates; `acknowledge(ack)` ends an abort."""
 
     def __init__(self, engine: LLMEngine, next_command: NextCommand, publish: Publish,
                  acknowledge: Callable[[object], None]):
@@ -137,8 +136,7 @@ class EngineLoop:
 
 
 class EngineThread:
-    """Runs an EngineLoop over an engine of this process in a daemon thread. Its host work
-    shares the GIL with the caller's (the HTTP server's); see EngineProcess for the other way."""
+    """An EngineLoop in a daemon thread of this process (sharing the caller's GIL)."""
 
     def __init__(self, engine: LLMEngine, publish: Publish):
         self.limits = engine.request_limits()
@@ -151,8 +149,7 @@ class EngineThread:
         self._commands.put(("add", handle, token_ids, params))
 
     def abort(self, handle: int, done: Callable[[], None] | None = None) -> None:
-        """Abort a request before the next step; `done` is called (in the engine thread) after
-        its blocks are freed."""
+        """Abort a request; `done` is called (in the engine thread) once its blocks are free."""
         self._commands.put(("abort", handle, done))
 
     def attach(self, loop) -> None:

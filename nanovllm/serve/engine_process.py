@@ -21,11 +21,9 @@ _STOP_TIMEOUT_S = 60  # a clean stop frees the model, the KV pool and any tensor
 
 
 class EngineProcess:
-    """Spawns a process that builds LLMEngine(model, **kwargs) and runs an EngineLoop over it.
-    Commands go to it over one pipe; its updates come back over another, which the caller's
-    event loop reads (`attach`) and hands to `publish` in that loop's thread: a reader thread
-    would wait for the GIL on every read while the loop is busy, and the engine would then
-    block on a full pipe. The same interface as EngineThread otherwise."""
+    """An EngineLoop over LLMEngine(model, **kwargs) in a spawned process; EngineThread's
+    interface. Updates come back over a pipe that the caller's event loop reads (`attach`): a
+    reader thread would wait for the GIL while the loop is busy, and the engine would block."""
 
     def __init__(self, model: str, kwargs: dict, publish: Publish):
         self.publish = publish
@@ -68,8 +66,7 @@ class EngineProcess:
         self._send(("add", handle, token_ids, params))
 
     def abort(self, handle: int, done: Callable[[], None] | None = None) -> None:
-        """Abort a request before the next step; `done` is called (in the attached loop) after
-        its blocks are freed."""
+        """Abort a request; `done` is called (in the attached loop) once its blocks are free."""
         if self._closed:
             run_callback(done)
             return
@@ -82,8 +79,8 @@ class EngineProcess:
         return not self._closed and self._process.is_alive()
 
     def shutdown(self) -> None:
-        """Fail the requests still running, stop the process and wait for it; idempotent.
-        Call it from the attached loop's thread, or once that loop has ended."""
+        """Fail the requests still running, stop the process and wait for it; idempotent."""
+        # From the attached loop's thread, or once that loop has ended.
         if self._process.is_alive():
             self._send(("stop",))
         deadline = time.monotonic() + _STOP_TIMEOUT_S
@@ -151,8 +148,7 @@ class EngineProcess:
             run_callback(done)
 
     def _kill(self, timeout: float) -> None:
-        """Close the command pipe (a live engine stops at its next poll), wait `timeout` s for
-        the process, then kill it."""
+        """Close the command pipe (a live engine then stops), wait `timeout` s, then kill."""
         self._finalizer()
         self._process.join(timeout)
         if self._process.is_alive():

@@ -41,8 +41,7 @@ def check(name: str, value: object, ok: bool, allowed: str) -> None:
 
 def check_int(name: str, value: object, low: int, high: int | None = INT32_MAX,
               allowed: str | None = None) -> int:
-    """An int in [low, high] (high None: unbounded), type checked first so that a wrong type
-    never reaches a comparison; returns it as a Python int."""
+    """An int in [low, high] (high None: unbounded), returned as a Python int."""
     ok = is_int(value) and low <= value and (high is None or value <= high)
     check(name, value, ok, allowed or f"an int in [{low}, {high}]")
     return int(value)
@@ -50,8 +49,8 @@ def check_int(name: str, value: object, low: int, high: int | None = INT32_MAX,
 
 def check_real(name: str, value: object, low: float, high: float, allowed: str,
                low_open: bool = False) -> float:
-    """A finite number in [low, high] ((low, high] if low_open) as a Python float. NaN fails
-    every comparison; ints beyond float range (10**400) are compared exactly, never converted."""
+    """A finite number in [low, high] ((low, high] if low_open) as a Python float."""
+    # NaN fails every comparison; ints beyond float range (10**400) are compared exactly.
     ok = is_real(value) and (low < value if low_open else low <= value) and value <= high
     check(name, value, ok and math.isfinite(float(value)), allowed)
     return float(value)

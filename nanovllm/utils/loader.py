@@ -52,13 +52,7 @@ Resolved = tuple[nn.Parameter | None, tuple] | None
 
 def _resolver(model: nn.Module) -> Callable[[str], Resolved]:
     """checkpoint name -> (parameter, extra loader args); (None, ()) to skip it; None when no
-    parameter takes it.
-
-    `packed_modules_mapping` maps a checkpoint name fragment (q_proj) to our fused
-    parameter (qkv_proj) and the shard it fills (q); `renamed_modules` maps a checkpoint name
-    fragment to where that module lives in our model; `expert_weight` maps a mixture-of-experts
-    checkpoint tensor to the stacked parameter, shard and expert it fills.
-    """
+    parameter takes it. The model's maps are documented in models/decoder.py."""
     expert_weight = getattr(model, "expert_weight", lambda name: None)
     packed = getattr(model, "packed_modules_mapping", {})
     renamed = getattr(model, "renamed_modules", {})
@@ -86,8 +80,7 @@ def _resolver(model: nn.Module) -> Callable[[str], Resolved]:
 
 @torch.no_grad()
 def load_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Random weights in [-1e-3, 1e-3] (vLLM's load_format="dummy"): for benchmarks, where
-    speed does not depend on the values; norm weights stay 1 so activations keep their scale."""
+    """Random weights in [-1e-3, 1e-3] (vLLM's load_format="dummy"); norm weights stay 1."""
     device = next(model.parameters()).device  # drawn where the weights live: 8B values
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():

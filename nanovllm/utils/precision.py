@@ -7,26 +7,19 @@ logger = logging.getLogger(__name__)
 
 
 def tf32_matmuls(matmul=None) -> bool:
-    """Whether cuBLAS would run float32 matmuls in TF32. `matmul` is torch's flag object,
-    torch.backends.cuda.matmul (a stand-in in tests).
-
-    torch 2.9+ sets this with `matmul.fp32_precision` ("ieee", "tf32", or "none": inherit from
-    torch.backends.fp32_precision, which its getter resolves) and torch.set_float32_matmul_
-    precision; there `allow_tf32` is a legacy view that raises RuntimeError once the new API
-    has set the flag. Older torch has only `allow_tf32`."""
+    """Whether cuBLAS would run float32 matmuls in TF32 (`matmul`: a stand-in, in tests)."""
+    # fp32_precision is "ieee", "tf32", or "none" (inherit torch.backends.fp32_precision, which
+    # its getter resolves); torch.set_float32_matmul_precision sets it too. The legacy
+    # allow_tf32 view raises once this API has set the flag.
     matmul = torch.backends.cuda.matmul if matmul is None else matmul
-    try:
-        precision = matmul.fp32_precision
-    except AttributeError:  # torch before the fp32_precision API
-        return bool(matmul.allow_tf32)
-    return precision == "tf32"
+    return matmul.fp32_precision == "tf32"
 
 
 def check_float32_matmuls(device: str, dtype: torch.dtype, matmul=None) -> bool:
-    """Warn, and return False, when torch would run a float32 model's matmuls in TF32. Our
-    Triton kernels always use IEEE float32 dots (attention_triton.dot_precision) and the sampler
-    has no matmul; the linear layers and the LM head go through cuBLAS, which follows the
-    process-wide flag. That flag is the caller's to set, so it is reported, not overridden."""
+    """Warn, and return False, when torch would run a float32 model's matmuls in TF32."""
+    # Our Triton kernels use IEEE float32 dots and the sampler has no matmul, but the linear
+    # layers and the LM head go through cuBLAS, which follows the process-wide flag: the
+    # caller's to set, so it is reported, not overridden.
     if device != "cuda" or dtype != torch.float32 or not tf32_matmuls(matmul):
         return True
     logger.warning("float32 model with TF32 matmuls enabled (torch.backends.cuda.matmul."

@@ -24,9 +24,8 @@ def load_tokenizer(model: str) -> PreTrainedTokenizerBase:
 
 
 def tokenizer_class(model: str) -> type | None:
-    """The class AutoTokenizer resolves from the name in tokenizer_config.json (the fast
-    variant first, as AutoTokenizer does), or None when AutoTokenizer must decide. The class
-    alone imports in ~0.1 s; AutoTokenizer's module imports transformers' whole modeling stack."""
+    """The class AutoTokenizer resolves from tokenizer_config.json (fast variant first), or None
+    when AutoTokenizer must decide; the class alone imports in ~0.1 s, AutoTokenizer in seconds."""
     try:
         with open(os.path.join(model, "tokenizer_config.json")) as f:
             name = json.load(f).get("tokenizer_class")

@@ -39,8 +39,7 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """The SamplingParams asked for (n completions); ValueError names a field that is bad
-        or unsupported."""
+        """The SamplingParams asked for; ValueError names a bad or unsupported field."""
         check_range("n", self.n, 1, MAX_N)
         fields = dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                       top_k=self.top_k, min_p=self.min_p, stop=self.stop, seed=self.seed,

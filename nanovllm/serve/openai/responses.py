@@ -95,10 +95,9 @@ class ResponseFormat:
 
     async def sse(self, first: ChoiceOutput, outputs: AsyncIterator[ChoiceOutput],
                   include_usage: bool) -> AsyncIterator[str]:
-        """The stream: the role chunk of every choice (chat), a chunk per output of any choice
-        (its text may be empty while a character or a possible stop string is held back, as in
-        vLLM), then `data: [DONE]`. Closing it (the client left) closes `outputs`, which aborts
-        the requests."""
+        """The stream: chat's role chunks, a chunk per output of any choice (its text may be
+        empty while text is held back, as in vLLM), then `data: [DONE]`."""
+        # Closing it (the client left) closes `outputs`, which aborts the requests.
         lasts = {first[0]: first[1]}
         if self.chat:
             for index in range(self.num_choices):
@@ -128,8 +127,7 @@ class ResponseFormat:
 
 
 def usage(lasts: list[RequestOutput], n: int) -> dict:
-    """Each prompt once (its n completions share it) and every completion's tokens; `lasts`
-    in choice order."""
+    """Each prompt once (its n completions share it) and every completion's tokens."""
     prompt = sum(out.num_prompt_tokens for out in lasts[::n])
     completion = sum(out.num_output_tokens for out in lasts)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
