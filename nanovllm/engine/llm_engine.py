@@ -156,7 +156,7 @@ class LLMEngine:
         return newly_finished
 
     def stats(self) -> dict:
-        """Counters since the last reset_stats(): see README.md, "Engine counters"."""
+        """Counters since the last reset_stats(): see docs/api.md, "Engine counters"."""
         stats = self._counters.as_dict()
         stats.update(self.scheduler.stats())
         if self._counters.timeline is not None:

@@ -169,8 +169,8 @@ def fits_split_k(input_size: int, output_size: int, dtype: torch.dtype) -> bool:
 
 
 def _launch(num_tokens: int) -> tuple[int, int, int, int]:
-    """(BLOCK_T, BLOCK_K, STAGES, num_warps) for a batch (benchmarks/fused_linear_probe.py's
-    sweep on the H200)."""
+    """(BLOCK_T, BLOCK_K, STAGES, num_warps) for a batch (swept on the H200 by the probe
+    fused_linear_probe, docs/benchmarks.md)."""
     if num_tokens <= 16:
         return 16, 128, 4, 4
     return (32 if num_tokens <= 128 else 64), 128, 4, 4
@@ -230,7 +230,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def _num_splits(output_size: int, input_size: int, token_tiles: int, num_tokens: int) -> int:
     """Splits of K that give >= 128 programs (256 up to 16 tokens), at most 16, each split
-    a whole number of 128-wide K tiles (benchmarks/split_k_gemm.py's sweep on the H200)."""
+    a whole number of 128-wide K tiles (the split_k_gemm probe's sweep, docs/benchmarks.md)."""
     target = 256 if num_tokens <= 16 else 128
     splits = min(16, triton.next_power_of_2(triton.cdiv(target, output_size // ROWS * token_tiles)))
     while input_size % (splits * 128):
