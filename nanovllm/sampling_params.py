@@ -22,7 +22,7 @@ class SamplingParams:
     Order on the device: the penalties (repetition, then frequency and presence), then
     logits / temperature, then min_p, then top_k, then top_p (on the
     distribution renormalised after top_k), then a draw. `stop` strings are cut from "text";
-    `stop_token_ids` stay in "token_ids", like EOS.
+    `stop_token_ids` stay in "token_ids", like EOS, and (as EOS) not in "text".
     """
 
     temperature: float = 1.0

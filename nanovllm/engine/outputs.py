@@ -79,9 +79,7 @@ def _record_prompt_chunk(seq: Sequence, chunk: tuple[int, LogprobsTensors] | Non
 
 def request_output(seqs: list[Sequence], decode) -> dict:
     """One request's output dict: the first completion's fields on top, all under "outputs"."""
-    completions = [{"text": seq.text if seq.text is not None else decode(
-                        seq.completion_token_ids,
-                        skip_special_tokens=seq.sampling_params.skip_special_tokens),
+    completions = [{"text": completion_text(seq, decode),
                     "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason,
                     "logprobs": seq.logprobs} for seq in seqs]
     first = seqs[0]
@@ -89,3 +87,14 @@ def request_output(seqs: list[Sequence], decode) -> dict:
                "latency_s": first.finish_time - first.arrival_time}
     return {"request_id": first.request_id, **completions[0],
             "prompt_logprobs": first.prompt_logprobs, "outputs": completions, "metrics": metrics}
+
+
+def completion_text(seq: Sequence, decode) -> str:
+    """The text: cut before a stop string, else without the stop token (EOS or one of
+    stop_token_ids) that ended it, as vLLM; token_ids keep that token."""
+    if seq.text is not None:
+        return seq.text
+    token_ids = seq.completion_token_ids
+    if seq.finish_reason == "stop":  # stopped by a token: a stop string sets seq.text
+        token_ids = token_ids[:-1]
+    return decode(token_ids, skip_special_tokens=seq.sampling_params.skip_special_tokens)

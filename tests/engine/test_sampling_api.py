@@ -133,6 +133,8 @@ def test_stop_token_ids_finish_with_the_token_kept(llm, prompts, greedy_ids):
     i = next(i for i in range(3, N) if tokens[i] not in tokens[:i])
     out = llm.generate(prompts[0], greedy(stop_token_ids=[tokens[i]]), use_tqdm=False)[0]
     assert out["token_ids"] == tokens[:i + 1] and out["finish_reason"] == "stop"
+    # the text leaves out the stop token's, as vLLM
+    assert out["text"] == llm.tokenizer.decode(tokens[:i], skip_special_tokens=True)
 
 
 EOS_PROMPT = [7, 8, 9]  # the tiny checkpoint's greedy answer ends in EOS after 59 tokens
@@ -146,9 +148,15 @@ def test_text_leaves_out_special_tokens_unless_asked(llm):
     assert out["finish_reason"] == "stop" and out["token_ids"][-1] == eos
     assert out["text"] == llm.tokenizer.decode(out["token_ids"][:-1])
     assert llm.tokenizer.eos_token not in out["text"]
+    # As vLLM, the token that stopped the request is never in the text, special or not ...
     raw = llm.generate(EOS_PROMPT, SamplingParams(**params, skip_special_tokens=False),
                        use_tqdm=False)[0]
-    assert raw["text"] == out["text"] + llm.tokenizer.eos_token
+    assert raw["text"] == out["text"] and raw["token_ids"] == out["token_ids"]
+    # ... but an EOS that did not stop it is, unless skipped.
+    params["ignore_eos"] = True
+    skipped, raw = [llm.generate(EOS_PROMPT, SamplingParams(**params, skip_special_tokens=skip),
+                                 use_tqdm=False)[0]["text"] for skip in (True, False)]
+    assert llm.tokenizer.eos_token in raw and llm.tokenizer.eos_token not in skipped
 
 
 def test_finish_reason_length_at_max_tokens_and_max_model_len(tiny_model, llm, prompts):

@@ -200,11 +200,6 @@ def test_bad_logprobs_and_n_are_400s(client, route, body, param):
     assert good.status_code == 200 and len(good.json()["choices"]) == 2
 
 
-def test_echo_with_stream_is_a_400(client):
-    response = client.post("/v1/completions", json=completion("hi", echo=True, stream=True))
-    assert response.status_code == 400 and response.json()["error"]["param"] == "echo"
-
-
 def test_disconnect_mid_stream_aborts_all_n_requests(client):
     body = completion("hello", n=4, max_tokens=3000, ignore_eos=True, stream=True,
                       temperature=0.8, seed=5)

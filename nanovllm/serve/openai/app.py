@@ -31,6 +31,8 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Fas
     app.add_api_route("/metrics", serving.prometheus_metrics, methods=["GET"])
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorizer(api_key))])
     v1.add_api_route("/models", serving.models, methods=["GET"])
+    # :path, as a served name may be a checkpoint's path ("/ckpt/Qwen3-0.6B")
+    v1.add_api_route("/models/{model_id:path}", serving.model, methods=["GET"])
     v1.add_api_route("/completions", serving.completions, methods=["POST"])
     v1.add_api_route("/chat/completions", serving.chat_completions, methods=["POST"])
     app.include_router(v1)

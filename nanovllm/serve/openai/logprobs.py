@@ -62,6 +62,16 @@ class LogprobsFormat:
              "top_logprobs": [self._entry(i, lp) for i, lp in islice(entry.items(), self.num_top)]}
             for t, entry in zip(token_ids, logprobs)]}
 
+    def prompt(self, logprobs: list[dict[int, float] | None], num_top: int
+               ) -> list[dict[int, dict] | None]:
+        """vLLM's prompt_logprobs: per prompt token (the first None) {token id: {"logprob",
+        "rank", "decoded_token"}}, the top num_top and the prompt's own token. rank is None
+        for an own token outside the top num_top (the engine does not rank it)."""
+        return [None if entry is None else {
+            t: {"logprob": finite(lp), "rank": rank + 1 if rank < num_top else None,
+                "decoded_token": self.token(t)}
+            for rank, (t, lp) in enumerate(entry.items())} for entry in logprobs]
+
     def _entry(self, token_id: int, logprob: float) -> dict:
         text = self.token(token_id)
         return {"token": text, "logprob": finite(logprob),

@@ -4,20 +4,33 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.serve.openai.validation import (
+    FieldError,
+    check_range,
+    check_streaming,
+    refuse_unsupported,
+)
 
 MAX_N = 128  # completions per request: each is a sequence in the batch
 MAX_LOGPROBS = 20  # OpenAI's cap on logprobs (completions) and top_logprobs (chat)
 MAX_PROMPTS = 1024  # prompts in one completions request
 
 
+# Strict: no bool for a number, no string for an int (a float field still takes an int).
+STRICT = ConfigDict(extra="ignore", strict=True)
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk
 
 
 class _SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions; unknown fields are ignored."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: str | None = None
     max_tokens: int | None = None
@@ -37,11 +50,20 @@ class _SamplingRequest(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # per prompt token: its own and the top k's
+    # refused unless neutral (validation.REFUSED)
+    use_beam_search: bool = False
+    include_stop_str_in_output: bool = False
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The SamplingParams asked for; ValueError names a bad or unsupported field."""
+        refuse_unsupported(self)
+        check_streaming(self)
         check_range("n", self.n, 1, MAX_N)
-        fields = dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+        if self.prompt_logprobs is not None:
+            check_range("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        fields = dict(max_tokens=self.requested_max_tokens, temperature=self.temperature,
+                      top_p=self.top_p, prompt_logprobs=self.prompt_logprobs,
                       top_k=self.top_k, min_p=self.min_p, stop=self.stop, seed=self.seed,
                       stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                       skip_special_tokens=self.skip_special_tokens,
@@ -54,24 +76,34 @@ class _SamplingRequest(BaseModel):
         return SamplingParams(**fields)
 
     @property
+    def requested_max_tokens(self) -> int | None:
+        """The completion's length limit the request set, None for the default."""
+        return self.max_tokens
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The field that holds requested_max_tokens, for errors."""
+        return "max_tokens"
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     def num_logprobs(self) -> int | None:
         """SamplingParams.logprobs: the top logprobs asked per token, None for no logprobs."""
         raise NotImplementedError
 
 
-def check_range(name: str, value: int, low: int, high: int) -> None:
-    if not low <= value <= high:
-        raise ValueError(f"{name}={value!r} is not supported: expected an int in "
-                         f"[{low}, {high}]")
-
-
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None  # the top logprobs per token, plus the sampled token's
+    suffix: str | None = None  # refused unless None (validation.REFUSED)
+    best_of: int | None = None  # refused unless None
 
     def num_logprobs(self) -> int | None:
         if self.logprobs is not None:
@@ -79,11 +111,10 @@ class CompletionRequest(_SamplingRequest):
         return self.logprobs
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """As for any request; with echo, logprobs cover the prompt too (prompt_logprobs)."""
+        """As for any request; with echo, logprobs cover the prompt too (prompt_logprobs, as
+        vLLM: an explicit prompt_logprobs wins)."""
         params = super().sampling_params(default_max_tokens)
-        if self.echo and self.stream:
-            raise ValueError("echo=True is supported without stream: expected false")
-        if self.echo and params.logprobs is not None:
+        if self.echo and params.logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = params.logprobs
         return params
 
@@ -92,28 +123,31 @@ class CompletionRequest(_SamplingRequest):
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) > MAX_PROMPTS:
-                raise ValueError(f"prompt holds {len(prompt)} prompts: at most {MAX_PROMPTS} "
-                                 f"per request")
+                raise FieldError("prompt", f"prompt holds {len(prompt)} prompts: at most "
+                                           f"{MAX_PROMPTS} per request")
             return prompt
         return [prompt]
 
 
 class TextPart(BaseModel):
+    model_config = STRICT
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     role: str
     content: str | list[TextPart] | None = None
 
     def as_dict(self) -> dict[str, str]:
-        """{"role", "content"} with text parts joined, as a chat template reads it."""
+        """{"role", "content"} with text parts joined by newlines (vLLM), as a chat template
+        reads it."""
         content = self.content or ""
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            content = "\n".join(part.text for part in content)
         return {"role": self.role, "content": content}
 
 
@@ -123,9 +157,23 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = False  # the sampled tokens' logprobs
     top_logprobs: int | None = None  # and the top k's, with logprobs=true
 
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens, else the older max_tokens (vLLM's order)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    @property
+    def max_tokens_field(self) -> str:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return "max_tokens"
+
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None:
             if not self.logprobs:
-                raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=true")
+                raise FieldError("top_logprobs",
+                                 f"top_logprobs={self.top_logprobs} needs logprobs=true")
             check_range("top_logprobs", self.top_logprobs, 0, MAX_LOGPROBS)
         return (self.top_logprobs or 0) if self.logprobs else None

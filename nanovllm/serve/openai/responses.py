@@ -44,12 +44,16 @@ class ResponseFormat:
 
     def __init__(self, model_name: str, chat: bool, n: int = 1,
                  logprobs: LogprobsFormat | None = None,
-                 echo: list[tuple[str, list[int]]] | None = None, num_prompts: int = 1):
+                 echo: list[tuple[str, list[int]]] | None = None, num_prompts: int = 1,
+                 prompt_logprobs: int | None = None, continuous_usage: bool = False):
         self.chat = chat
         self.n = n  # choices per prompt: choice j * n + i is completion i of prompt j
         self.num_choices = n * num_prompts
         self.logprobs = logprobs
         self.echo = echo  # per prompt, (text, token ids): they lead each of its choices
+        self._echoed: set[int] = set()  # streamed choices whose prompt went out
+        self.prompt_logprobs = prompt_logprobs  # vLLM's: top k per prompt token, when asked
+        self.continuous_usage = continuous_usage  # a stream's every chunk carries usage (vLLM)
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid4().hex}"
         self.model = model_name
         self.created = int(time.time())
@@ -72,15 +76,33 @@ class ResponseFormat:
                 logprobs = self.logprobs.full(token_ids, entries)
             body.append(self._choice(index, text, logprobs, choice.last.finish_reason,
                                      {"role": "assistant", "content": text}, "message"))
-        return self._body(body, usage=usage([c.last for c in choices], self.n), stream=False)
+            if self.prompt_logprobs is not None and not self.chat:
+                body[-1]["prompt_logprobs"] = self._prompt_logprobs(choices, index)
+        full = self._body(body, usage=usage([c.last for c in choices], self.n), stream=False)
+        if self.prompt_logprobs is not None and self.chat:  # vLLM: beside the choices
+            full["prompt_logprobs"] = self._prompt_logprobs(choices, 0)
+        return full
+
+    def _prompt_logprobs(self, choices: list[Choice], index: int) -> list | None:
+        """The prompt logprobs of choice `index`'s prompt (its completion 0 computed them)."""
+        entries = choices[index - index % self.n].last.prompt_logprobs
+        return None if entries is None else self.logprobs.prompt(entries, self.prompt_logprobs)
 
     def chunk(self, index: int, out: RequestOutput) -> dict:
-        """One streamed piece of choice `index`, with the logprobs of the tokens it brings."""
+        """One streamed piece of choice `index`, with the logprobs of the tokens it brings; with
+        echo, a choice's first piece starts with its prompt (vLLM)."""
         logprobs = None
         if self.logprobs is not None and out.new_logprobs is not None:
             logprobs = self.logprobs.delta(index, out.new_token_ids, out.new_logprobs)
-        return self._body([self._choice(index, out.new_text, logprobs, out.finish_reason,
-                                        {"content": out.new_text}, "delta")])
+        text = out.new_text
+        if self.echo is not None and index not in self._echoed:
+            self._echoed.add(index)
+            text = self.echo[index // self.n][0] + text
+        body = self._body([self._choice(index, text, logprobs, out.finish_reason,
+                                        {"content": text}, "delta")])
+        if self.continuous_usage:  # this choice's tokens so far (vLLM)
+            body["usage"] = usage_body(out.num_prompt_tokens, out.num_output_tokens)
+        return body
 
     def _choice(self, index: int, text: str, logprobs: dict | None, reason: str | None,
                 message: dict, key: str) -> dict:
@@ -88,20 +110,24 @@ class ResponseFormat:
         content = {key: message} if self.chat else {"text": text}
         return {"index": index, **content, "logprobs": logprobs, "finish_reason": reason}
 
-    def role_chunk(self, index: int) -> dict:
+    def role_chunk(self, index: int, num_prompt_tokens: int) -> dict:
         """A chat stream's first chunk of a choice: the role."""
-        return self._body([{"index": index, "delta": {"role": "assistant", "content": ""},
+        body = self._body([{"index": index, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None}])
+        if self.continuous_usage:
+            body["usage"] = usage_body(num_prompt_tokens, 0)
+        return body
 
     async def sse(self, first: ChoiceOutput, outputs: AsyncIterator[ChoiceOutput],
                   include_usage: bool) -> AsyncIterator[str]:
         """The stream: chat's role chunks, a chunk per output of any choice (its text may be
-        empty while text is held back, as in vLLM), then `data: [DONE]`."""
+        empty while text is held back, as in vLLM), then `data: [DONE]`; with
+        continuous_usage, every chunk carries its choice's usage so far."""
         # Closing it (the client left) closes `outputs`, which aborts the requests.
         lasts = {first[0]: first[1]}
         if self.chat:
             for index in range(self.num_choices):
-                yield sse(self.role_chunk(index))
+                yield sse(self.role_chunk(index, first[1].num_prompt_tokens))
         async with aclosing(outputs):
             try:
                 yield sse(self.chunk(*first))
@@ -129,6 +155,10 @@ class ResponseFormat:
 def usage(lasts: list[RequestOutput], n: int) -> dict:
     """Each prompt once (its n completions share it) and every completion's tokens."""
     prompt = sum(out.num_prompt_tokens for out in lasts[::n])
-    completion = sum(out.num_output_tokens for out in lasts)
+    return usage_body(prompt, sum(out.num_output_tokens for out in lasts))
+
+
+def usage_body(prompt: int, completion: int) -> dict:
+    """OpenAI's usage object."""
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from nanovllm.engine.outputs import completion_params
-from nanovllm.engine.request_checks import validate_request
+from nanovllm.engine.request_checks import prompt_token_ids, validate_request
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.serve.async_llm import AsyncLLM, RequestOutput
 from nanovllm.serve.openai.errors import APIError, bad_request
@@ -21,6 +21,7 @@ from nanovllm.serve.openai.protocol import (
     _SamplingRequest,
 )
 from nanovllm.serve.openai.responses import Choice, ChoiceOutput, ResponseFormat
+from nanovllm.serve.openai.validation import check_context
 
 
 class ClientDisconnected(Exception):
@@ -36,10 +37,20 @@ class OpenAIServing:
         self.metrics = ServerMetrics(model_name)
         self.created = int(time.time())
 
+    def model_card(self) -> dict:
+        """OpenAI's model object, with vLLM's max_model_len."""
+        return {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "nanovllm", "max_model_len": self.llm.max_model_len}
+
     async def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                            "created": self.created, "owned_by": "nanovllm",
-                                            "max_model_len": self.llm.max_model_len}]}
+        return {"object": "list", "data": [self.model_card()]}
+
+    async def model(self, model_id: str) -> dict:
+        """GET /v1/models/{model_id}: the model object, or a 404."""
+        if model_id != self.model_name:
+            raise APIError(404, f"The model {model_id!r} does not exist; this server serves "
+                                f"{self.model_name!r}", "not_found_error", "model")
+        return self.model_card()
 
     async def prometheus_metrics(self) -> Response:
         return Response(self.metrics.render(self.llm.stats), media_type=CONTENT_TYPE_LATEST)
@@ -57,10 +68,8 @@ class OpenAIServing:
         self._check_model(body)
         try:
             prompt = chat_prompt(self.llm, body)
-            default_max_tokens = self.llm.max_model_len - len(prompt)  # the rest of the context
-            if body.max_completion_tokens is not None:
-                default_max_tokens = body.max_completion_tokens
-            params = body.sampling_params(default_max_tokens)
+            # the rest of the context; a prompt that fills it is refused in _serve
+            params = body.sampling_params(max(1, self.llm.max_model_len - len(prompt)))
         except ValueError as e:
             raise bad_request(e) from None
         return await self._serve(request, body, [prompt], params, chat=True)
@@ -76,18 +85,18 @@ class OpenAIServing:
         """Choice j * n + i is completion i of prompt j: one engine request each."""
         tokenizer = self.llm.tokenizer
         try:  # once per prompt for its n completions: each then gets the token ids
-            token_ids = [validate_request(p, params, self.llm.limits, tokenizer.encode)
-                         for p in prompts]
+            token_ids = [self._prompt_ids(p, params, body, chat) for p in prompts]
         except ValueError as e:
             raise bad_request(e) from None
         logprobs = None
-        if params.logprobs is not None:
-            logprobs = LogprobsFormat(tokenizer, chat, params.logprobs)
+        if params.logprobs is not None or body.prompt_logprobs is not None:
+            logprobs = LogprobsFormat(tokenizer, chat, params.logprobs or 0)
         echo = None
         if getattr(body, "echo", False):  # completions: the prompt leads the text (and logprobs)
             echo = [(p if isinstance(p, str) else tokenizer.decode(ids), ids)
                     for p, ids in zip(prompts, token_ids)]
-        fmt = ResponseFormat(self.model_name, chat, params.n, logprobs, echo, len(prompts))
+        fmt = ResponseFormat(self.model_name, chat, params.n, logprobs, echo, len(prompts),
+                             body.prompt_logprobs, body.continuous_usage)
         # The later completions of a prompt hit its full blocks in the engine's prefix cache.
         outputs = interleave([
             self.metrics.track(self.llm.generate(ids, p, f"{fmt.id}-{j * params.n + i}"),
@@ -108,6 +117,15 @@ class OpenAIServing:
         except ClientDisconnected:
             return Response(status_code=499)
         return JSONResponse(fmt.full(choices))
+
+    def _prompt_ids(self, prompt: str | list[int], params: SamplingParams,
+                    body: _SamplingRequest, chat: bool) -> list[int]:
+        """The prompt's token ids, once it and max_tokens fit the context, as the engine
+        checks it."""
+        ids = prompt_token_ids(prompt, self.llm.tokenizer.encode)
+        check_context(len(ids), body.requested_max_tokens, body.max_tokens_field,
+                      self.llm.max_model_len, "messages" if chat else "prompt")
+        return validate_request(ids, params, self.llm.limits, self.llm.tokenizer.encode)
 
 
 def chat_prompt(llm: AsyncLLM, body: ChatCompletionRequest) -> list[int]:

@@ -1,0 +1,60 @@
+"""Checks of a request that pydantic's types cannot say: unsupported fields, fields that need
+(or refuse) streaming, and the context length."""
+from pydantic import BaseModel
+
+# Fields that would change the output but are not supported, with the value that changes
+# nothing: any other value is a 400 naming the field.
+REFUSED = {"suffix": None, "best_of": None, "use_beam_search": False,
+           "include_stop_str_in_output": False}
+
+
+class FieldError(ValueError):
+    """A ValueError about one field of the request, answered as a 400 naming it."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def check_range(name: str, value: int, low: int, high: int) -> None:
+    """FieldError unless low <= value <= high."""
+    if not low <= value <= high:
+        raise FieldError(name, f"{name}={value!r} is not supported: expected an int in "
+                               f"[{low}, {high}]")
+
+
+def refuse_unsupported(body: BaseModel) -> None:
+    """A FieldError for the first field of REFUSED set to anything but its neutral value."""
+    for name, neutral in REFUSED.items():
+        value = getattr(body, name, neutral)
+        if value != neutral:
+            raise FieldError(name, f"{name}={value!r} is not supported by this server")
+
+
+def check_streaming(body: BaseModel) -> None:
+    """stream_options needs stream=true (OpenAI, vLLM); prompt_logprobs refuses it (vLLM), and
+    so does echo with logprobs (the prompt's logprobs come only with the last output)."""
+    stream = body.stream
+    if body.stream_options is not None and not stream:
+        raise FieldError("stream_options", "stream_options is only allowed with stream=true")
+    if stream and body.prompt_logprobs is not None:
+        raise FieldError("prompt_logprobs", "prompt_logprobs is not available with stream=true")
+    if stream and getattr(body, "echo", False) and getattr(body, "logprobs", None) is not None:
+        raise FieldError("echo", "echo=true with logprobs is supported without stream only")
+
+
+def check_context(num_prompt_tokens: int, max_tokens: int | None, max_tokens_field: str,
+                  max_model_len: int, prompt_field: str) -> None:
+    """vLLM's 400 for a prompt, or a prompt and max_tokens, longer than the context."""
+    if max_tokens is None:
+        if num_prompt_tokens >= max_model_len:
+            raise FieldError(prompt_field, (
+                f"This model's maximum context length is {max_model_len} tokens. However, "
+                f"your request has {num_prompt_tokens} input tokens, leaving no room for "
+                f"the completion. Please reduce the length of the {prompt_field}."))
+    elif num_prompt_tokens + max_tokens > max_model_len:
+        raise FieldError(max_tokens_field, (
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+            f"messages, {max_tokens} in the completion). Please reduce the length of the "
+            f"messages or completion."))
