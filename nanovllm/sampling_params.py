@@ -13,15 +13,61 @@ from nanovllm.utils.field_checks import (
 )
 
 MAX_SEED = INT64_MAX  # seeds travel to the device as int64
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output (vLLM's names): set exactly one of json, regex, choice,
+    grammar, json_object. The engine compiles it (xgrammar) before the request is queued."""
+
+    json: dict | str | None = None  # a JSON schema, as a dict or its JSON text
+    regex: str | None = None  # the whole output matches it
+    choice: list[str] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # EBNF in xgrammar's dialect, starting from the rule `root`
+    json_object: bool | None = None  # True: any JSON object
+    # vLLM's name, our default: JSON (json, json_object) has no free whitespace, only one space
+    # after "," and ":", so a model cannot emit whitespace forever; False allows any amount.
+    disable_any_whitespace: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Exactly one kind, of the right type; the engine checks that it compiles."""
+        kinds = [name for name in STRUCTURED_KINDS if getattr(self, name) is not None]
+        if len(kinds) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of {STRUCTURED_KINDS}, "
+                             f"got {'none' if not kinds else ' and '.join(kinds)}")
+        value = getattr(self, kinds[0])
+        name = f"structured_outputs.{kinds[0]}"
+        if kinds[0] == "json":
+            check(name, value, isinstance(value, dict) or (isinstance(value, str) and value),
+                  "a JSON schema: a dict or a non-empty JSON string")
+        elif kinds[0] == "choice":
+            check(name, value, isinstance(value, list | tuple) and value and all(
+                isinstance(c, str) and c for c in value), "a non-empty list of non-empty strings")
+            self.choice = list(value)
+        elif kinds[0] == "json_object":
+            check(name, value, value is True, "None or True")
+        else:
+            check(name, value, isinstance(value, str) and value, "a non-empty string")
+        check("structured_outputs.disable_any_whitespace", self.disable_any_whitespace,
+              isinstance(self.disable_any_whitespace, bool), "a bool")
+
+    @property
+    def kind(self) -> str:
+        """The one constraint set: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(name for name in STRUCTURED_KINDS if getattr(self, name) is not None)
 
 
 @dataclass
 class SamplingParams:
     """How to sample one request; temperature 0 means greedy (the filters and seed are ignored).
 
-    Order on the device: the penalties (repetition, then frequency and presence), then
-    logits / temperature, then min_p, then top_k, then top_p (on the
-    distribution renormalised after top_k), then a draw. `stop` strings are cut from "text";
+    Order on the device: a structured output's token bitmask, the penalties (repetition, then
+    frequency and presence), then logits / temperature, then min_p, then top_k, then top_p (on
+    the distribution renormalised after top_k), then a draw. `stop` strings are cut from "text";
     `stop_token_ids` stay in "token_ids", like EOS, and (as EOS) not in "text".
     """
 
@@ -41,6 +87,8 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's: l -= presence if generated at least once
     frequency_penalty: float = 0.0  # OpenAI's: l -= frequency * times generated
     skip_special_tokens: bool = True  # "text" leaves out special tokens (EOS...), as vLLM
+    # the output follows a JSON schema, regex, choice or grammar (see StructuredOutputsParams)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -85,6 +133,12 @@ class SamplingParams:
             f"None or a list of ints in [0, {INT64_MAX}]")
         if ids is not None:
             self.stop_token_ids = [int(i) for i in ids]
+        structured = self.structured_outputs
+        check("structured_outputs", structured,
+              structured is None or isinstance(structured, StructuredOutputsParams),
+              "None or a StructuredOutputsParams")
+        if structured is not None:
+            structured.validate()
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

@@ -36,6 +36,9 @@ class Sequence:
         self.sampling_params = sampling_params
         self.finish_reason: str | None = None
         self.text: str | None = None  # completion text cut before a stop string, when one hit
+        # a structured output's xgrammar GrammarMatcher, at the committed completion tokens
+        # (set by the engine: engine.structured_outputs); None when unconstrained
+        self.grammar: object | None = None
         # {token_id: logprob} per generated token, when asked
         self.logprobs: list[dict[int, float]] | None = (
             None if sampling_params.logprobs is None else [])

@@ -10,6 +10,7 @@ from nanovllm.engine.request_checks import RequestLimits, validate_request, vali
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.stats import StepCounters
 from nanovllm.engine.stop_strings import StopStringChecker
+from nanovllm.engine.structured_outputs import StructuredOutputs
 from nanovllm.executor.base import Executor, UniprocExecutor
 from nanovllm.executor.multiproc import MultiprocExecutor
 from nanovllm.runner.sampled_ids import InFlightStep, SampledIds
@@ -40,6 +41,8 @@ class LLMEngine:
                                    config.kvcache_block_size,
                                    self.model_runner.backend.longest_first)
         self.stop_checker = StopStringChecker(self.tokenizer)
+        # The logits' width, not the tokenizer's: the bitmask covers every id the model scores.
+        self.grammars = StructuredOutputs(self.tokenizer, config.hf_config.vocab_size, eos)
         self._counters = StepCounters()
         self._in_flight: InFlightStep | None = None
         self._unreturned: list[dict] = []  # hand-queued requests that finished in generate()
@@ -58,13 +61,15 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
         """Validate and queue one request; returns its request id (see step())."""
         token_ids = validate_request(prompt, sampling_params, self.request_limits(),
-                                     self.tokenizer.encode)
+                                     self.tokenizer.encode, self.grammars)
         return self._queue(token_ids, sampling_params)[0].request_id
 
     def _queue(self, token_ids: list[int], params: SamplingParams) -> list[Sequence]:
         """Queue a request's n completions, adjacent: the later ones hit the first's blocks."""
         seqs = self._requests.add(token_ids, params, self.config.kvcache_block_size)
         for seq in seqs:
+            if params.structured_outputs is not None:
+                seq.grammar = self.grammars.matcher(params.structured_outputs)
             self.scheduler.add(seq)
         return seqs
 
@@ -102,7 +107,10 @@ class LLMEngine:
                 launched = InFlightStep(seqs, self._launch(seqs, is_prefill, previous), samples)
             finished = self._commit(previous) if previous is not None else []
             self._in_flight = launched
-            if launched is not None and not self._pipelined:
+            # A grammar's mask for the next step needs this step's token on the host, so a batch
+            # with one runs lockstep; unconstrained batches keep the pipeline.
+            if launched is not None and (not self._pipelined
+                                         or any(seq.grammar is not None for seq in seqs)):
                 launched.advanced = self.scheduler.advance(seqs, launched.samples)
                 finished += self._commit(launched)
                 self._in_flight = None
@@ -192,7 +200,7 @@ class LLMEngine:
         # Every request is validated before any is queued, so a ValueError changes nothing. On
         # any exception (Ctrl-C too) this call's requests are aborted; the engine stays usable.
         requests = validate_requests(prompts, sampling_params, self.request_limits(),
-                                     self.tokenizer.encode)
+                                     self.tokenizer.encode, self.grammars)
         groups: list[list[Sequence]] = []
         pbar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True,
                     disable=not use_tqdm)

@@ -2,6 +2,7 @@
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from nanovllm.engine.structured_outputs import StructuredOutputs
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.field_checks import describe, is_int
 
@@ -62,9 +63,13 @@ def prompt_token_ids(prompt: Prompt, encode: Callable[[str], list[int]]) -> list
 
 
 def validate_request(prompt: Prompt, params: SamplingParams, limits: RequestLimits,
-                     encode: Callable[[str], list[int]]) -> list[int]:
-    """Return the prompt's token ids, or raise ValueError saying what is wrong."""
+                     encode: Callable[[str], list[int]],
+                     grammars: StructuredOutputs | None = None) -> list[int]:
+    """Return the prompt's token ids, or raise ValueError saying what is wrong; `grammars`
+    (the engine's) compiles structured outputs, else the engine checks them when queueing."""
     check_sampling_params(params)
+    if params.structured_outputs is not None and grammars is not None:
+        grammars.compile(params.structured_outputs)  # cached for the matchers made at queueing
     token_ids = prompt_token_ids(prompt, encode)
     n = len(token_ids)
     if n == 0:
@@ -90,8 +95,9 @@ def validate_request(prompt: Prompt, params: SamplingParams, limits: RequestLimi
 
 def validate_requests(prompts: list[Prompt],
                       sampling_params: SamplingParams | list[SamplingParams] | None,
-                      limits: RequestLimits,
-                      encode: Callable[[str], list[int]]) -> list[tuple[list[int], SamplingParams]]:
+                      limits: RequestLimits, encode: Callable[[str], list[int]],
+                      grammars: StructuredOutputs | None = None
+                      ) -> list[tuple[list[int], SamplingParams]]:
     """Validate a whole call up front; the error names the first bad request's index."""
     prompts = as_prompt_list(prompts)
     if sampling_params is None:
@@ -106,7 +112,7 @@ def validate_requests(prompts: list[Prompt],
     requests = []
     for i, (prompt, params) in enumerate(zip(prompts, params_list)):
         try:
-            requests.append((validate_request(prompt, params, limits, encode), params))
+            requests.append((validate_request(prompt, params, limits, encode, grammars), params))
         except ValueError as e:
             raise ValueError(f"request {i}: {e}") from None
     return requests

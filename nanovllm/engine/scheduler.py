@@ -9,6 +9,7 @@ from itertools import islice
 from time import perf_counter
 
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.structured_outputs import accept_token
 from nanovllm.sequence import Sequence, SequenceStatus
 
 
@@ -214,7 +215,10 @@ class Scheduler:
             seq.commit_pending_token(token_id)
             if seq.num_completion_tokens == 1:
                 seq.first_token_time = now
-            if self._stops_on(seq, token_id):
+            stops = self._stops_on(seq, token_id)
+            if seq.grammar is not None:  # advanced by every token; "stop" once it terminates
+                stops = accept_token(seq.grammar, token_id) or stops
+            if stops:
                 self.finish(seq, "stop", now)
             if seq.is_finished:
                 seq.finish_time = now  # a length limit is set in advance(); the token lands now

@@ -5,7 +5,8 @@ E ~ Exp(1); on CUDA one Triton kernel (kernels.sample) with Philox noise keyed b
 seed from torch's CPU RNG. Full path: l / T, then min_p, top_k and top_p as -inf masks, then
 the same draw with E = -log U, U a counter-based hash of (seed, position, vocab index): a
 seeded row draws the same noise whatever its batch. Greedy rows (T = 0) take argmax(l).
-Penalties (layers.penalties) and logprobs run only for a batch that asks for them.
+Penalties (layers.penalties) and logprobs run only for a batch that asks for them. A structured
+output's token bitmask (layers.token_bitmask) sets disallowed tokens to -inf before all of it.
 """
 import functools
 from collections.abc import Callable
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from nanovllm.layers.penalties import Penalties
+from nanovllm.layers.token_bitmask import apply_token_bitmask
 from nanovllm.sampling_params import MAX_SEED, SamplingParams
 from nanovllm.utils.compile import compile_on_cuda
 
@@ -134,7 +136,8 @@ LOGPROBS_MODES = ("raw", "processed")
 class Sampler(nn.Module):
     """logits [B, V] + temperatures [B] (fast path) or SamplingTensors -> token ids [B].
     logprobs_mode "raw": log_softmax of the logits; "processed": of the distribution sampled
-    from (after penalties, temperature and filters; greedy rows: after penalties)."""
+    from (after the token bitmask, penalties, temperature and filters; greedy rows: after the
+    bitmask and penalties)."""
 
     def __init__(self, logprobs_mode: str = "raw"):
         super().__init__()
@@ -145,8 +148,11 @@ class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, params: torch.Tensor | SamplingTensors,
                 penalties: Penalties | None = None,
-                num_logprobs: int | None = None) -> SamplerOutput:
+                num_logprobs: int | None = None,
+                token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
         raw = logits
+        if token_bitmask is not None:  # structured outputs: only tokens the grammar allows
+            logits = apply_token_bitmask(logits, token_bitmask)
         if penalties is not None:
             counts = penalties.counts
             logits = self.apply_penalties(logits, counts.output_counts, counts.prompt_mask,

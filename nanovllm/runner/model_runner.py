@@ -14,6 +14,7 @@ from nanovllm.layers.backends import bind_backend, select_backend
 from nanovllm.layers.linear import tp_rank_and_size
 from nanovllm.layers.penalties import Penalties, TokenCounts
 from nanovllm.layers.sampler import Sampler, SamplingTensors
+from nanovllm.layers.token_bitmask import fill_token_bitmask
 from nanovllm.models.registry import build_model
 from nanovllm.runner.cuda_graphs import capture_decode_graphs
 from nanovllm.runner.prompt_logprobs import prompt_logprobs, wants_prompt_logprobs
@@ -199,9 +200,10 @@ class ModelRunner:
             input_ids.copy_(torch.where(src >= 0, carried, input_ids))
         return input_ids, positions, context
 
-    def prepare_sample(self, seqs: list[Sequence]
-                       ) -> tuple[torch.Tensor | SamplingTensors, Penalties | None, int | None]:
-        """(temperatures or SamplingTensors, penalties, number of top logprobs) for the sampler."""
+    def prepare_sample(self, seqs: list[Sequence]) -> tuple[
+            torch.Tensor | SamplingTensors, Penalties | None, int | None, torch.Tensor | None]:
+        """(temperatures or SamplingTensors, penalties, number of top logprobs, token bitmask of
+        structured outputs) for the sampler."""
         params = [seq.sampling_params for seq in seqs]
         upload = partial(to_device, device=self.device)
         if all(p.simple for p in params):
@@ -216,7 +218,10 @@ class ModelRunner:
                     if p.uses_penalties else 0 for seq, p in zip(seqs, params)]
             penalties = Penalties.build(self.token_counts, rows, params, upload)
         ks = [p.logprobs for p in params if p.logprobs is not None]
-        return sample_params, penalties, max(ks) if ks else None
+        # grammars are at their sequences' committed tokens: the engine runs their steps lockstep
+        bitmask = fill_token_bitmask([seq.grammar for seq in seqs],
+                                     self.config.hf_config.vocab_size, self.device)
+        return sample_params, penalties, max(ks) if ks else None, bitmask
 
     # ---- execution ----------------------------------------------------------------------
     @torch.inference_mode()
@@ -254,8 +259,7 @@ class ModelRunner:
         if self.rank != 0:
             return None
         # Prepared after the (asynchronous) forward was launched, so it overlaps the GPU.
-        sample_params, penalties, num_logprobs = self.prepare_sample(seqs)
-        out = self.sampler(logits[:len(seqs)], sample_params, penalties, num_logprobs)
+        out = self.sampler(logits[:len(seqs)], *self.prepare_sample(seqs))
         return SampledIds(out.token_ids, out.logprobs, prompt, is_prefill)
 
     def wait_idle(self) -> None:
