@@ -76,7 +76,7 @@ class OpenAIServing:
         """Choice j * n + i is completion i of prompt j: one engine request each."""
         tokenizer = self.llm.tokenizer
         try:  # once per prompt for its n completions: each then gets the token ids
-            token_ids = [validate_request(p, params, self.llm.limits, tokenizer.encode)
+            token_ids = [validate_request(p, params, self.llm.limits, tokenizer.encode)[0]
                          for p in prompts]
         except ValueError as e:
             raise bad_request(e) from None
