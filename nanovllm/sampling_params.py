@@ -1,5 +1,5 @@
 """Per-request sampling parameters."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanovllm.utils.field_checks import (
     FLOAT32_MAX,
@@ -10,9 +10,11 @@ from nanovllm.utils.field_checks import (
     check_int,
     check_real,
     is_int,
+    is_real,
 )
 
 MAX_SEED = INT64_MAX  # seeds travel to the device as int64
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
@@ -65,10 +67,11 @@ class StructuredOutputsParams:
 class SamplingParams:
     """How to sample one request; temperature 0 means greedy (the filters and seed are ignored).
 
-    Order on the device: a structured output's token bitmask, the penalties (repetition, then
-    frequency and presence), then logits / temperature, then min_p, then top_k, then top_p (on
-    the distribution renormalised after top_k), then a draw. `stop` strings are cut from "text";
-    `stop_token_ids` stay in "token_ids", like EOS, and (as EOS) not in "text".
+    Order on the device (vLLM V1's): a structured output's token bitmask, then
+    allowed_token_ids, bad_words, min_tokens, logit_bias (layers.steering), then the penalties
+    (repetition, then frequency and presence), then logits / temperature, then min_p, then top_k,
+    then top_p (on the distribution renormalised after top_k), then a draw. `stop` strings are
+    cut from "text"; `stop_token_ids` stay in "token_ids", like EOS, and (as EOS) not in "text".
     """
 
     temperature: float = 1.0
@@ -89,6 +92,16 @@ class SamplingParams:
     skip_special_tokens: bool = True  # "text" leaves out special tokens (EOS...), as vLLM
     # the output follows a JSON schema, regex, choice or grammar (see StructuredOutputsParams)
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, within +-100
+    allowed_token_ids: list[int] | None = None  # only these ids can be sampled
+    min_tokens: int = 0  # EOS, stop_token_ids and stop strings do not stop a shorter completion
+    bad_words: list[str] | None = None  # words never generated (vLLM's token-sequence match)
+    # Set by request validation (engine.request_checks), which has the tokenizer and EOS:
+    # each bad word's token ids, and the ids min_tokens holds back (stop_token_ids and EOS).
+    _bad_words_token_ids: list[list[int]] | None = field(
+        default=None, init=False, repr=False, compare=False)
+    _min_tokens_stop_ids: list[int] = field(
+        default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -139,6 +152,33 @@ class SamplingParams:
               "None or a StructuredOutputsParams")
         if structured is not None:
             structured.validate()
+        self._validate_steering()
+
+    def _validate_steering(self) -> None:
+        """logit_bias (values clipped to +-100, as OpenAI), allowed_token_ids, min_tokens,
+        bad_words; the vocabulary is checked with the request (engine.request_checks)."""
+        bias = self.logit_bias
+        check("logit_bias", bias, bias is None or (isinstance(bias, dict) and all(
+            is_int(t) and t >= 0 and is_real(v) and v == v  # v == v: not NaN
+            for t, v in bias.items())), "None or a dict of int token ids to numbers")
+        if bias is not None:
+            self.logit_bias = {int(t): float(min(max(v, -MAX_LOGIT_BIAS), MAX_LOGIT_BIAS))
+                               for t, v in bias.items()}
+        ids = self.allowed_token_ids
+        check("allowed_token_ids", ids, ids is None or (isinstance(ids, list | tuple) and ids
+                                                       and all(is_int(i) and i >= 0 for i in ids)),
+              "None or a non-empty list of int token ids")
+        if ids is not None:
+            self.allowed_token_ids = [int(i) for i in ids]
+        self.min_tokens = check_int("min_tokens", self.min_tokens, 0, self.max_tokens,
+                                    f"an int in [0, max_tokens={self.max_tokens}]")
+        words = self.bad_words
+        check("bad_words", words, words is None or (isinstance(words, list | tuple) and all(
+            isinstance(w, str) and w.strip() for w in words)),
+            "None or a list of strings, each with a non-space character")
+        if words is not None:
+            self.bad_words = list(words)
+        self._steers = bool(self.logit_bias or ids is not None or self.min_tokens or words)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -152,7 +192,12 @@ class SamplingParams:
                 or self.frequency_penalty != 0)
 
     @property
+    def steers(self) -> bool:
+        """True when logit_bias, allowed_token_ids, min_tokens or bad_words is set."""
+        return self._steers
+
+    @property
     def simple(self) -> bool:
         """True when temperature alone decides the draw: the sampler's fast path applies."""
-        return self.temperature == 0 or (self.top_k == -1 and self.top_p == 1 and self.min_p == 0
-                                         and self.seed is None)
+        return not self._steers and (self.temperature == 0 or (
+            self.top_k == -1 and self.top_p == 1 and self.min_p == 0 and self.seed is None))

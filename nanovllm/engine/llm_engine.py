@@ -48,6 +48,7 @@ class LLMEngine:
         self._unreturned: list[dict] = []  # hand-queued requests that finished in generate()
         self._requests = RequestTable()
         self._pipelined = self.executor.pipelined
+        self._bad_words_queued = False
         # Runs on `del llm`, garbage collection or interpreter exit, whichever is first; it
         # holds the executor, not the engine, so it does not keep the engine alive.
         self._finalizer = weakref.finalize(self, self.executor.shutdown)
@@ -60,13 +61,15 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
         """Validate and queue one request; returns its request id (see step())."""
-        token_ids = validate_request(prompt, sampling_params, self.request_limits(),
-                                     self.tokenizer.encode, self.grammars)
-        return self._queue(token_ids, sampling_params)[0].request_id
+        token_ids, params = validate_request(prompt, sampling_params, self.request_limits(),
+                                             self.tokenizer.encode, self.grammars)
+        return self._queue(token_ids, params)[0].request_id
 
     def _queue(self, token_ids: list[int], params: SamplingParams) -> list[Sequence]:
         """Queue a request's n completions, adjacent: the later ones hit the first's blocks."""
         seqs = self._requests.add(token_ids, params, self.config.kvcache_block_size)
+        # set once: engines that never see bad_words never look for them in a step
+        self._bad_words_queued = self._bad_words_queued or bool(params.bad_words)
         for seq in seqs:
             if params.structured_outputs is not None:
                 seq.grammar = self.grammars.matcher(params.structured_outputs)
@@ -79,7 +82,8 @@ class LLMEngine:
         return RequestLimits(vocab_size=self.config.hf_config.vocab_size,
                              max_model_len=self.config.max_model_len,
                              block_size=self.config.kvcache_block_size,
-                             num_blocks=self.model_runner.num_kvcache_blocks)
+                             num_blocks=self.model_runner.num_kvcache_blocks,
+                             eos_token_id=self.scheduler.eos_token_id)
 
     def step(self) -> tuple[list[dict], int]:
         """Run one step; returns (finished requests' outputs, tokens: + prefill, - decode)."""
@@ -107,10 +111,7 @@ class LLMEngine:
                 launched = InFlightStep(seqs, self._launch(seqs, is_prefill, previous), samples)
             finished = self._commit(previous) if previous is not None else []
             self._in_flight = launched
-            # A grammar's mask for the next step needs this step's token on the host, so a batch
-            # with one runs lockstep; unconstrained batches keep the pipeline.
-            if launched is not None and (not self._pipelined
-                                         or any(seq.grammar is not None for seq in seqs)):
+            if launched is not None and (not self._pipelined or self._needs_lockstep(seqs)):
                 launched.advanced = self.scheduler.advance(seqs, launched.samples)
                 finished += self._commit(launched)
                 self._in_flight = None
@@ -125,6 +126,12 @@ class LLMEngine:
         for seq in finished:
             self.model_runner.token_counts.release(seq.seq_id)
         return finished, num_tokens
+
+    def _needs_lockstep(self, seqs: list[Sequence]) -> bool:
+        """Whether this step commits at once: a grammar's next mask, and a bad_words row's
+        banned ids, need this step's token on the host; other batches keep the pipeline."""
+        return any(seq.grammar is not None for seq in seqs) or (self._bad_words_queued and any(
+            seq.sampling_params._bad_words_token_ids for seq in seqs))
 
     def _launch(self, seqs: list[Sequence], is_prefill: bool,
                 previous: InFlightStep | None = None) -> SampledIds:

@@ -1,5 +1,5 @@
 """What a request returns: its completions' text, tokens and logprobs (n sequences for n)."""
-from dataclasses import replace
+from copy import copy
 
 from nanovllm.layers.sampler import LogprobsTensors, derive_seed
 from nanovllm.runner.sampled_ids import SampledIds
@@ -38,11 +38,16 @@ class RequestTable:
 def completion_params(params: SamplingParams) -> list[SamplingParams]:
     """One SamplingParams per completion: completion i draws from (seed, i) when seeded."""
     # Only the first computes the prompt logprobs: the others share its cached blocks.
+    # Copies, not replace(): a copy keeps what request validation resolved (bad words' ids).
     if params.n == 1:
         return [params]
-    return [replace(params, n=1, prompt_logprobs=params.prompt_logprobs if i == 0 else None,
-                    seed=None if params.seed is None else derive_seed(params.seed, i))
-            for i in range(params.n)]
+    completions = []
+    for i in range(params.n):
+        p = copy(params)
+        p.n, p.prompt_logprobs = 1, params.prompt_logprobs if i == 0 else None
+        p.seed = None if params.seed is None else derive_seed(params.seed, i)
+        completions.append(p)
+    return completions
 
 
 def record_logprobs(seqs: list[Sequence], rows: list[tuple[int, Sequence]],

@@ -1,5 +1,6 @@
 """Request validation: every request of a call is checked before any of them is queued."""
 from collections.abc import Callable
+from copy import copy
 from dataclasses import dataclass
 
 from nanovllm.engine.structured_outputs import StructuredOutputs
@@ -18,6 +19,7 @@ class RequestLimits:
     max_model_len: int
     block_size: int
     num_blocks: int
+    eos_token_id: int | None = None  # min_tokens holds it back with stop_token_ids
 
 
 def max_blocks_needed(num_prompt_tokens: int, max_tokens: int, max_model_len: int,
@@ -34,6 +36,48 @@ def check_sampling_params(params: SamplingParams) -> None:
     params.validate()
 
 
+def resolve_steering(params: SamplingParams, limits: RequestLimits,
+                     encode: Callable[..., list[int]]) -> SamplingParams:
+    """Check the steering fields' ids against the vocabulary; with bad_words or min_tokens, a
+    copy holding their token ids (tokenized here, once per request, never per step)."""
+    vocab = limits.vocab_size
+    for name, ids in (("logit_bias", params.logit_bias or ()),
+                      ("allowed_token_ids", params.allowed_token_ids or ())):
+        bad = next((i for i in ids if i >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"{name}: token id {bad} is outside [0, {vocab}) (the model's "
+                             f"vocab_size)")
+    if not (params.bad_words or params.min_tokens):
+        return params
+    params = copy(params)  # the caller's object may serve other engines (other tokenizers)
+    if params.bad_words:
+        params._bad_words_token_ids = bad_words_token_ids(params.bad_words, encode, vocab)
+    if params.min_tokens:
+        eos = [] if limits.eos_token_id is None else [limits.eos_token_id]
+        params._min_tokens_stop_ids = sorted({*(params.stop_token_ids or ()), *eos})
+    return params
+
+
+def bad_words_token_ids(words: list[str], encode: Callable[..., list[int]],
+                        vocab_size: int) -> list[list[int]]:
+    """vLLM's: each word's ids, and those of " " + word when that is a new, as long sequence
+    (so a word is banned at the start of the text and after a space)."""
+    found: list[list[int]] = []
+    for word in words:
+        plain = list(encode(word.lstrip(), add_special_tokens=False))
+        spaced = list(encode(" " + word.lstrip(), add_special_tokens=False))
+        if not plain:
+            raise ValueError(f"bad_words: {word!r} encodes to no tokens")
+        found.append(plain)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            found.append(spaced)
+    bad = next((i for ids in found for i in ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"bad_words: token id {bad} is outside [0, {vocab_size}) (the model's "
+                         f"vocab_size)")
+    return found
+
+
 def as_prompt_list(prompts: object) -> list:
     """One prompt (a string or int token ids) or a list of prompts, as a list of prompts."""
     # Arrays and tensors are refused here: their truth value is ambiguous.
@@ -46,7 +90,7 @@ def as_prompt_list(prompts: object) -> list:
     return list(prompts)
 
 
-def prompt_token_ids(prompt: Prompt, encode: Callable[[str], list[int]]) -> list[int]:
+def prompt_token_ids(prompt: Prompt, encode: Callable[..., list[int]]) -> list[int]:
     """A string is tokenized; a list or tuple must hold ints only (numpy ints too)."""
     if isinstance(prompt, str):
         return list(encode(prompt))
@@ -63,13 +107,16 @@ def prompt_token_ids(prompt: Prompt, encode: Callable[[str], list[int]]) -> list
 
 
 def validate_request(prompt: Prompt, params: SamplingParams, limits: RequestLimits,
-                     encode: Callable[[str], list[int]],
-                     grammars: StructuredOutputs | None = None) -> list[int]:
-    """Return the prompt's token ids, or raise ValueError saying what is wrong; `grammars`
-    (the engine's) compiles structured outputs, else the engine checks them when queueing."""
+                     encode: Callable[..., list[int]],
+                     grammars: StructuredOutputs | None = None
+                     ) -> tuple[list[int], SamplingParams]:
+    """(the prompt's token ids, the params to queue: see resolve_steering), or ValueError
+    saying what is wrong; `grammars` (the engine's) compiles structured outputs, else the
+    engine checks them when queueing."""
     check_sampling_params(params)
     if params.structured_outputs is not None and grammars is not None:
         grammars.compile(params.structured_outputs)  # cached for the matchers made at queueing
+    params = resolve_steering(params, limits, encode)
     token_ids = prompt_token_ids(prompt, encode)
     n = len(token_ids)
     if n == 0:
@@ -90,12 +137,12 @@ def validate_request(prompt: Prompt, params: SamplingParams, limits: RequestLimi
             f"max_model_len={limits.max_model_len}) needs {need} KV blocks of "
             f"{limits.block_size} tokens, but the KV pool has only {limits.num_blocks}; "
             f"shorten the prompt, lower max_tokens, or give the pool more memory")
-    return token_ids
+    return token_ids, params
 
 
 def validate_requests(prompts: list[Prompt],
                       sampling_params: SamplingParams | list[SamplingParams] | None,
-                      limits: RequestLimits, encode: Callable[[str], list[int]],
+                      limits: RequestLimits, encode: Callable[..., list[int]],
                       grammars: StructuredOutputs | None = None
                       ) -> list[tuple[list[int], SamplingParams]]:
     """Validate a whole call up front; the error names the first bad request's index."""
@@ -112,7 +159,7 @@ def validate_requests(prompts: list[Prompt],
     requests = []
     for i, (prompt, params) in enumerate(zip(prompts, params_list)):
         try:
-            requests.append((validate_request(prompt, params, limits, encode, grammars), params))
+            requests.append(validate_request(prompt, params, limits, encode, grammars))
         except ValueError as e:
             raise ValueError(f"request {i}: {e}") from None
     return requests

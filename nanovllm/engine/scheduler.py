@@ -240,5 +240,6 @@ class Scheduler:
 
     def _stops_on(self, seq: Sequence, token_id: int) -> bool:
         params = seq.sampling_params
-        return ((not params.ignore_eos and token_id == self.eos_token_id)
-                or bool(params.stop_token_ids and token_id in params.stop_token_ids))
+        stops = ((not params.ignore_eos and token_id == self.eos_token_id)
+                 or bool(params.stop_token_ids and token_id in params.stop_token_ids))
+        return stops and seq.num_completion_tokens >= params.min_tokens  # vLLM's check_stop

@@ -19,7 +19,10 @@ class StopStringChecker:
                 skip_special_tokens=seq.sampling_params.skip_special_tokens)
         old_len = len(state.decoded)
         state.read(seq.token_ids)
-        if len(state.decoded) == old_len:
+        # vLLM: text of the first min_tokens tokens is never searched (a match may end after);
+        # token_ids: the committed tokens, which the text covers
+        if (len(state.decoded) == old_len
+                or len(seq.token_ids) - seq.num_prompt_tokens <= seq.sampling_params.min_tokens):
             return None
         found = []
         for stop in seq.sampling_params.stop_strings:

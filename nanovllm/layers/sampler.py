@@ -5,8 +5,10 @@ E ~ Exp(1); on CUDA one Triton kernel (kernels.sample) with Philox noise keyed b
 seed from torch's CPU RNG. Full path: l / T, then min_p, top_k and top_p as -inf masks, then
 the same draw with E = -log U, U a counter-based hash of (seed, position, vocab index): a
 seeded row draws the same noise whatever its batch. Greedy rows (T = 0) take argmax(l).
-Penalties (layers.penalties) and logprobs run only for a batch that asks for them. A structured
-output's token bitmask (layers.token_bitmask) sets disallowed tokens to -inf before all of it.
+A structured output's token bitmask (layers.token_bitmask) sets disallowed tokens to -inf
+first; then steering (layers.steering: allowed_token_ids, bad_words, min_tokens, logit_bias),
+then the penalties (layers.penalties), in vLLM V1's order; they and logprobs run only for a
+batch that asks for them, and a steered row takes the full path.
 """
 import functools
 from collections.abc import Callable
@@ -16,6 +18,7 @@ import torch
 from torch import nn
 
 from nanovllm.layers.penalties import Penalties
+from nanovllm.layers.steering import Steering
 from nanovllm.layers.token_bitmask import apply_token_bitmask
 from nanovllm.sampling_params import MAX_SEED, SamplingParams
 from nanovllm.utils.compile import compile_on_cuda
@@ -77,10 +80,12 @@ class SamplingTensors:
     positions: torch.Tensor  # int64: index of the token being drawn in its sequence
     use_min_p: bool
     use_top_k_top_p: bool
+    steering: Steering | None = None  # None when no row steers
 
     @staticmethod
     def build(params: list[SamplingParams], positions: list[int],
-              to_device: Callable[[list, torch.dtype], torch.Tensor]) -> "SamplingTensors":
+              to_device: Callable[[list, torch.dtype], torch.Tensor],
+              steering: Steering | None = None) -> "SamplingTensors":
         """Pack rows into one float and one int64 tensor; `to_device(rows, dtype)` copies."""
         sampled = [p for p in params if p.temperature > 0]
         # unseeded rows still draw from torch's (CPU) RNG, so torch.manual_seed governs them
@@ -92,7 +97,7 @@ class SamplingTensors:
                           positions], torch.int64)
         return SamplingTensors(
             *floats, *ints, use_min_p=any(p.min_p > 0 for p in sampled),
-            use_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in sampled))
+            use_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in sampled), steering=steering)
 
 
 @dataclass
@@ -135,9 +140,9 @@ LOGPROBS_MODES = ("raw", "processed")
 
 class Sampler(nn.Module):
     """logits [B, V] + temperatures [B] (fast path) or SamplingTensors -> token ids [B].
-    logprobs_mode "raw": log_softmax of the logits; "processed": of the distribution sampled
-    from (after the token bitmask, penalties, temperature and filters; greedy rows: after the
-    bitmask and penalties)."""
+    logprobs_mode "raw": log_softmax of the model's logits (as vLLM's raw_logprobs: before
+    the bitmask and steering); "processed": of the distribution sampled from (after them, the
+    penalties, temperature and filters; greedy rows: after them and the penalties)."""
 
     def __init__(self, logprobs_mode: str = "raw"):
         super().__init__()
@@ -153,6 +158,8 @@ class Sampler(nn.Module):
         raw = logits
         if token_bitmask is not None:  # structured outputs: only tokens the grammar allows
             logits = apply_token_bitmask(logits, token_bitmask)
+        if isinstance(params, SamplingTensors) and params.steering is not None:
+            logits = params.steering.apply(logits)  # a float32 copy: `raw` stays the model's
         if penalties is not None:
             counts = penalties.counts
             logits = self.apply_penalties(logits, counts.output_counts, counts.prompt_mask,

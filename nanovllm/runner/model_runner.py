@@ -14,6 +14,7 @@ from nanovllm.layers.backends import bind_backend, select_backend
 from nanovllm.layers.linear import tp_rank_and_size
 from nanovllm.layers.penalties import Penalties, TokenCounts
 from nanovllm.layers.sampler import Sampler, SamplingTensors
+from nanovllm.layers.steering import Steering
 from nanovllm.layers.token_bitmask import fill_token_bitmask
 from nanovllm.models.registry import build_model
 from nanovllm.runner.cuda_graphs import capture_decode_graphs
@@ -206,11 +207,12 @@ class ModelRunner:
         structured outputs) for the sampler."""
         params = [seq.sampling_params for seq in seqs]
         upload = partial(to_device, device=self.device)
-        if all(p.simple for p in params):
+        if all(p.simple for p in params):  # no row steers either: nothing more is built
             sample_params = upload([p.temperature for p in params], torch.float32)
         else:
             # seeded noise is keyed by the index the new token will have in its sequence
-            sample_params = SamplingTensors.build(params, [len(seq) for seq in seqs], upload)
+            sample_params = SamplingTensors.build(params, [len(seq) for seq in seqs], upload,
+                                                  Steering.build(seqs, upload))
         penalties = None
         if any(p.uses_penalties for p in params):
             rows = [self.token_counts.slot(seq.seq_id, seq.token_ids[:seq.num_prompt_tokens],

@@ -82,7 +82,7 @@ class AsyncLLM:
         # A bad request raises ValueError before it is queued; leaving early aborts it.
         if not self.is_running:
             raise EngineDeadError("the engine is not running (it was shut down or it died)")
-        token_ids = validate_request(prompt, params, self.limits, self.tokenizer.encode)
+        token_ids, _ = validate_request(prompt, params, self.limits, self.tokenizer.encode)
         if params.n != 1:  # the engine would run n completions and stream only the first
             raise ValueError(f"n={params.n}: a stream is one completion; queue one request per "
                              f"completion (outputs.completion_params(params))")

@@ -44,13 +44,16 @@ WORKS = {
     "top_logprobs": "test_server_choices::test_chat_logprobs_equal_offline_streamed_and_not",
     "echo": "test_request_fields::test_echo_streams_the_prompt_first",
     "prompt_logprobs": "test_request_fields::test_prompt_logprobs_as_vllm_returns_them",
+    "logit_bias": "test_server_steering::test_logit_bias_of_100_gives_its_token",
+    "min_tokens": "test_server_steering::test_min_tokens_holds_back_stop_token_ids",
+    "allowed_token_ids": "test_server_steering::test_allowed_token_ids_and_bad_words_equal_offline",
+    "bad_words": "test_server_steering::test_allowed_token_ids_and_bad_words_equal_offline",
 }
 # field -> a value it refuses with a 400 naming it
 REFUSED_VALUES = {"suffix": "!", "best_of": 2, "use_beam_search": True,
-                  "include_stop_str_in_output": True}
-# wired on other branches; left as they are here
-WIRED_ELSEWHERE = {"logit_bias", "allowed_token_ids", "min_tokens", "bad_words",
-                   "response_format", "tools", "tool_choice", "structured_outputs"}
+                  "include_stop_str_in_output": True, "response_format": {"type": "json_object"},
+                  "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                  "tool_choice": "required", "structured_outputs": {"regex": "a+"}}
 NESTED = {"messages": ChatMessage, "messages.content": TextPart, "stream_options": StreamOptions}
 
 
@@ -66,7 +69,7 @@ def field_names(model, prefix: str = "") -> set[str]:
 
 
 def test_every_field_works_or_is_refused():
-    tables = (set(WORKS), set(REFUSED_VALUES), WIRED_ELSEWHERE)
+    tables = (set(WORKS), set(REFUSED_VALUES))
     for name in field_names(CompletionRequest) | field_names(ChatCompletionRequest):
         assert sum(name in table for table in tables) == 1, name
     assert set(REFUSED_VALUES) == set(REFUSED)
@@ -160,3 +163,9 @@ def test_continuous_usage_stats(app, route):  # noqa: F811
     assert got[-1]["choices"] == []
     plain = events(client, route, {**body, "stream_options": {"include_usage": True}})
     assert all("usage" not in event for event in plain[:-1])
+
+
+def test_plain_text_response_format_is_served(app):  # noqa: F811
+    client, _ = app
+    response = client.post("/v1/chat/completions", json=chat(response_format={"type": "text"}))
+    assert response.status_code == 200, response.text

@@ -50,10 +50,19 @@ class _SamplingRequest(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token ids as strings
+    allowed_token_ids: list[int] | None = None
+    min_tokens: int = 0
+    bad_words: list[str] | None = None
     prompt_logprobs: int | None = None  # per prompt token: its own and the top k's
     # refused unless neutral (validation.REFUSED)
     use_beam_search: bool = False
     include_stop_str_in_output: bool = False
+    # not served yet: refused unless absent (validation.REFUSED; response_format "text" is fine)
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    structured_outputs: dict | None = None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The SamplingParams asked for; ValueError names a bad or unsupported field."""
@@ -70,10 +79,22 @@ class _SamplingRequest(BaseModel):
                       presence_penalty=self.presence_penalty,
                       frequency_penalty=self.frequency_penalty,
                       repetition_penalty=self.repetition_penalty, n=self.n,
-                      logprobs=self.num_logprobs())
+                      logprobs=self.num_logprobs(), logit_bias=self.token_logit_bias(),
+                      allowed_token_ids=self.allowed_token_ids, min_tokens=self.min_tokens,
+                      bad_words=self.bad_words)
         fields = {k: v for k, v in fields.items() if v is not None}
         fields.setdefault("max_tokens", default_max_tokens)
         return SamplingParams(**fields)
+
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """logit_bias with int keys; a key that is not a token id is a ValueError naming it."""
+        if self.logit_bias is None:
+            return None
+        bad = next((k for k in self.logit_bias if not (k.isascii() and k.strip().isdigit())),
+                   None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: key {bad!r} is not a token id (a non-negative int)")
+        return {int(k): v for k, v in self.logit_bias.items()}
 
     @property
     def requested_max_tokens(self) -> int | None:

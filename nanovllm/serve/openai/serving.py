@@ -125,7 +125,7 @@ class OpenAIServing:
         ids = prompt_token_ids(prompt, self.llm.tokenizer.encode)
         check_context(len(ids), body.requested_max_tokens, body.max_tokens_field,
                       self.llm.max_model_len, "messages" if chat else "prompt")
-        return validate_request(ids, params, self.llm.limits, self.llm.tokenizer.encode)
+        return validate_request(ids, params, self.llm.limits, self.llm.tokenizer.encode)[0]
 
 
 def chat_prompt(llm: AsyncLLM, body: ChatCompletionRequest) -> list[int]:
