@@ -8,6 +8,7 @@ from nanovllm.config import config_from_kwargs
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.request_checks import Prompt, validate_request
+from nanovllm.engine.structured_outputs import StructuredOutputs
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.serve.engine_loop import EngineStats, EngineThread, Update
 from nanovllm.serve.engine_process import EngineProcess
@@ -58,6 +59,13 @@ class AsyncLLM:
         config = config_from_kwargs(model, kwargs)  # a bad keyword fails before any process
         self.max_model_len = config.max_model_len
         self.tokenizer = load_tokenizer(config.model)
+        # Compiles structured outputs here, before queueing, so a grammar that does not compile
+        # is a ValueError of generate() (a 400) wherever the engine runs; the engine compiles
+        # again for its matchers (xgrammar's objects do not cross processes).
+        eos = self.tokenizer.eos_token_id
+        if eos is None:
+            eos = getattr(config.hf_config, "eos_token_id", None)
+        self.grammars = StructuredOutputs(self.tokenizer, config.hf_config.vocab_size, eos)
         self.stats = EngineStats()
         self._streams: dict[int, _Stream] = {}
         self._handles: dict[str, int] = {}  # request id -> handle of its stream
@@ -82,7 +90,8 @@ class AsyncLLM:
         # A bad request raises ValueError before it is queued; leaving early aborts it.
         if not self.is_running:
             raise EngineDeadError("the engine is not running (it was shut down or it died)")
-        token_ids, _ = validate_request(prompt, params, self.limits, self.tokenizer.encode)
+        token_ids, _ = validate_request(prompt, params, self.limits, self.tokenizer.encode,
+                                        self.grammars)
         if params.n != 1:  # the engine would run n completions and stream only the first
             raise ValueError(f"n={params.n}: a stream is one completion; queue one request per "
                              f"completion (outputs.completion_params(params))")

@@ -48,12 +48,14 @@ WORKS = {
     "min_tokens": "test_server_steering::test_min_tokens_holds_back_stop_token_ids",
     "allowed_token_ids": "test_server_steering::test_allowed_token_ids_and_bad_words_equal_offline",
     "bad_words": "test_server_steering::test_allowed_token_ids_and_bad_words_equal_offline",
+    "response_format": "test_server_structured::test_json_schema_output_validates",
+    "structured_outputs": "test_server_structured::test_structured_outputs_field",
 }
 # field -> a value it refuses with a 400 naming it
 REFUSED_VALUES = {"suffix": "!", "best_of": 2, "use_beam_search": True,
-                  "include_stop_str_in_output": True, "response_format": {"type": "json_object"},
+                  "include_stop_str_in_output": True,
                   "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-                  "tool_choice": "required", "structured_outputs": {"regex": "a+"}}
+                  "tool_choice": "required"}
 NESTED = {"messages": ChatMessage, "messages.content": TextPart, "stream_options": StreamOptions}
 
 

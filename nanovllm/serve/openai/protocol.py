@@ -3,7 +3,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
+from nanovllm.serve.openai.structured import requested_structure
 from nanovllm.serve.openai.validation import (
     FieldError,
     check_range,
@@ -58,10 +59,8 @@ class _SamplingRequest(BaseModel):
     # refused unless neutral (validation.REFUSED)
     use_beam_search: bool = False
     include_stop_str_in_output: bool = False
-    # not served yet: refused unless absent (validation.REFUSED; response_format "text" is fine)
+    # OpenAI's and vLLM's ways to constrain the output (structured.py): at most one
     response_format: dict | None = None
-    tools: list | None = None
-    tool_choice: str | dict | None = None
     structured_outputs: dict | None = None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
@@ -81,10 +80,14 @@ class _SamplingRequest(BaseModel):
                       repetition_penalty=self.repetition_penalty, n=self.n,
                       logprobs=self.num_logprobs(), logit_bias=self.token_logit_bias(),
                       allowed_token_ids=self.allowed_token_ids, min_tokens=self.min_tokens,
-                      bad_words=self.bad_words)
+                      bad_words=self.bad_words, structured_outputs=self.structure()[0])
         fields = {k: v for k, v in fields.items() if v is not None}
         fields.setdefault("max_tokens", default_max_tokens)
         return SamplingParams(**fields)
+
+    def structure(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """(the structured outputs asked for, the field that asked), or (None, None)."""
+        return requested_structure(self.response_format, self.structured_outputs)
 
     def token_logit_bias(self) -> dict[int, float] | None:
         """logit_bias with int keys; a key that is not a token id is a ValueError naming it."""
@@ -177,6 +180,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool | None = False  # the sampled tokens' logprobs
     top_logprobs: int | None = None  # and the top k's, with logprobs=true
+    # not served yet: refused unless absent (validation.REFUSED)
+    tools: list | None = None
+    tool_choice: str | dict | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:

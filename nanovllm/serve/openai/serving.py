@@ -21,6 +21,7 @@ from nanovllm.serve.openai.protocol import (
     _SamplingRequest,
 )
 from nanovllm.serve.openai.responses import Choice, ChoiceOutput, ResponseFormat
+from nanovllm.serve.openai.structured import check_compiles
 from nanovllm.serve.openai.validation import check_context
 
 
@@ -60,6 +61,7 @@ class OpenAIServing:
         try:
             prompts = body.prompts()
             params = body.sampling_params(default_max_tokens=16)  # OpenAI's default
+            self._check_structure(body, params)
         except ValueError as e:
             raise bad_request(e) from None
         return await self._serve(request, body, prompts, params, chat=False)
@@ -70,6 +72,7 @@ class OpenAIServing:
             prompt = chat_prompt(self.llm, body)
             # the rest of the context; a prompt that fills it is refused in _serve
             params = body.sampling_params(max(1, self.llm.max_model_len - len(prompt)))
+            self._check_structure(body, params)
         except ValueError as e:
             raise bad_request(e) from None
         return await self._serve(request, body, [prompt], params, chat=True)
@@ -78,6 +81,12 @@ class OpenAIServing:
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves "
                                 f"{self.model_name!r}", "not_found_error", "model")
+
+    def _check_structure(self, body: _SamplingRequest, params: SamplingParams) -> None:
+        """Compile the request's grammar here, so one that does not compile is a 400 naming
+        the field that asked for it (the engine, maybe in another process, reuses nothing)."""
+        if params.structured_outputs is not None:
+            check_compiles(self.llm.grammars, params.structured_outputs, body.structure()[1])
 
     async def _serve(self, request: Request, body: _SamplingRequest,
                      prompts: list[str | list[int]], params: SamplingParams,

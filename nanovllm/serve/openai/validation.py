@@ -5,9 +5,7 @@ from pydantic import BaseModel
 # Fields that would change the output but are not supported, with the value that changes
 # nothing: any other value is a 400 naming the field.
 REFUSED = {"suffix": None, "best_of": None, "use_beam_search": False,
-           "include_stop_str_in_output": False, "response_format": None, "tools": None,
-           "tool_choice": None, "structured_outputs": None}
-PLAIN_TEXT = {"type": "text"}  # the one response_format served: the default
+           "include_stop_str_in_output": False, "tools": None, "tool_choice": None}
 
 
 class FieldError(ValueError):
@@ -29,7 +27,7 @@ def refuse_unsupported(body: BaseModel) -> None:
     """A FieldError for the first field of REFUSED set to anything but its neutral value."""
     for name, neutral in REFUSED.items():
         value = getattr(body, name, neutral)
-        if value != neutral and not (name == "response_format" and value == PLAIN_TEXT):
+        if value != neutral:
             raise FieldError(name, f"{name}={value!r} is not supported by this server")
 
 
