@@ -102,8 +102,17 @@ def test_the_openai_sdk_parses_into_a_pydantic_model(server):
 
     sdk = openai.OpenAI(base_url=f"{server[0]}/v1", api_key=API_KEY, max_retries=0)
     answer = sdk.chat.completions.parse(model="tiny", messages=[
-        {"role": "user", "content": "weather?"}], response_format=Weather, max_tokens=32)
+        {"role": "user", "content": "weather?"}], response_format=Weather, max_tokens=32,
+        temperature=0)
     assert isinstance(answer.choices[0].message.parsed, Weather)
+    tools = [{"type": "function", "function": {"name": "weather",
+                                               "parameters": Weather.model_json_schema()}}]
+    called = sdk.chat.completions.create(model="tiny", messages=[
+        {"role": "user", "content": "weather?"}], tools=tools, tool_choice="required",
+        temperature=0, max_tokens=200)
+    call = called.choices[0].message.tool_calls[0]
+    assert call.function.name == "weather"
+    Weather.model_validate_json(call.function.arguments)
     with pytest.raises(openai.BadRequestError) as bad:  # a 400 from the server process
         sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
                                     extra_body={"structured_outputs": {"regex": "("}})

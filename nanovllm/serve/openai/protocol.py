@@ -5,6 +5,7 @@ from pydantic import BaseModel, ConfigDict
 
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 from nanovllm.serve.openai.structured import requested_structure
+from nanovllm.serve.openai.tool_calls import Tool, ToolChoice, resolve_tool_choice, tool_schema
 from nanovllm.serve.openai.validation import (
     FieldError,
     check_range,
@@ -180,9 +181,8 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool | None = False  # the sampled tokens' logprobs
     top_logprobs: int | None = None  # and the top k's, with logprobs=true
-    # not served yet: refused unless absent (validation.REFUSED)
-    tools: list | None = None
-    tool_choice: str | dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # "auto" with tools, "none" without (tool_calls.py)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -196,6 +196,31 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.max_completion_tokens is not None:
             return "max_completion_tokens"
         return "max_tokens"
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """As for any request; a tool choice other than "none" is not streamed."""
+        if self.stream and self.effective_tool_choice() != "none":
+            raise FieldError("tools", "tools with a tool_choice other than \"none\" are "
+                                      "supported without stream only")
+        return super().sampling_params(default_max_tokens)
+
+    def effective_tool_choice(self) -> ToolChoice:
+        """tool_choice, or its default."""
+        return resolve_tool_choice(self.tools, self.tool_choice)
+
+    def structure(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """A forced tool call's JSON (field tool_choice), else as for any request."""
+        schema = tool_schema(self.tools, self.effective_tool_choice())
+        if schema is None:
+            return super().structure()
+        if super().structure()[0] is not None:
+            raise FieldError("tool_choice", "a forced tool call cannot be combined with "
+                                            "response_format or structured_outputs")
+        return StructuredOutputsParams(json=schema), "tool_choice"
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as the chat template reads them (vLLM passes them even for "none")."""
+        return None if not self.tools else [t.model_dump(exclude_none=True) for t in self.tools]
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None:

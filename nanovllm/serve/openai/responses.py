@@ -1,7 +1,7 @@
 """OpenAI's response bodies: whole (completion, chat.completion) or as server-sent events."""
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from uuid import uuid4
@@ -45,7 +45,8 @@ class ResponseFormat:
     def __init__(self, model_name: str, chat: bool, n: int = 1,
                  logprobs: LogprobsFormat | None = None,
                  echo: list[tuple[str, list[int]]] | None = None, num_prompts: int = 1,
-                 prompt_logprobs: int | None = None, continuous_usage: bool = False):
+                 prompt_logprobs: int | None = None, continuous_usage: bool = False,
+                 tools: Callable[[str], tuple[str | None, list[dict]]] | None = None):
         self.chat = chat
         self.n = n  # choices per prompt: choice j * n + i is completion i of prompt j
         self.num_choices = n * num_prompts
@@ -54,6 +55,7 @@ class ResponseFormat:
         self._echoed: set[int] = set()  # streamed choices whose prompt went out
         self.prompt_logprobs = prompt_logprobs  # vLLM's: top k per prompt token, when asked
         self.continuous_usage = continuous_usage  # a stream's every chunk carries usage (vLLM)
+        self.tools = tools  # chat with tools: text -> (content, tool_calls), not streamed
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid4().hex}"
         self.model = model_name
         self.created = int(time.time())
@@ -74,8 +76,12 @@ class ResponseFormat:
             logprobs = None
             if self.logprobs is not None and entries is not None:
                 logprobs = self.logprobs.full(token_ids, entries)
-            body.append(self._choice(index, text, logprobs, choice.last.finish_reason,
-                                     {"role": "assistant", "content": text}, "message"))
+            reason, message = choice.last.finish_reason, {"role": "assistant", "content": text}
+            content, calls = (text, []) if self.tools is None else self.tools(text)
+            if calls:  # OpenAI's shape: the calls, the content left, finish_reason tool_calls
+                message = {**message, "content": content, "tool_calls": calls}
+                reason = "tool_calls"
+            body.append(self._choice(index, text, logprobs, reason, message, "message"))
             if self.prompt_logprobs is not None and not self.chat:
                 body[-1]["prompt_logprobs"] = self._prompt_logprobs(choices, index)
         full = self._body(body, usage=usage([c.last for c in choices], self.n), stream=False)

@@ -22,6 +22,7 @@ from nanovllm.serve.openai.protocol import (
 )
 from nanovllm.serve.openai.responses import Choice, ChoiceOutput, ResponseFormat
 from nanovllm.serve.openai.structured import check_compiles
+from nanovllm.serve.openai.tool_calls import output_parser
 from nanovllm.serve.openai.validation import check_context
 
 
@@ -104,8 +105,9 @@ class OpenAIServing:
         if getattr(body, "echo", False):  # completions: the prompt leads the text (and logprobs)
             echo = [(p if isinstance(p, str) else tokenizer.decode(ids), ids)
                     for p, ids in zip(prompts, token_ids)]
+        tools = output_parser(body.effective_tool_choice()) if chat else None
         fmt = ResponseFormat(self.model_name, chat, params.n, logprobs, echo, len(prompts),
-                             body.prompt_logprobs, body.continuous_usage)
+                             body.prompt_logprobs, body.continuous_usage, tools)
         # The later completions of a prompt hit its full blocks in the engine's prefix cache.
         outputs = interleave([
             self.metrics.track(self.llm.generate(ids, p, f"{fmt.id}-{j * params.n + i}"),
@@ -144,7 +146,8 @@ def chat_prompt(llm: AsyncLLM, body: ChatCompletionRequest) -> list[int]:
         raise ValueError("messages: this model's tokenizer has no chat template")
     try:
         text = tokenizer.apply_chat_template([m.as_dict() for m in body.messages],
-                                             tokenize=False, add_generation_prompt=True)
+                                             tools=body.template_tools(), tokenize=False,
+                                             add_generation_prompt=True)
     except Exception as e:  # a template may raise anything (jinja2's errors, its own)
         raise ValueError(f"messages: the chat template failed: {e}") from None
     return tokenizer.encode(text, add_special_tokens=False)

@@ -5,7 +5,7 @@ from pydantic import BaseModel
 # Fields that would change the output but are not supported, with the value that changes
 # nothing: any other value is a 400 naming the field.
 REFUSED = {"suffix": None, "best_of": None, "use_beam_search": False,
-           "include_stop_str_in_output": False, "tools": None, "tool_choice": None}
+           "include_stop_str_in_output": False}
 
 
 class FieldError(ValueError):
