@@ -1,6 +1,13 @@
 """Shared fixtures: tiny random checkpoints of every family, built once per test session."""
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run interpreted on CPU. Set before anything imports triton: some
+    # transformers versions import it with their models, and triton 3.6 reads the flag then.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from benchmarks.random_checkpoints import build_checkpoint
 from nanovllm.utils.context import reset_context
