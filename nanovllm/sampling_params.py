@@ -186,6 +186,12 @@ class SamplingParams:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     @property
+    def needs_host_tokens(self) -> bool:
+        """True when the next step's sampling state reads this step's token on the host (a
+        grammar's mask, bad_words' banned ids): the engine then runs that step lockstep."""
+        return self.structured_outputs is not None or bool(self._bad_words_token_ids)
+
+    @property
     def uses_penalties(self) -> bool:
         """True when a penalty needs the sequence's token counts."""
         return (self.repetition_penalty != 1 or self.presence_penalty != 0

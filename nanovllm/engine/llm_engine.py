@@ -48,7 +48,7 @@ class LLMEngine:
         self._unreturned: list[dict] = []  # hand-queued requests that finished in generate()
         self._requests = RequestTable()
         self._pipelined = self.executor.pipelined
-        self._bad_words_queued = False
+        self._lockstep_queued = False  # a grammar or bad_words request was ever queued
         # Runs on `del llm`, garbage collection or interpreter exit, whichever is first; it
         # holds the executor, not the engine, so it does not keep the engine alive.
         self._finalizer = weakref.finalize(self, self.executor.shutdown)
@@ -68,8 +68,8 @@ class LLMEngine:
     def _queue(self, token_ids: list[int], params: SamplingParams) -> list[Sequence]:
         """Queue a request's n completions, adjacent: the later ones hit the first's blocks."""
         seqs = self._requests.add(token_ids, params, self.config.kvcache_block_size)
-        # set once: engines that never see bad_words never look for them in a step
-        self._bad_words_queued = self._bad_words_queued or bool(params.bad_words)
+        # set once: engines that never see such a request never look for one in a step
+        self._lockstep_queued = self._lockstep_queued or params.needs_host_tokens
         for seq in seqs:
             if params.structured_outputs is not None:
                 seq.grammar = self.grammars.matcher(params.structured_outputs)
@@ -130,8 +130,8 @@ class LLMEngine:
     def _needs_lockstep(self, seqs: list[Sequence]) -> bool:
         """Whether this step commits at once: a grammar's next mask, and a bad_words row's
         banned ids, need this step's token on the host; other batches keep the pipeline."""
-        return any(seq.grammar is not None for seq in seqs) or (self._bad_words_queued and any(
-            seq.sampling_params._bad_words_token_ids for seq in seqs))
+        return self._lockstep_queued and any(seq.sampling_params.needs_host_tokens
+                                             for seq in seqs)
 
     def _launch(self, seqs: list[Sequence], is_prefill: bool,
                 previous: InFlightStep | None = None) -> SampledIds:
