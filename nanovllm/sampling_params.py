@@ -188,7 +188,8 @@ class SamplingParams:
     @property
     def needs_host_tokens(self) -> bool:
         """True when the next step's sampling state reads this step's token on the host (a
-        grammar's mask, bad_words' banned ids): the engine then runs that step lockstep."""
+        grammar's mask, bad_words' banned ids): the engine samples the next step after this one
+        is committed."""
         return self.structured_outputs is not None or bool(self._bad_words_token_ids)
 
     @property

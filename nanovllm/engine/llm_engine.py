@@ -13,7 +13,7 @@ from nanovllm.engine.stop_strings import StopStringChecker
 from nanovllm.engine.structured_outputs import StructuredOutputs
 from nanovllm.executor.base import Executor, UniprocExecutor
 from nanovllm.executor.multiproc import MultiprocExecutor
-from nanovllm.runner.sampled_ids import InFlightStep, SampledIds
+from nanovllm.runner.sampled_ids import InFlightStep, SampledIds, StepLogits
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence
 from nanovllm.utils.tokenizer import load_tokenizer
@@ -48,7 +48,7 @@ class LLMEngine:
         self._unreturned: list[dict] = []  # hand-queued requests that finished in generate()
         self._requests = RequestTable()
         self._pipelined = self.executor.pipelined
-        self._lockstep_queued = False  # a grammar or bad_words request was ever queued
+        self._host_tokens_queued = False  # a grammar or bad_words request was ever queued
         # Runs on `del llm`, garbage collection or interpreter exit, whichever is first; it
         # holds the executor, not the engine, so it does not keep the engine alive.
         self._finalizer = weakref.finalize(self, self.executor.shutdown)
@@ -69,7 +69,7 @@ class LLMEngine:
         """Queue a request's n completions, adjacent: the later ones hit the first's blocks."""
         seqs = self._requests.add(token_ids, params, self.config.kvcache_block_size)
         # set once: engines that never see such a request never look for one in a step
-        self._lockstep_queued = self._lockstep_queued or params.needs_host_tokens
+        self._host_tokens_queued = self._host_tokens_queued or params.needs_host_tokens
         for seq in seqs:
             if params.structured_outputs is not None:
                 seq.grammar = self.grammars.matcher(params.structured_outputs)
@@ -106,12 +106,19 @@ class LLMEngine:
                 previous.advanced = self.scheduler.advance(previous.seqs, previous.samples)
             seqs, is_prefill, num_tokens, kv_blocks_in_use = self._schedule()
             launched = None  # nothing to launch once the last in-flight step is all that is left
+            # A row whose sampling reads the previous step's token on the host (a grammar's
+            # mask, bad_words) is sampled after that step is committed: the forward still
+            # overlaps the commit, and the next step still overlaps this one.
+            defer = previous is not None and self._needs_host_tokens(seqs)
             if seqs:
                 samples = [seq.samples_next for seq in seqs] if is_prefill else None
-                launched = InFlightStep(seqs, self._launch(seqs, is_prefill, previous), samples)
+                launched = InFlightStep(seqs, self._launch(seqs, is_prefill, previous, defer),
+                                        samples)
             finished = self._commit(previous) if previous is not None else []
+            if launched is not None and isinstance(launched.sampled, StepLogits):
+                launched.sampled = self.executor.sample(launched.sampled)
             self._in_flight = launched
-            if launched is not None and (not self._pipelined or self._needs_lockstep(seqs)):
+            if launched is not None and not self._pipelined:
                 launched.advanced = self.scheduler.advance(seqs, launched.samples)
                 finished += self._commit(launched)
                 self._in_flight = None
@@ -127,19 +134,20 @@ class LLMEngine:
             self.model_runner.token_counts.release(seq.seq_id)
         return finished, num_tokens
 
-    def _needs_lockstep(self, seqs: list[Sequence]) -> bool:
-        """Whether this step commits at once: a grammar's next mask, and a bad_words row's
-        banned ids, need this step's token on the host; other batches keep the pipeline."""
-        return self._lockstep_queued and any(seq.sampling_params.needs_host_tokens
-                                             for seq in seqs)
+    def _needs_host_tokens(self, seqs: list[Sequence]) -> bool:
+        """Whether a row's sampling reads its latest token on the host (a grammar's next mask,
+        bad_words' banned ids); a plain engine never looks."""
+        return self._host_tokens_queued and any(seq.sampling_params.needs_host_tokens
+                                                for seq in seqs)
 
     def _launch(self, seqs: list[Sequence], is_prefill: bool,
-                previous: InFlightStep | None = None) -> SampledIds:
+                previous: InFlightStep | None = None, defer_sample: bool = False
+                ) -> SampledIds | StepLogits:
         """Start a step on every rank; pending tokens from `previous` (pipelined only)."""
         if previous is None or is_prefill or not previous.advanced:  # no pending token
-            return self.executor.launch(seqs, is_prefill)
+            return self.executor.launch(seqs, is_prefill, defer_sample=defer_sample)
         return self.executor.launch(seqs, False, previous.sampled.device,
-                                    previous.source_rows(seqs))
+                                    previous.source_rows(seqs), defer_sample=defer_sample)
 
     def _commit(self, step: InFlightStep) -> list[Sequence]:
         """Read an advanced step's ids (the one host sync per step); returns the finished."""

@@ -28,7 +28,7 @@ def banned_tokens(seq: Sequence) -> list[int]:
         banned += params._min_tokens_stop_ids
     words = params._bad_words_token_ids
     if words:
-        # The engine runs steps with bad_words in lockstep, so every id is on the host.
+        # The engine samples a bad_words row once the previous step is committed: ids on host.
         assert seq.num_pending_tokens == 0, "bad_words need the whole completion on the host"
         longest = max(map(len, words))
         start = max(seq.num_prompt_tokens, len(seq.token_ids) - longest + 1)

@@ -19,7 +19,7 @@ from nanovllm.layers.token_bitmask import fill_token_bitmask
 from nanovllm.models.registry import build_model
 from nanovllm.runner.cuda_graphs import capture_decode_graphs
 from nanovllm.runner.prompt_logprobs import prompt_logprobs, wants_prompt_logprobs
-from nanovllm.runner.sampled_ids import SampledIds
+from nanovllm.runner.sampled_ids import SampledIds, StepLogits
 from nanovllm.runner.step_inputs import DecodeInputs, prepare_prefill, to_device
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence
@@ -220,8 +220,9 @@ class ModelRunner:
                     if p.uses_penalties else 0 for seq, p in zip(seqs, params)]
             penalties = Penalties.build(self.token_counts, rows, params, upload)
         ks = [p.logprobs for p in params if p.logprobs is not None]
-        # grammars are at their sequences' committed tokens: the engine runs their steps lockstep
-        bitmask = fill_token_bitmask([seq.grammar for seq in seqs],
+        # grammars are at their sequences' committed tokens: the engine defers the sampling of
+        # their steps until the previous step is committed (a finished row's token is dropped)
+        bitmask = fill_token_bitmask([None if seq.is_finished else seq.grammar for seq in seqs],
                                      self.config.hf_config.vocab_size, self.device)
         return sample_params, penalties, max(ks) if ks else None, bitmask
 
@@ -239,9 +240,11 @@ class ModelRunner:
 
     @torch.inference_mode()  # graph input buffers are inference tensors
     def launch(self, seqs: list[Sequence], is_prefill: bool,
-               previous_ids: torch.Tensor | None = None,
-               source_rows: list[int] | None = None) -> SampledIds | None:
-        """Enqueue one step without waiting for it; rank 0 returns its sampled ids."""
+               previous_ids: torch.Tensor | None = None, source_rows: list[int] | None = None,
+               defer_sample: bool = False) -> SampledIds | StepLogits | None:
+        """Enqueue one step without waiting for it; rank 0 returns its sampled ids, or with
+        defer_sample its logits (if any row samples), for `sample` once the host knows the
+        previous step's ids."""
         if is_prefill:
             input_ids, positions, context = prepare_prefill(seqs, self.block_size, self.device)
         else:
@@ -260,9 +263,14 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)
         if self.rank != 0:
             return None
+        step = StepLogits(seqs, logits[:len(seqs)], prompt, is_prefill)
+        return step if defer_sample else self.sample(step)
+
+    def sample(self, step: StepLogits) -> SampledIds:
+        """Enqueue the sampler on a launched step's logits (rank 0)."""
         # Prepared after the (asynchronous) forward was launched, so it overlaps the GPU.
-        out = self.sampler(logits[:len(seqs)], *self.prepare_sample(seqs))
-        return SampledIds(out.token_ids, out.logprobs, prompt, is_prefill)
+        out = self.sampler(step.logits, *self.prepare_sample(step.seqs))
+        return SampledIds(out.token_ids, out.logprobs, step.prompt_logprobs, step.is_prefill)
 
     def wait_idle(self) -> None:
         """Wait for all queued GPU work, ignoring the error that may have stopped it."""

@@ -59,11 +59,21 @@ class SampledIds:
 
 
 @dataclass
+class StepLogits:
+    """A launched step's logits, not sampled yet (ModelRunner.launch with defer_sample)."""
+
+    seqs: list[Sequence]  # the rows that sample
+    logits: torch.Tensor
+    prompt_logprobs: list[tuple[int, int, LogprobsTensors]]
+    is_prefill: bool
+
+
+@dataclass
 class InFlightStep:
     """A launched step whose sampled ids the host has not read yet."""
 
     seqs: list[Sequence]
-    sampled: SampledIds
+    sampled: SampledIds  # StepLogits between a deferred-sample launch and its sample
     # per sequence of a prefill step: whether its row samples (its chunk ends the prompt);
     # None for a decode step, where every row samples
     samples: list[bool] | None = None
