@@ -13,7 +13,7 @@ from benchmarks.shapes import SHAPES, write_shape
 
 DEFAULT_MODEL = "~/huggingface/Qwen3-0.6B"
 SCENARIO_NAMES = ("throughput", "graphs", "prefix-cache", "kv-pressure", "tp", "dp",
-                  "long-context", "rl")
+                  "long-context", "rl", "structured")
 
 
 def parse_args() -> argparse.Namespace:

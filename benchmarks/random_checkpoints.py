@@ -49,6 +49,40 @@ def build_tokenizer(path: str, vocab_size: int = 400):
     return fast
 
 
+def build_wide_tokenizer(path: str, vocab_size: int, seed: int = 0):
+    """Save a byte-level tokenizer of `vocab_size` synthetic tokens (words with and without a
+    leading space, digits, punctuation and JSON fragments, whitespace runs) to `path`.
+
+    Grammar masks cost per token of the vocabulary, so measuring them needs one as wide as a
+    real model's (151,643 for Qwen3); the small trained tokenizer has 400.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(seed)
+    special = [EOS_TOKEN, "<|im_start|>", "<|im_end|>"]
+    vocab = dict.fromkeys(special + sorted(pre_tokenizers.ByteLevel.alphabet()))
+    pieces = ['":', '",', '{"', '"}', '["', '"]', ',"', '":"', "Ġ{", "Ġ[", "Ċ", "ĠĠ", "ĉ"]
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    while len(vocab) < vocab_size:
+        kind = rng.random()
+        if kind < 0.8:  # a word, a third of them capitalised, most after a space
+            word = "".join(rng.choice(letters) for _ in range(rng.randint(2, 9)))
+            word = word.capitalize() if rng.random() < 0.3 else word
+            vocab["Ġ" + word if rng.random() < 0.6 else word] = None
+        elif kind < 0.9:
+            vocab[str(rng.randint(0, 99999))] = None
+        else:
+            vocab["".join(rng.choice(pieces) for _ in range(rng.randint(1, 3)))] = None
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(vocab)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
 def build_checkpoint(path: str, seed: int = 0, initializer_range: float = 0.5,
                      dtype: str = "float32", family: str = "Qwen3", **fields) -> str:
     """Save a random <family>ForCausalLM (Qwen3, Qwen3Moe, Qwen2, Llama, Mistral) plus

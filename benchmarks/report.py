@@ -38,6 +38,9 @@ LONG: Columns = [("max_num_batched_tokens", "token budget", "d"), ("long_ttft", 
                  ("prefill_steps", "prefill steps", "d"), ("output_tok_s", "out tok/s", ".0f"),
                  ("total_s", "total s", ".2f")]
 
+STRUCTURED: Columns = [("output_tok_s", "out tok/s", ".0f"), ("output_tokens", "out tokens", ".0f"),
+                       ("mask_fill_ms_per_step", "mask fill ms/step", ".2f")]
+
 
 def rows(result: dict) -> dict[str, dict]:
     """One flat row per run: its metrics, its engine's conditions and a few derived values."""
@@ -112,6 +115,11 @@ def report(name: str, result: dict) -> None:
         print_table(f"rl: standard workload ({w['num_seqs']} requests) plain, with logprobs=5 "
                     "and with n=4 on every request", rows(result), RL)
         _report_sleep(result["sleep"])
+    elif name == "structured":
+        print_table(f"structured: standard workload ({w['num_seqs']} requests, ignore_eos off) "
+                    "unconstrained vs a JSON schema on every request (medians of alternated "
+                    "rounds)", rows(result), STRUCTURED)
+        _headline("JSON-schema throughput / unconstrained, per output token", result["ratio"])
 
 
 def _report_sleep(s: dict) -> None:

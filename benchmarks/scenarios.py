@@ -18,6 +18,7 @@ from benchmarks.runs import (
     open_engine,
     percentile,
 )
+from benchmarks.structured import structured
 
 Scenario = Callable[[argparse.Namespace, str], dict]
 
@@ -263,4 +264,5 @@ def _driver_used_gib() -> list[float]:
 
 SCENARIOS: dict[str, Scenario] = {"throughput": throughput, "graphs": graphs,
                                   "prefix-cache": prefix_cache, "kv-pressure": kv_pressure,
-                                  "tp": tp, "dp": dp, "long-context": long_context, "rl": rl}
+                                  "tp": tp, "dp": dp, "long-context": long_context, "rl": rl,
+                                  "structured": structured}

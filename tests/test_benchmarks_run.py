@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ("tests/test_bench.py", "bench.py")
 ELSEWHERE = {
     "__init__.py": BENCH, "runs.py": BENCH, "scenarios.py": BENCH, "workloads.py": BENCH,
-    "report.py": BENCH, "rl.py": BENCH,
+    "report.py": BENCH, "rl.py": BENCH, "structured.py": BENCH,
     "random_checkpoints.py": ("tests/conftest.py", "benchmarks.random_checkpoints"),
     "shapes.py": ("tests/test_floor.py", "benchmarks.shapes"),
     "step_floor.py": ("tests/test_step_floor.py", "benchmarks.step_floor"),

@@ -19,28 +19,27 @@ def test_apply_matches_xgrammar(vocab):
     assert torch.equal(apply_token_bitmask(logits, bitmask), expected)
 
 
-class AllowOnly:
-    """A stand-in matcher that allows one token."""
-
-    def __init__(self, token: int):
-        self.token = token
-
-    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        bitmask[row] = 0
-        bitmask[row, self.token // 32] = 1 << (self.token % 32)
+def allow_only(vocab: int, token: int) -> object:
+    """An xgrammar matcher that allows one token (no token is another's prefix)."""
+    words = [f"w{i:04d}" for i in range(vocab)]
+    info = xgrammar.TokenizerInfo(words)
+    compiled = xgrammar.GrammarCompiler(info).compile_grammar(f'root ::= "{words[token]}"')
+    return xgrammar.GrammarMatcher(compiled, terminate_without_stop_token=True)
 
 
 def test_fill_leaves_unconstrained_rows_whole_and_none_without_matchers():
     cpu = torch.device("cpu")
     assert fill_token_bitmask([None, None], 100, cpu) is None
-    bitmask = fill_token_bitmask([None, AllowOnly(70)], 100, cpu)
-    allowed = apply_token_bitmask(torch.zeros(2, 100), bitmask).isfinite()
-    assert allowed[0].all() and allowed[1].nonzero().flatten().tolist() == [70]
+    bitmask = fill_token_bitmask([None, allow_only(100, 70), None, allow_only(100, 3)], 100, cpu)
+    allowed = apply_token_bitmask(torch.zeros(4, 100), bitmask).isfinite()
+    assert allowed[0].all() and allowed[2].all()
+    assert allowed[1].nonzero().flatten().tolist() == [70]
+    assert allowed[3].nonzero().flatten().tolist() == [3]
 
 
 def test_sampler_draws_only_allowed_tokens_and_keeps_raw_logprobs():
     logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
-    bitmask = fill_token_bitmask([AllowOnly(5), None], 64, torch.device("cpu"))
+    bitmask = fill_token_bitmask([allow_only(64, 5), None], 64, torch.device("cpu"))
     out = Sampler("raw")(logits, torch.tensor([1.0, 0.0]), None, 1, bitmask)
     assert out.token_ids.tolist() == [5, int(logits[1].argmax())]
     # raw logprobs are the model's own, before the mask
