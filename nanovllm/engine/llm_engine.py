@@ -105,18 +105,19 @@ class LLMEngine:
             if previous is not None:
                 previous.advanced = self.scheduler.advance(previous.seqs, previous.samples)
             seqs, is_prefill, num_tokens, kv_blocks_in_use = self._schedule()
+            if previous is not None and isinstance(previous.sampled, StepLogits):
+                # its rows' state is at the step before it, which the last call committed
+                previous.sampled = self.executor.sample(previous.sampled)
             launched = None  # nothing to launch once the last in-flight step is all that is left
-            # A row whose sampling reads the previous step's token on the host (a grammar's
-            # mask, bad_words) is sampled after that step is committed: the forward still
-            # overlaps the commit, and the next step still overlaps this one.
-            defer = previous is not None and self._needs_host_tokens(seqs)
             if seqs:
+                # A row whose sampling reads the previous step's token on the host (a grammar's
+                # mask, bad_words) defers its sampler to the next call, after the commit below:
+                # the GPU runs this forward meanwhile, and the next forward follows the sampler.
+                defer = previous is not None and self._needs_host_tokens(seqs)
                 samples = [seq.samples_next for seq in seqs] if is_prefill else None
                 launched = InFlightStep(seqs, self._launch(seqs, is_prefill, previous, defer),
                                         samples)
             finished = self._commit(previous) if previous is not None else []
-            if launched is not None and isinstance(launched.sampled, StepLogits):
-                launched.sampled = self.executor.sample(launched.sampled)
             self._in_flight = launched
             if launched is not None and not self._pipelined:
                 launched.advanced = self.scheduler.advance(seqs, launched.samples)

@@ -18,18 +18,21 @@ import torch
 from nanovllm.sequence import Sequence
 
 
-def banned_tokens(seq: Sequence) -> list[int]:
+def banned_tokens(seq: Sequence, length: int | None = None) -> list[int]:
     """The row's tokens set to -inf: min_tokens' stop ids while the completion is shorter, and
-    the last token of each bad word whose other tokens end the completion (vLLM's rule)."""
+    the last token of each bad word whose other tokens end the completion (vLLM's rule).
+    `length`: the sequence's length when its step was launched (default len(seq))."""
     params = seq.sampling_params
     banned = []
-    # len(seq) counts a pending token (pipelined): the completion's length at this draw
-    if seq.num_completion_tokens < params.min_tokens:
+    # the length counts a pending token (pipelined): the completion's length at this draw
+    length = len(seq) if length is None else length
+    if length - seq.num_prompt_tokens < params.min_tokens:
         banned += params._min_tokens_stop_ids
     words = params._bad_words_token_ids
     if words:
         # The engine samples a bad_words row once the previous step is committed: ids on host.
-        assert seq.num_pending_tokens == 0, "bad_words need the whole completion on the host"
+        assert seq.token_offset + len(seq.token_ids) == length, \
+            "bad_words need the whole completion on the host"
         longest = max(map(len, words))
         start = max(seq.num_prompt_tokens, len(seq.token_ids) - longest + 1)
         tail = seq.token_ids[start:]  # the completion's last (longest - 1) tokens at most
@@ -51,9 +54,10 @@ class Steering:
     bias_values: torch.Tensor  # [K] float32
 
     @staticmethod
-    def build(seqs: list[Sequence],
-              to_device: Callable[[list, torch.dtype], torch.Tensor]) -> "Steering | None":
-        """The rows' steering, or None when no row steers; `to_device(rows, dtype)` copies."""
+    def build(seqs: list[Sequence], to_device: Callable[[list, torch.dtype], torch.Tensor],
+              lengths: list[int] | None = None) -> "Steering | None":
+        """The rows' steering, or None when no row steers; `to_device(rows, dtype)` copies;
+        `lengths`: the sequences' lengths at their step's launch (default len(seq))."""
         allowed_rows, allowed, banned, bias, values = [], ([], []), ([], []), ([], []), []
         for row, seq in enumerate(seqs):
             params = seq.sampling_params
@@ -62,7 +66,7 @@ class Steering:
             if params.allowed_token_ids is not None:
                 allowed_rows.append(row)
                 _extend(allowed, row, params.allowed_token_ids)
-            _extend(banned, row, banned_tokens(seq))
+            _extend(banned, row, banned_tokens(seq, lengths[row] if lengths else None))
             if params.logit_bias:
                 _extend(bias, row, list(params.logit_bias))
                 values += params.logit_bias.values()

@@ -201,18 +201,18 @@ class ModelRunner:
             input_ids.copy_(torch.where(src >= 0, carried, input_ids))
         return input_ids, positions, context
 
-    def prepare_sample(self, seqs: list[Sequence]) -> tuple[
+    def prepare_sample(self, seqs: list[Sequence], lengths: list[int]) -> tuple[
             torch.Tensor | SamplingTensors, Penalties | None, int | None, torch.Tensor | None]:
         """(temperatures or SamplingTensors, penalties, number of top logprobs, token bitmask of
-        structured outputs) for the sampler."""
+        structured outputs) for the sampler; `lengths`: len(seq) at the step's launch."""
         params = [seq.sampling_params for seq in seqs]
         upload = partial(to_device, device=self.device)
         if all(p.simple for p in params):  # no row steers either: nothing more is built
             sample_params = upload([p.temperature for p in params], torch.float32)
         else:
             # seeded noise is keyed by the index the new token will have in its sequence
-            sample_params = SamplingTensors.build(params, [len(seq) for seq in seqs], upload,
-                                                  Steering.build(seqs, upload))
+            sample_params = SamplingTensors.build(params, lengths, upload,
+                                                  Steering.build(seqs, upload, lengths))
         penalties = None
         if any(p.uses_penalties for p in params):
             rows = [self.token_counts.slot(seq.seq_id, seq.token_ids[:seq.num_prompt_tokens],
@@ -221,8 +221,11 @@ class ModelRunner:
             penalties = Penalties.build(self.token_counts, rows, params, upload)
         ks = [p.logprobs for p in params if p.logprobs is not None]
         # grammars are at their sequences' committed tokens: the engine defers the sampling of
-        # their steps until the previous step is committed (a finished row's token is dropped)
-        bitmask = fill_token_bitmask([None if seq.is_finished else seq.grammar for seq in seqs],
+        # their steps until the previous step is committed (one that just terminated its
+        # grammar has finished: its new token is dropped)
+        bitmask = fill_token_bitmask([seq.grammar if seq.grammar is not None
+                                      and not seq.grammar.is_terminated() else None
+                                      for seq in seqs],
                                      self.config.hf_config.vocab_size, self.device)
         return sample_params, penalties, max(ks) if ks else None, bitmask
 
@@ -263,13 +266,13 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)
         if self.rank != 0:
             return None
-        step = StepLogits(seqs, logits[:len(seqs)], prompt, is_prefill)
+        step = StepLogits(seqs, logits[:len(seqs)], prompt, is_prefill, list(map(len, seqs)))
         return step if defer_sample else self.sample(step)
 
     def sample(self, step: StepLogits) -> SampledIds:
         """Enqueue the sampler on a launched step's logits (rank 0)."""
         # Prepared after the (asynchronous) forward was launched, so it overlaps the GPU.
-        out = self.sampler(step.logits, *self.prepare_sample(step.seqs))
+        out = self.sampler(step.logits, *self.prepare_sample(step.seqs, step.lengths))
         return SampledIds(out.token_ids, out.logprobs, step.prompt_logprobs, step.is_prefill)
 
     def wait_idle(self) -> None:

@@ -66,6 +66,9 @@ class StepLogits:
     logits: torch.Tensor
     prompt_logprobs: list[tuple[int, int, LogprobsTensors]]
     is_prefill: bool
+    # len(seq) at the launch: the index the new token takes (its seeded noise, min_tokens), on
+    # which a deferred sample must agree with one at the launch
+    lengths: list[int]
 
 
 @dataclass

@@ -163,6 +163,16 @@ def test_grammar_steps_stay_pipelined_and_equal_lockstep(llm):
         assert_conforms(llm, s, out)
 
 
+def test_an_output_cut_by_max_tokens_is_a_prefix_the_grammar_accepts(llm):
+    """The last token of a length-limited row is drawn under the mask too (pipelined: its
+    sampler runs after the step that set the limit was advanced)."""
+    sp = params(Structured(regex=r"[a-z]{30,40}"), max_tokens=6, temperature=1.0, seed=3)
+    for out in llm.generate(PROMPTS, sp, use_tqdm=False):
+        matcher = xgrammar.GrammarMatcher(llm.grammars.compile(sp.structured_outputs))
+        assert out["finish_reason"] == "length" and len(out["token_ids"]) == 6
+        assert all(matcher.accept_token(t) for t in out["token_ids"]), out
+
+
 def test_n2_with_a_seed_is_reproducible_and_conforms(llm):
     sp = params(Structured(grammar=GRAMMAR), temperature=1.0, seed=7, n=2)
     first, again = (llm.generate(PROMPTS[1], sp, use_tqdm=False)[0] for _ in range(2))
