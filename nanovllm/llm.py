@@ -7,6 +7,7 @@ import torch
 from nanovllm.data_parallel.engine import DataParallelEngine, check_data_parallel_size
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.request_checks import Conversation, as_conversation_list
+from nanovllm.lora.request import LoRARequest
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.loader import check_weight_names
 from nanovllm.utils.tokenizer import chat_prompt_ids
@@ -31,10 +32,11 @@ class LLM(LLMEngine):
 
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[dict]:
+             use_tqdm: bool = True,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[dict]:
         """generate() for one conversation or a list, through the tokenizer's chat template."""
         return self.generate(chat_prompt_ids(self.tokenizer, as_conversation_list(messages)),
-                             sampling_params, use_tqdm)
+                             sampling_params, use_tqdm, lora_request=lora_request)
 
     def generate(self, *args, **kwargs) -> list[dict]:
         self._check_ready("generate")
@@ -121,8 +123,10 @@ class DataParallelLLM(LLM):
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
-        return self.engine.generate(prompts, sampling_params, use_tqdm)
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None
+                 ) -> list[dict]:
+        return self.engine.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def stats(self) -> dict:
         """The replicas' counters summed, each replica's own under "replicas"."""
