@@ -9,7 +9,6 @@ from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.lora import LoRARequest
-from tests.lora.helpers import build_adapter
 from tests.reference import ids, load_hf, token_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
