@@ -197,30 +197,6 @@ class LLMEngine:
         self._counters = StepCounters(timeline=[] if timeline else None)
         self.scheduler.reset_stats()
 
-    # ---- LoRA adapters (vLLM's add_lora, remove_lora, list_loras) ------------------------
-    def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Register an adapter ahead of its requests; False when it already is."""
-        self._check_running()
-        lora_request_list(lora_request, 1, self.loras is not None)  # type and enable_lora
-        return self.loras.register([lora_request]) > 0
-
-    def remove_lora(self, lora_int_id: int) -> bool:
-        """Forget an adapter (weights, slot, cached prefixes); False when unknown."""
-        self._check_running()
-        if self.loras is None or lora_int_id not in self.loras.requests:
-            return False
-        if any(seq.lora_int_id == lora_int_id for seq in (*self.scheduler.running,
-                                                           *self.scheduler.waiting)):
-            raise RuntimeError(f"remove_lora({lora_int_id}): requests of that adapter are "
-                               f"still queued")
-        self.loras.remove(lora_int_id)
-        self.scheduler.block_manager.forget_lora(lora_int_id)
-        return True
-
-    def list_loras(self) -> list[int]:
-        """The registered adapters' ids."""
-        return [] if self.loras is None else list(self.loras.requests)
-
     def reset_prefix_cache(self) -> None:
         """Drop all cached prefixes, e.g. between benchmark repeats."""
         if self._has_work():

@@ -8,6 +8,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from nanovllm.config import Config
 from nanovllm.layers.linear import LinearBase, RowParallelLinear
 from nanovllm.lora.adapter import LoRAAdapter
 
@@ -37,11 +38,10 @@ def add_lora_slots(model: nn.Module, max_loras: int, max_rank: int
 class LoRAManager:
     """Slots and the host cache of one rank; `activate` maps a batch's adapters to slots."""
 
-    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int,
-                 max_cpu_loras: int):
-        self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_lora_rank, \
-            max_cpu_loras
-        self.targets = add_lora_slots(model, max_loras, max_lora_rank)
+    def __init__(self, model: nn.Module, config: Config):
+        self.max_loras, self.max_rank = config.max_loras, config.max_lora_rank
+        self.max_cpu_loras = config.max_cpu_loras
+        self.targets = add_lora_slots(model, self.max_loras, self.max_rank)
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # least recently used first
         self.slots: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, LRU first
 

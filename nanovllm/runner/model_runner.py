@@ -55,9 +55,7 @@ class ModelRunner:
         self.model = self.build_shard()
         # LoRA slots before the backend is bound (it binds their op) and before the warm-up
         # (they take memory the KV pool must not)
-        self.lora_manager = (LoRAManager(self.model, config.max_loras, config.max_lora_rank,
-                                         config.max_cpu_loras)
-                             if config.enable_lora else None)
+        self.lora_manager = LoRAManager(self.model, config) if config.enable_lora else None
         self.max_loras = config.max_loras if config.enable_lora else 0
         self.startup_s = {"load": perf_counter() - t0}
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
