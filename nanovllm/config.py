@@ -39,6 +39,10 @@ class Config:
     logprobs_mode: str = "raw"  # "raw": log_softmax(logits); "processed": what was sampled from
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = True  # fp8: scales from the warm-up's K/V, else all 1.0
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters in one batch: GPU slots in each targeted projection
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept in host memory; None: max_loras
     hf_config: PretrainedConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
     kv_cache_torch_dtype: torch.dtype = field(init=False)
@@ -82,7 +86,13 @@ class Config:
             value = getattr(self, name)
             check(name, value, isinstance(value, str) and value in allowed,
                   f"one of {list(allowed)}")
-        for name in ("enforce_eager", "calculate_kv_scales"):
+        self.max_loras = check_int("max_loras", self.max_loras, 1, 256)
+        self.max_lora_rank = check_int("max_lora_rank", self.max_lora_rank, 1, 512)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        self.max_cpu_loras = check_int("max_cpu_loras", self.max_cpu_loras, self.max_loras,
+                                       None, f"None or an int >= max_loras={self.max_loras}")
+        for name in ("enforce_eager", "calculate_kv_scales", "enable_lora"):
             check(name, getattr(self, name), isinstance(getattr(self, name), bool), "a bool")
         check("kv_cache_dtype", self.kv_cache_dtype, isinstance(self.kv_cache_dtype, str)
               and self.kv_cache_dtype in KV_CACHE_DTYPES, f"one of {list(KV_CACHE_DTYPES)}")

@@ -7,6 +7,8 @@ import torch
 from nanovllm.data_parallel.engine import DataParallelEngine, check_data_parallel_size
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.request_checks import Conversation, as_conversation_list
+from nanovllm.lora.registry import lora_request_list
+from nanovllm.lora.request import LoRARequest
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.loader import check_weight_names
 from nanovllm.utils.tokenizer import chat_prompt_ids
@@ -31,10 +33,11 @@ class LLM(LLMEngine):
 
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[dict]:
+             use_tqdm: bool = True,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[dict]:
         """generate() for one conversation or a list, through the tokenizer's chat template."""
         return self.generate(chat_prompt_ids(self.tokenizer, as_conversation_list(messages)),
-                             sampling_params, use_tqdm)
+                             sampling_params, use_tqdm, lora_request=lora_request)
 
     def generate(self, *args, **kwargs) -> list[dict]:
         self._check_ready("generate")
@@ -47,6 +50,30 @@ class LLM(LLMEngine):
     def step(self) -> tuple[list, int]:
         self._check_ready("step")
         return super().step()
+
+    # ---- LoRA adapters (vLLM's add_lora, remove_lora, list_loras) ------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter ahead of its requests; False when it already is."""
+        self._check_running()
+        lora_request_list(lora_request, 1, self.loras is not None)  # its type, enable_lora
+        return self.loras.register([lora_request]) > 0
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (weights, slot, cached prefixes); False when unknown."""
+        self._check_running()
+        if self.loras is None or lora_int_id not in self.loras.requests:
+            return False
+        if any(seq.lora_int_id == lora_int_id for seq in (*self.scheduler.running,
+                                                           *self.scheduler.waiting)):
+            raise RuntimeError(f"remove_lora({lora_int_id}): requests of that adapter are "
+                               f"still queued")
+        self.loras.remove(lora_int_id)
+        self.scheduler.block_manager.forget_lora(lora_int_id)
+        return True
+
+    def list_loras(self) -> list[int]:
+        """The registered adapters' ids."""
+        return [] if self.loras is None else list(self.loras.requests)
 
     # ---- weights and memory, between rollouts -------------------------------------------
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -121,8 +148,10 @@ class DataParallelLLM(LLM):
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
-        return self.engine.generate(prompts, sampling_params, use_tqdm)
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None
+                 ) -> list[dict]:
+        return self.engine.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def stats(self) -> dict:
         """The replicas' counters summed, each replica's own under "replicas"."""
@@ -138,6 +167,9 @@ class DataParallelLLM(LLM):
         self.engine.shutdown()
 
     add_request = _needs_one_engine("add_request")
+    add_lora = _needs_one_engine("add_lora")
+    remove_lora = _needs_one_engine("remove_lora")
+    list_loras = _needs_one_engine("list_loras")
     step = _needs_one_engine("step")
     abort_request = _needs_one_engine("abort_request")
     new_tokens = _needs_one_engine("new_tokens")

@@ -20,8 +20,10 @@ class Sequence:
 
     _ids = count()
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int):
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int,
+                 lora_int_id: int = 0):
         self.seq_id = next(Sequence._ids)
+        self.lora_int_id = lora_int_id  # its LoRA adapter's id; 0: the base model
         self.request_id = self.seq_id  # of its request's first completion (SamplingParams.n)
         self.status = SequenceStatus.WAITING
         self.token_ids = copy(token_ids)
@@ -107,13 +109,15 @@ class Sequence:
     def __getstate__(self) -> tuple:
         # What a tensor-parallel worker needs to build its step inputs, and no more: the
         # step's tokens (a prompt chunk in prefill, one token in decode), the lengths, the
-        # block table, and the k of prompt logprobs still due (every rank joins their LM head).
-        # Sampling happens on rank 0 only.
+        # block table, the k of prompt logprobs still due (every rank joins their LM head) and
+        # the adapter. Sampling happens on rank 0 only.
         return (self.seq_id, self.num_tokens, self.num_cached_tokens, self.num_scheduled_tokens,
-                self.block_size, self.block_table, self.chunk_token_ids, self.num_prompt_logprobs)
+                self.block_size, self.block_table, self.chunk_token_ids, self.num_prompt_logprobs,
+                self.lora_int_id)
 
     def __setstate__(self, state: tuple) -> None:
         (self.seq_id, self.num_tokens, self.num_cached_tokens, self.num_scheduled_tokens,
-         self.block_size, self.block_table, self.token_ids, self.num_prompt_logprobs) = state
+         self.block_size, self.block_table, self.token_ids, self.num_prompt_logprobs,
+         self.lora_int_id) = state
         self.token_offset = self.num_cached_tokens
         self.last_token = self.token_ids[-1]

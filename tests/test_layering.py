@@ -3,11 +3,13 @@ module of nanovllm, those inside functions and `if TYPE_CHECKING:` blocks includ
 
 The intended order, top to bottom (a package may import those below it, never one above):
 
-    llm.py -> data_parallel -> engine -> executor -> runner -> config -> models -> layers -> kernels
-                      serve -> engine
+    llm.py -> data_parallel -> engine -> executor -> runner -> lora -> config -> models -> layers
+                      serve -> engine                                              -> kernels
 
 config sits above the model side because it checks a checkpoint against the model registry and
-the kernels; sequence, sampling_params and utils are below them all, usable by every package."""
+the kernels; lora (adapters and the runner's slot manager) sits just below the runner, which
+owns its slots. sequence, sampling_params, utils and lora.request (LoRARequest, which the public
+API and the server name) are below them all, usable by every package."""
 import ast
 import os
 import subprocess
@@ -23,17 +25,20 @@ PACKAGE = ROOT / "nanovllm"
 
 # What each layer may import, besides itself: the order above, written out. "nanovllm" is the
 # package's own __init__ (the public names); a layer is a subpackage or a top-level module.
-BASE = {"sequence", "sampling_params", "utils"}
+BASE = {"sequence", "sampling_params", "utils", "lora.request"}
 MODEL_SIDE_BELOW_CONFIG = {"models", "layers", "kernels"}
 ALLOWED = {
     "nanovllm": {"llm", "sampling_params"},
-    "llm": {"data_parallel", "engine", "executor", "runner", "config"}
+    "llm": {"data_parallel", "engine", "executor", "runner", "lora", "config"}
     | MODEL_SIDE_BELOW_CONFIG | BASE,
-    "data_parallel": {"engine", "executor", "runner", "config"} | MODEL_SIDE_BELOW_CONFIG | BASE,
-    "serve": {"engine", "executor", "runner", "config"} | MODEL_SIDE_BELOW_CONFIG | BASE,
-    "engine": {"executor", "runner", "config"} | MODEL_SIDE_BELOW_CONFIG | BASE,
-    "executor": {"runner", "config"} | MODEL_SIDE_BELOW_CONFIG | BASE,
-    "runner": {"config"} | MODEL_SIDE_BELOW_CONFIG | BASE,
+    "data_parallel": {"engine", "executor", "runner", "lora", "config"}
+    | MODEL_SIDE_BELOW_CONFIG | BASE,
+    "serve": {"engine", "executor", "runner", "lora", "config"} | MODEL_SIDE_BELOW_CONFIG | BASE,
+    "engine": {"executor", "runner", "lora", "config"} | MODEL_SIDE_BELOW_CONFIG | BASE,
+    "executor": {"runner", "lora", "config"} | MODEL_SIDE_BELOW_CONFIG | BASE,
+    "runner": {"lora", "config"} | MODEL_SIDE_BELOW_CONFIG | BASE,
+    "lora": {"config"} | MODEL_SIDE_BELOW_CONFIG | BASE,
+    "lora.request": {"utils"},
     "config": MODEL_SIDE_BELOW_CONFIG | BASE,
     "models": {"layers"} | BASE,  # never kernels: layers/backends.py chooses them
     "layers": {"kernels"} | BASE,
@@ -43,7 +48,7 @@ ALLOWED = {
     "utils": set(),
 }
 # The model side: no serving stack, no Ray (`pip install nanovllm` runs without either).
-MODEL_SIDE = ["engine", "runner", "executor", "models", "layers", "kernels"]
+MODEL_SIDE = ["engine", "runner", "executor", "lora", "models", "layers", "kernels"]
 SERVING_AND_RAY = ["nanovllm.serve", "ray", "fastapi", "uvicorn", "starlette",
                    "prometheus_client"]
 
@@ -57,7 +62,10 @@ MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
 def layer(module: str) -> str:
-    """nanovllm.engine.llm_engine -> engine; nanovllm.llm -> llm; nanovllm -> nanovllm."""
+    """nanovllm.engine.llm_engine -> engine; nanovllm.llm -> llm; nanovllm -> nanovllm;
+    nanovllm.lora.request -> lora.request (a layer of its own, below the rest of lora)."""
+    if module == "nanovllm.lora.request":
+        return "lora.request"
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
 
@@ -136,6 +144,14 @@ def test_models_do_not_import_kernels():
                      "nanovllm/layers):\n  " + "\n  ".join(bad))
 
 
+def test_lora_package_imports_only_the_request():
+    """`from nanovllm.lora import LoRARequest` loads the request, not adapters or slots."""
+    names = {name for _, name, _ in imports("nanovllm.lora") + imports("nanovllm.lora.request")}
+    assert {internal(n) for n in names} - {None} <= {"nanovllm.lora.request",
+                                                     "nanovllm.utils.field_checks"}
+    assert not names & {"torch", "safetensors", "transformers"}
+
+
 def upward_imports() -> list[str]:
     found = []
     for m in MODULES:
@@ -196,7 +212,8 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 def test_the_public_imports_work():
     """What users write, in a fresh interpreter."""
-    code = ("from nanovllm import LLM, SamplingParams\n"
+    code = ("from nanovllm.lora import LoRARequest\n"
+            "from nanovllm import LLM, SamplingParams\n"
             "import nanovllm.sampling_params\n"
             "assert nanovllm.sampling_params.SamplingParams is SamplingParams\n"
             "assert LLM.__module__ == 'nanovllm.llm'\n")

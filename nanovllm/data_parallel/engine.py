@@ -17,6 +17,9 @@ from nanovllm.data_parallel.replicas import (
     replica_device,
 )
 from nanovllm.engine.request_checks import validate_requests
+from nanovllm.lora.adapter import load_adapter
+from nanovllm.lora.registry import lora_request_list
+from nanovllm.lora.request import LoRARequest
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.field_checks import check_int
 from nanovllm.utils.tokenizer import load_tokenizer
@@ -42,6 +45,7 @@ class DataParallelEngine:
             "device": "cpu" if device in ("auto", "cuda") else device})
         self.tokenizer = load_tokenizer(config.model)
         self.data_parallel_size, self.block_size = n, config.kvcache_block_size
+        self.config = config
         owns_connection = connect(ray)
         self.replicas: list = []
         self._finalizer = weakref.finalize(self, release, ray, self.replicas, owns_connection)
@@ -59,13 +63,20 @@ class DataParallelEngine:
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None
+                 ) -> list[dict]:
         """As LLMEngine.generate; each replica runs its share in one call."""
         requests = validate_requests(prompts, sampling_params, self.limits, self.tokenizer.encode)
+        loras = lora_request_list(lora_request, len(requests), self.config.enable_lora)
+        for request in {r.lora_int_id: r for r in loras if r is not None}.values():
+            # checked here too, so that a bad adapter stops the call before any replica starts
+            load_adapter(request, self.config.hf_config, self.config.max_lora_rank)
         token_ids = [ids for ids, _ in requests]
         placement = place_requests(token_ids, [p.max_tokens for _, p in requests],
                                    self.data_parallel_size, self.block_size)
-        calls = {r: ([token_ids[i] for i in indices], [requests[i][1] for i in indices])
+        calls = {r: ([token_ids[i] for i in indices], [requests[i][1] for i in indices],
+                     [loras[i] for i in indices])
                  for r, indices in enumerate(placement) if indices}
         pbar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True,
                     disable=not use_tqdm)

@@ -31,8 +31,9 @@ class EngineReplica:
         return dict(pid=os.getpid(), host=socket.gethostname(),
                     limits=self.engine.request_limits())
 
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[dict]:
-        return self.engine.generate(prompts, params, use_tqdm=False)
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams],
+                 loras: list | None = None) -> list[dict]:
+        return self.engine.generate(prompts, params, use_tqdm=False, lora_request=loras)
 
     def stats(self) -> dict:
         return self.engine.stats()

@@ -15,17 +15,21 @@ class Block:
         self.ref_count = 0
         self.hash = -1
         self.token_ids: list[int] = []
+        self.lora_int_id = 0  # the adapter its K/V was computed under (0: the base model)
 
-    def update(self, h: int, token_ids: list[int]) -> None:
+    def update(self, h: int, token_ids: list[int], lora_int_id: int = 0) -> None:
         self.hash = h
         self.token_ids = token_ids
+        self.lora_int_id = lora_int_id
 
 
 class BlockManager:
     """Hands out physical blocks; full blocks are shared through a chained-hash prefix cache.
     Block i of a sequence is keyed by hash(hash of block i-1, tokens of block i), so a hit on
-    block i implies the whole prefix up to it matches. Freed blocks keep their hash and can be
-    revived by a later hit until they are handed out again."""
+    block i implies the whole prefix up to it matches; block 0's "previous hash" is the
+    sequence's LoRA adapter id (-1 for the base model), so K/V computed under one adapter is
+    never reused by another. Freed blocks keep their hash and can be revived by a later hit
+    until they are handed out again."""
 
     def __init__(self, num_blocks: int, block_size: int):
         assert num_blocks > 0 and block_size > 0
@@ -43,6 +47,11 @@ class BlockManager:
             h.update(prefix.to_bytes(8, "little"))
         h.update(np.array(token_ids, dtype=np.int64).tobytes())
         return h.intdigest()
+
+    @staticmethod
+    def chain_seed(seq: Sequence) -> int:
+        """The hash chain's start: the adapter's id, or -1 (no prefix) for the base model."""
+        return seq.lora_int_id or -1
 
     @property
     def num_free_blocks(self) -> int:
@@ -64,7 +73,7 @@ class BlockManager:
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached prefix of the sequence's full blocks."""
         # The block holding the last token is never a hit: a prefill always has a row to sample.
-        hits, h = [], -1
+        hits, h = [], self.chain_seed(seq)
         if seq.num_prompt_logprobs is not None:
             return hits  # prompt logprobs need every prompt position computed
         for i in range((seq.num_tokens - 1) // self.block_size):
@@ -80,7 +89,7 @@ class BlockManager:
         """Hash of the sequence's first block if it could be a prefix-cache hit, else None."""
         if (seq.num_tokens - 1) // self.block_size == 0:
             return None
-        return self.compute_hash(seq.block(0))
+        return self.compute_hash(seq.block(0), self.chain_seed(seq))
 
     def can_allocate(self, seq: Sequence) -> bool:
         """Whether the free list holds the blocks the sequence needs beyond shared hits."""
@@ -97,7 +106,7 @@ class BlockManager:
                 block.ref_count += 1
             else:  # a freed block that kept its contents: revive it, hash included
                 h, token_ids = block.hash, block.token_ids
-                self._allocate_block(block_id).update(h, token_ids)
+                self._allocate_block(block_id).update(h, token_ids, seq.lora_int_id)
                 self.hash_to_block_id[h] = block_id
             seq.block_table.append(block_id)
         seq.num_cached_tokens = len(hits) * self.block_size
@@ -124,6 +133,16 @@ class BlockManager:
         self.hash_to_block_id.clear()
         self.free_block_ids = deque(range(len(self.blocks)))
         self.used_block_ids.clear()
+
+    def forget_lora(self, lora_int_id: int) -> None:
+        """Forget the cached blocks of an adapter no sequence uses any more (it may come back
+        under its id with other weights)."""
+        for block in self.blocks:
+            if block.lora_int_id == lora_int_id and block.hash != -1:
+                assert block.ref_count == 0, "forget_lora while a sequence holds its blocks"
+                if self.hash_to_block_id.get(block.hash) == block.block_id:
+                    del self.hash_to_block_id[block.hash]
+                block.update(-1, [])
 
     def free_all(self) -> None:
         """Free every block but keep the cached prefixes; callers drop all block tables."""
@@ -157,9 +176,9 @@ class BlockManager:
         start = end - 1
         while start > 0 and self.blocks[table[start - 1]].hash == -1:
             start -= 1
-        h = self.blocks[table[start - 1]].hash if start else -1
+        h = self.blocks[table[start - 1]].hash if start else self.chain_seed(seq)
         for i in range(start, end):
             token_ids = seq.block(i)
             h = self.compute_hash(token_ids, h)
-            self.blocks[table[i]].update(h, token_ids)
+            self.blocks[table[i]].update(h, token_ids, seq.lora_int_id)
             self.hash_to_block_id[h] = table[i]

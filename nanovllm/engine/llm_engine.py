@@ -13,6 +13,8 @@ from nanovllm.engine.stop_strings import StopStringChecker
 from nanovllm.engine.structured_outputs import StructuredOutputs
 from nanovllm.executor.base import Executor, UniprocExecutor
 from nanovllm.executor.multiproc import MultiprocExecutor
+from nanovllm.lora.registry import LoRARegistry, lora_request_list
+from nanovllm.lora.request import LoRARequest
 from nanovllm.runner.sampled_ids import InFlightStep, SampledIds, StepLogits
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence
@@ -39,7 +41,10 @@ class LLMEngine:
                                    config.max_model_len, eos,
                                    self.model_runner.num_kvcache_blocks,
                                    config.kvcache_block_size,
-                                   self.model_runner.backend.longest_first)
+                                   self.model_runner.backend.longest_first,
+                                   config.max_loras if config.enable_lora else 0)
+        self.loras = (LoRARegistry(config.hf_config, config.max_lora_rank, self.executor)
+                      if config.enable_lora else None)
         self.stop_checker = StopStringChecker(self.tokenizer)
         # The logits' width, not the tokenizer's: the bitmask covers every id the model scores.
         self.grammars = StructuredOutputs(self.tokenizer, config.hf_config.vocab_size, eos)
@@ -59,15 +64,22 @@ class LLMEngine:
             self._finalizer()
         self.executor = self.model_runner = self._in_flight = None
 
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams,
+                    lora_request: LoRARequest | None = None) -> int:
         """Validate and queue one request; returns its request id (see step())."""
         token_ids, params = validate_request(prompt, sampling_params, self.request_limits(),
                                              self.tokenizer.encode, self.grammars)
-        return self._queue(token_ids, params)[0].request_id
+        [lora_request] = lora_request_list(lora_request, 1, self.loras is not None)
+        if lora_request is not None:
+            self.loras.register([lora_request])
+        return self._queue(token_ids, params, lora_request)[0].request_id
 
-    def _queue(self, token_ids: list[int], params: SamplingParams) -> list[Sequence]:
+    def _queue(self, token_ids: list[int], params: SamplingParams,
+               lora_request: LoRARequest | None = None) -> list[Sequence]:
         """Queue a request's n completions, adjacent: the later ones hit the first's blocks."""
-        seqs = self._requests.add(token_ids, params, self.config.kvcache_block_size)
+        lora_int_id = 0 if lora_request is None else lora_request.lora_int_id
+        seqs = self._requests.add(token_ids, params, self.config.kvcache_block_size,
+                                  lora_int_id)
         # set once: engines that never see such a request never look for one in a step
         self._host_tokens_queued = self._host_tokens_queued or params.needs_host_tokens
         for seq in seqs:
@@ -145,6 +157,8 @@ class LLMEngine:
                 previous: InFlightStep | None = None, defer_sample: bool = False
                 ) -> SampledIds | StepLogits:
         """Start a step on every rank; pending tokens from `previous` (pipelined only)."""
+        if self.loras is not None:  # adapters a host cache let go of are sent again
+            self.loras.reload({seq.lora_int_id for seq in seqs})
         if previous is None or is_prefill or not previous.advanced:  # no pending token
             return self.executor.launch(seqs, is_prefill, defer_sample=defer_sample)
         return self.executor.launch(seqs, False, previous.sampled.device,
@@ -211,19 +225,24 @@ class LLMEngine:
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None
+                 ) -> list[dict]:
         """Run one prompt or a list to completion; returns one dict per prompt, in order."""
         # Every request is validated before any is queued, so a ValueError changes nothing. On
         # any exception (Ctrl-C too) this call's requests are aborted; the engine stays usable.
         requests = validate_requests(prompts, sampling_params, self.request_limits(),
                                      self.tokenizer.encode, self.grammars)
+        loras = lora_request_list(lora_request, len(requests), self.loras is not None)
+        if any(loras):
+            self.loras.register(loras)
         groups: list[list[Sequence]] = []
         pbar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True,
                     disable=not use_tqdm)
         tok_s = [0.0, 0.0]  # prefill, decode: the last step's rate of each kind
         try:
-            for token_ids, sp in requests:
-                groups.append(self._queue(token_ids, sp))
+            for (token_ids, sp), lora in zip(requests, loras):
+                groups.append(self._queue(token_ids, sp, lora))
             # Ours (not add_request's), each made as it finishes: text decoded while the GPU works
             outputs = dict.fromkeys(group[0].request_id for group in groups)
             while self._has_work():

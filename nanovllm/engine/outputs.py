@@ -13,10 +13,11 @@ class RequestTable:
     def __init__(self):
         self.groups: dict[int, list[Sequence]] = {}
 
-    def add(self, token_ids: list[int], params: SamplingParams,
-            block_size: int) -> list[Sequence]:
+    def add(self, token_ids: list[int], params: SamplingParams, block_size: int,
+            lora_int_id: int = 0) -> list[Sequence]:
         """A request's completions; its id is the first completion's sequence id."""
-        seqs = [Sequence(token_ids, p, block_size) for p in completion_params(params)]
+        seqs = [Sequence(token_ids, p, block_size, lora_int_id)
+                for p in completion_params(params)]
         for seq in seqs:
             seq.request_id = seqs[0].seq_id
         self.groups[seqs[0].seq_id] = seqs

@@ -19,8 +19,9 @@ class Scheduler:
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  eos_token_id: int | None, num_blocks: int, block_size: int,
-                 longest_first: bool = False):
+                 longest_first: bool = False, max_loras: int = 0):
         self.max_num_seqs = max_num_seqs
+        self.max_loras = max_loras  # adapters among the running and scheduled; 0: no LoRA
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.longest_first = longest_first
@@ -75,8 +76,15 @@ class Scheduler:
         scheduled: list[Sequence] = []
         budget = self.max_num_batched_tokens
         computing: set[int] = set()  # hashes of the first blocks this step computes
+        # Adapters of the running and this step's sequences: at most max_loras, so that every
+        # step's adapters fit in the GPU slots (a sequence waits for a slot, in order).
+        loras = {seq.lora_int_id for seq in self.running} if self.max_loras else set()
         while self.waiting and budget and len(scheduled) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self.max_loras:
+                if not self._fits_lora(seq, loras):
+                    break
+                loras.add(seq.lora_int_id)
             if not seq.block_table:  # not admitted yet (or preempted)
                 head = self.block_manager.first_block_hash(seq)
                 if head in computing:
@@ -97,6 +105,11 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(seq)
         return scheduled
+
+    def _fits_lora(self, seq: Sequence, loras: set[int]) -> bool:
+        """Whether seq's adapter is among `loras` or fits beside them (the base always fits)."""
+        return (not seq.lora_int_id or seq.lora_int_id in loras
+                or len(loras - {0}) < self.max_loras)
 
     def _schedule_decode(self) -> list[Sequence]:
         batch = list(islice(self.running, self.max_num_seqs))

@@ -75,9 +75,10 @@ class TorchBackend:
     longest_first = True
 
     def __init__(self, fast_path: FastPath = FastPath()) -> None:
-        from nanovllm.kernels import attention_torch, fused_moe_torch, store_kvcache
+        from nanovllm.kernels import attention_torch, fused_moe_torch, lora_torch, store_kvcache
         self.fast_path = fast_path
         self.fused_moe = fused_moe_torch.fused_moe_torch
+        self.add_lora = lora_torch.add_lora_torch
         self.store_kvcache = store_kvcache.store_kvcache_torch
         self._prefill = attention_torch.prefill_attention_torch
         self._decode = attention_torch.decode_attention_torch
@@ -131,10 +132,12 @@ class TritonBackend(TorchBackend):
             attention_triton,
             attention_triton_decode,
             fused_moe,
+            lora,
             store_kvcache,
         )
         self.fast_path = fast_path
         self.fused_moe = fused_moe.fused_moe
+        self.add_lora = lora.add_lora_triton
         self.store_kvcache = store_kvcache.store_kvcache
         self._prefill = attention_triton.prefill_attention_triton  # same signatures
         self._decode = attention_triton_decode.decode_attention_triton
@@ -151,9 +154,11 @@ class FlashAttnBackend(TorchBackend):
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
         from nanovllm.kernels.fused_moe import fused_moe
+        from nanovllm.kernels.lora import add_lora_triton
         from nanovllm.kernels.store_kvcache import store_kvcache
         self.fast_path = fast_path
         self.fused_moe = fused_moe
+        self.add_lora = add_lora_triton
         self.store_kvcache = store_kvcache
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
@@ -250,12 +255,15 @@ def bind_backend(model: nn.Module, backend: TorchBackend) -> None:
     fast_path = backend.fast_path
     # attention and experts: the backend; RMSNorm and SiLU-and-mul: their Triton kernel or not;
     # projections: the largest decode step that runs their fused kernel (0: none, also where
-    # the kernel does not take the layer's shapes)
+    # the kernel does not take the layer's shapes, and in projections with LoRA slots: the
+    # fused kernels have no place for the delta) and the LoRA delta op
     for module in model.modules():
         if isinstance(module, (Attention, FusedMoE)):
             module.backend = backend
         elif isinstance(module, (RMSNorm, SiluAndMul)):
             module.fused = fast_path.fused_ops
         elif isinstance(module, LinearBase):
-            fits = fast_path.fused_projections and module.fits_fused_decode()
+            lora = module.lora_a is not None
+            fits = fast_path.fused_projections and module.fits_fused_decode() and not lora
             module.fused_decode_max_tokens = _fused_decode_max_tokens(module) if fits else 0
+            module.lora_op = backend.add_lora if lora else None

@@ -39,6 +39,31 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.fused_decode_max_tokens = 0  # bind_backend's: largest step of the fused kernel
+        # LoRA (add_lora_slots): per-slot A and B, and the delta op bind_backend chose
+        self.register_buffer("lora_a", None, persistent=False)
+        self.register_buffer("lora_b", None, persistent=False)
+        self.lora_op = None
+
+    def lora_slice_sizes(self) -> tuple[int, ...]:
+        """This rank's output features of each fused projection (one unless packed)."""
+        return (self.weight.shape[0],)
+
+    def add_lora_slots(self, max_loras: int, max_rank: int) -> None:
+        """Zeroed per-slot A [max_loras, slices * max_rank, in] and B [max_loras, out,
+        max_rank] (layouts: kernels/lora.py); buffers, so sleep and wake_up move them."""
+        out_features, in_features = self.weight.shape
+        slices = len(self.lora_slice_sizes())
+        self.lora_a = torch.zeros(max_loras, slices * max_rank, in_features,
+                                  dtype=self.weight.dtype, device=self.weight.device)
+        self.lora_b = torch.zeros(max_loras, out_features, max_rank, dtype=self.weight.dtype,
+                                  device=self.weight.device)
+
+    def apply_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y plus this step's adapter deltas (in place; rows without an adapter unchanged)."""
+        mapping = get_context().lora
+        if self.lora_op is not None and mapping is not None:
+            self.lora_op(y, x, self.lora_a, self.lora_b, self.lora_slice_sizes(), mapping)
+        return y
 
     def fits_fused_decode(self) -> bool:
         """Whether this layer's fused decode kernel takes its shapes (none here: no kernel)."""
@@ -59,7 +84,7 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.apply_lora(x, F.linear(x, self.weight, self.bias))
 
 
 class ReplicatedLinear(LinearBase):
@@ -83,6 +108,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
+
+    def lora_slice_sizes(self) -> tuple[int, ...]:
+        return tuple(size // self.tp_size for size in self.output_sizes)
 
     def fits_fused_decode(self) -> bool:
         """Whether gate_up_silu takes this layer: a gate and an up projection of one size."""
@@ -115,6 +143,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_kv_heads = divide(total_num_kv_heads, tp_size)
         output_size = (total_num_heads + 2 * total_num_kv_heads) * head_dim
         super().__init__(hidden_size, output_size, bias)
+
+    def lora_slice_sizes(self) -> tuple[int, ...]:
+        kv_size = self.num_kv_heads * self.head_dim
+        return (self.num_heads * self.head_dim, kv_size, kv_size)
 
     def fits_fused_decode(self) -> bool:
         """Whether qkv_rope_store (Attention.decode_projected) takes this layer's sizes."""
@@ -156,7 +188,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T (+ b) summed over the ranks: [tokens, output] in x's dtype."""
-        y = F.linear(x, self.weight, self.bias)
+        # A LoRA delta from this rank's slice of A is partial too: the all-reduce sums it
+        y = self.apply_lora(x, F.linear(x, self.weight, self.bias))
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y

@@ -16,6 +16,7 @@ from nanovllm.layers.penalties import Penalties, TokenCounts
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.layers.steering import Steering
 from nanovllm.layers.token_bitmask import fill_token_bitmask
+from nanovllm.lora.manager import LoRAManager
 from nanovllm.models.registry import build_model
 from nanovllm.runner.cuda_graphs import capture_decode_graphs
 from nanovllm.runner.prompt_logprobs import prompt_logprobs, wants_prompt_logprobs
@@ -52,6 +53,10 @@ class ModelRunner:
         hf_config = config.hf_config
         t0 = perf_counter()
         self.model = self.build_shard()
+        # LoRA slots before the backend is bound (it binds their op) and before the warm-up
+        # (they take memory the KV pool must not)
+        self.lora_manager = LoRAManager(self.model, config) if config.enable_lora else None
+        self.max_loras = config.max_loras if config.enable_lora else 0
         self.startup_s = {"load": perf_counter() - t0}
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = select_backend(config.attention_backend, config.device,
@@ -68,7 +73,8 @@ class ModelRunner:
         self.peer_died: threading.Event | None = None
         self.max_num_blocks = -(-config.max_model_len // self.block_size)
         self.decode_inputs = DecodeInputs(config.max_num_seqs, self.max_num_blocks,
-                                          self.block_size, pin=config.device == "cuda")
+                                          self.block_size, pin=config.device == "cuda",
+                                          max_loras=self.max_loras)
         calibrate = config.kv_cache_dtype == "fp8" and config.calculate_kv_scales
         if config.device == "cuda" or calibrate:
             t0 = perf_counter()
@@ -184,7 +190,8 @@ class ModelRunner:
 
     # ---- step inputs --------------------------------------------------------------------
     def prepare_decode(self, seqs: list[Sequence], previous_ids: torch.Tensor | None = None,
-                       source_rows: list[int] | None = None
+                       source_rows: list[int] | None = None,
+                       lora_slots: list[int] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, Context]:
         """Decode inputs, written straight into the graph's input buffer when one will run."""
         # Sequence i with source_rows[i] = r >= 0 takes its input id from row r of previous_ids,
@@ -192,10 +199,13 @@ class ModelRunner:
         graph_rows = min((b for b in self.graphs if b >= len(seqs)), default=None)
         rows, width = ((graph_rows, self.max_num_blocks) if graph_rows is not None
                        else (len(seqs), max(len(seq.block_table) for seq in seqs)))
-        host = self.decode_inputs.pack(seqs, rows, width, source_rows)
+        host = self.decode_inputs.pack(seqs, rows, width, source_rows, lora_slots)
         buf = (self.graph_inputs[rows].copy_(host, non_blocking=True) if graph_rows is not None
                else host.to(self.device, non_blocking=True))
-        input_ids, positions, src, context = DecodeInputs.unpack(buf, rows, width)
+        input_ids, positions, src, context = DecodeInputs.unpack(buf, rows, width,
+                                                                 self.max_loras)
+        if graph_rows is None and (lora_slots is None or max(lora_slots) < 0):
+            context.lora = None  # eager, and no row has an adapter: skip the LoRA ops
         if previous_ids is not None:
             carried = previous_ids[src.clamp(min=0)].int()
             input_ids.copy_(torch.where(src >= 0, carried, input_ids))
@@ -248,10 +258,14 @@ class ModelRunner:
         """Enqueue one step without waiting for it; rank 0 returns its sampled ids, or with
         defer_sample its logits (if any row samples), for `sample` once the host knows the
         previous step's ids."""
+        lora_slots = (self.lora_manager.activate([seq.lora_int_id for seq in seqs])
+                      if self.lora_manager is not None else None)
         if is_prefill:
-            input_ids, positions, context = prepare_prefill(seqs, self.block_size, self.device)
+            input_ids, positions, context = prepare_prefill(seqs, self.block_size, self.device,
+                                                            lora_slots, self.max_loras)
         else:
-            input_ids, positions, context = self.prepare_decode(seqs, previous_ids, source_rows)
+            input_ids, positions, context = self.prepare_decode(seqs, previous_ids, source_rows,
+                                                                lora_slots)
         hidden = self.forward(input_ids, positions, context)
         prompt = (prompt_logprobs(self.model, hidden, seqs)
                   if is_prefill and wants_prompt_logprobs(seqs) else [])

@@ -1,4 +1,5 @@
-"""The commands every rank obeys besides "run": sleep, wake_up and update_weights.
+"""The commands every rank obeys besides "run": sleep, wake_up, update_weights and the LoRA
+adapters' add_lora and remove_lora.
 
 Sleep frees the KV pool and CUDA graphs, and moves the weights to pinned host memory (level 1)
 or drops them, keeping each parameter's shape and strides (level 2: update_weights refills
@@ -8,13 +9,16 @@ so block ids keep their meaning.
 
 Weight updates go through the loaders. With tensor parallelism every rank needs every full
 tensor (each loader cuts its shard): names, shapes and dtypes go through the command channel,
-and rank 0 broadcasts the tensors one by one over the process group.
+and rank 0 broadcasts the tensors one by one over the process group. Adapters travel the same
+way (rank 0 read and checked them); every rank keeps its own host copy, and LoRA slots, being
+buffers, sleep and wake with the weights.
 """
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
+from nanovllm.lora.adapter import LoRAAdapter, lora_tensors
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.utils.loader import load_weights
 
@@ -99,6 +103,28 @@ def _received(runner: ModelRunner, specs: list[WeightSpec],
         yield name, tensor
 
 
+def add_lora(runner: ModelRunner, header: tuple[int, int, float], specs: list[WeightSpec],
+             adapter: LoRAAdapter | None = None) -> None:
+    """Keep an adapter (id, rank, scaling; tensors by spec) in this rank's host cache; rank 0
+    is given it, the others receive its tensors."""
+    if runner.world_size > 1:
+        tensors = None if adapter is None else lora_tensors(adapter)
+        received = [t.cpu() for _, t in _received(runner, specs, tensors)]
+    if adapter is None:
+        weights = {}
+        for (name, _, _), tensor in zip(specs, received):
+            layer, module, ab = name.split(".")
+            weights.setdefault((int(layer), module), []).append(tensor)
+        adapter = LoRAAdapter(*header, {key: tuple(pair) for key, pair in weights.items()})
+    runner.lora_manager.add(adapter)
+    all_ranks_done(runner)
+
+
+def remove_lora(runner: ModelRunner, lora_int_id: int) -> None:
+    runner.lora_manager.remove(lora_int_id)
+
+
 # The fixed set of commands a rank obeys (an executor adds "shutdown", which ends a worker).
 RANK_COMMANDS: dict[str, Callable] = {"run": ModelRunner.run, "sleep": sleep,
-                                      "wake_up": wake_up, "update_weights": update_weights}
+                                      "wake_up": wake_up, "update_weights": update_weights,
+                                      "add_lora": add_lora, "remove_lora": remove_lora}

@@ -5,13 +5,32 @@ import numpy as np
 import torch
 
 from nanovllm.sequence import Sequence
-from nanovllm.utils.context import Context
+from nanovllm.utils.context import Context, LoRAMapping
 
 
 def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host list -> device tensor, through pinned memory on CUDA so the copy is async."""
     pin = device.type == "cuda"
     return torch.tensor(data, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
+
+
+def group_by_slot(slots: np.ndarray, max_loras: int, out: np.ndarray | None = None
+                  ) -> np.ndarray:
+    """LoRAMapping's [rows | counts | starts] (int32) for per-row adapter slots (-1: none);
+    rows without an adapter sort first and belong to no group. Written into `out` if given."""
+    n = len(slots)
+    out = np.empty(n + 2 * max_loras, np.int32) if out is None else out
+    rows, counts, starts = np.split(out[:n + 2 * max_loras], [n, n + max_loras])
+    rows[:] = np.argsort(slots, kind="stable")
+    counts[:] = np.bincount(slots[slots >= 0], minlength=max_loras)
+    starts[:] = n - counts.sum() + np.cumsum(counts) - counts
+    return out
+
+
+def lora_mapping(packed: torch.Tensor, num_rows: int, max_loras: int) -> LoRAMapping:
+    """Views of group_by_slot's packed layout."""
+    rows, counts, starts = packed.split([num_rows, max_loras, max_loras])
+    return LoRAMapping(rows, counts, starts)
 
 
 def block_table_rows(seqs: list[Sequence]) -> list[list[int]]:
@@ -35,9 +54,11 @@ def chunk_slots(block_table: list[int], start: int, end: int, block_size: int) -
     return slots
 
 
-def prepare_prefill(seqs: list[Sequence], block_size: int,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Context]:
-    """Inputs for each sequence's chunk: num_scheduled_tokens tokens after its cached ones."""
+def prepare_prefill(seqs: list[Sequence], block_size: int, device: torch.device,
+                    lora_slots: list[int] | None = None, max_loras: int = 0
+                    ) -> tuple[torch.Tensor, torch.Tensor, Context]:
+    """Inputs for each sequence's chunk: num_scheduled_tokens tokens after its cached ones;
+    lora_slots: each sequence's adapter slot (-1: none), when any has one."""
     # Only rows whose chunk ends the sequence get logits (logits_indices).
     input_ids, positions, slot_mapping, logits_indices = [], [], [], []
     cu_seqlens_q, cu_seqlens_k = [0], [0]
@@ -67,23 +88,39 @@ def prepare_prefill(seqs: list[Sequence], block_size: int,
                       if slot_mapping else None),
         prefix_cached=prefix_cached,
         logits_indices=(to_device(logits_indices, torch.int64, device) if logits_indices
-                        else None))
+                        else None),
+        lora=_prefill_lora(seqs, lora_slots, max_loras, device))
     return (to_device(input_ids, torch.int64, device), to_device(positions, torch.int64, device),
             context)
+
+
+def _prefill_lora(seqs: list[Sequence], lora_slots: list[int] | None, max_loras: int,
+                  device: torch.device) -> LoRAMapping | None:
+    """The chunk tokens grouped by their sequence's slot; None when no sequence has one."""
+    if lora_slots is None or max(lora_slots) < 0:
+        return None
+    token_slots = np.repeat(np.array(lora_slots, np.int32),
+                            [seq.num_scheduled_tokens for seq in seqs])
+    packed = torch.from_numpy(group_by_slot(token_slots, max_loras))
+    packed = packed.pin_memory() if device.type == "cuda" else packed
+    return lora_mapping(packed.to(device, non_blocking=True), len(token_slots), max_loras)
 
 
 class DecodeInputs:
     """Packs a decode step's int32 inputs into one buffer, so they travel in one copy.
 
     Layout for `rows` sequences (the batch padded up to a CUDA-graph size) and `width` blocks:
-        [input_ids | positions | slot_mapping | context_lens | source_rows | block_tables]
-    block_tables is rows x width. source_rows[i]: the row of the previous step's sampled ids
+        [input_ids | positions | slot_mapping | context_lens | source_rows | lora | block_tables]
+    block_tables is rows x width; lora (with max_loras slots only) is group_by_slot's rows,
+    counts and starts. source_rows[i]: the row of the previous step's sampled ids
     holding sequence i's input id, or -1 (input_ids[i] holds it). Padding rows have slot -1
     and context length 0. The first five sections take a multiple of 4 entries each, so every
     section is 16-byte aligned: Triton specialises kernels on pointer alignment."""
 
-    def __init__(self, max_rows: int, max_width: int, block_size: int, pin: bool):
-        size = self.size(max_rows, max_width)
+    def __init__(self, max_rows: int, max_width: int, block_size: int, pin: bool,
+                 max_loras: int = 0):
+        self.max_loras = max_loras
+        size = self.size(max_rows, max_width, max_loras)
         # Two staging buffers, alternated: the pipelined engine packs step n+1 while step n may
         # still be queued, but it has waited for step n-1, whose copy read the other buffer.
         self.staging = [torch.empty(size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
@@ -91,17 +128,23 @@ class DecodeInputs:
         self.block_size = block_size
 
     @staticmethod
-    def size(rows: int, width: int) -> int:
+    def size(rows: int, width: int, max_loras: int = 0) -> int:
         """Entries of a packed buffer for `rows` sequences and `width` blocks each."""
-        return 5 * _aligned(rows) + rows * width
+        return 5 * _aligned(rows) + _lora_size(rows, max_loras) + rows * width
 
     def pack(self, seqs: list[Sequence], rows: int, width: int,
-             source_rows: list[int] | None = None) -> torch.Tensor:
+             source_rows: list[int] | None = None,
+             lora_slots: list[int] | None = None) -> torch.Tensor:
         """Fill a pinned host buffer for `seqs`; returns it (size(rows, width) int32)."""
         n, seg = len(seqs), _aligned(rows)
         self.turn ^= 1
-        buf = self.staging[self.turn][:self.size(rows, width)]
-        ids, pos, slots, ctx, src, tables = np.split(buf.numpy(), [seg * i for i in range(1, 6)])
+        buf = self.staging[self.turn][:self.size(rows, width, self.max_loras)]
+        ids, pos, slots, ctx, src, rest = np.split(buf.numpy(), [seg * i for i in range(1, 6)])
+        lora, tables = np.split(rest, [_lora_size(rows, self.max_loras)])
+        if self.max_loras:
+            row_slots = np.full(rows, -1, np.int32)
+            row_slots[:n] = -1 if lora_slots is None else lora_slots
+            group_by_slot(row_slots, self.max_loras, out=lora)
         # np.fromiter over generators: this runs every decode step, for every sequence.
         ids[:n] = np.fromiter((seq.last_token for seq in seqs), np.int32, n)
         ctx[:n] = np.fromiter((seq.num_tokens for seq in seqs), np.int32, n)
@@ -119,17 +162,24 @@ class DecodeInputs:
         return buf
 
     @staticmethod
-    def unpack(buf: torch.Tensor, rows: int, width: int
+    def unpack(buf: torch.Tensor, rows: int, width: int, max_loras: int = 0
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Context]:
         """Views of a packed buffer: input_ids, positions, source_rows, the decode Context."""
-        seg = _aligned(rows)
+        seg, lora_size = _aligned(rows), _lora_size(rows, max_loras)
         ids, pos, slots, ctx, src = (part[:rows] for part in buf[:5 * seg].split(seg))
-        tables = buf[5 * seg:]
+        lora = buf[5 * seg:5 * seg + rows + 2 * max_loras]
+        tables = buf[5 * seg + lora_size:]
         context = Context(is_prefill=False, slot_mapping=slots, context_lens=ctx,
-                          block_tables=tables.view(rows, width))
+                          block_tables=tables.view(rows, width),
+                          lora=lora_mapping(lora, rows, max_loras) if max_loras else None)
         return ids, pos, src, context
 
 
 def _aligned(rows: int) -> int:
     """rows rounded up to a multiple of 4 int32 entries (16 bytes)."""
     return -(-rows // 4) * 4
+
+
+def _lora_size(rows: int, max_loras: int) -> int:
+    """Entries of the lora section: rows, counts and starts, 16-byte aligned; 0 without LoRA."""
+    return _aligned(rows + 2 * max_loras) if max_loras else 0

@@ -29,6 +29,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="the name clients ask for (default: MODEL)")
+    p.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) served under their names; needs "
+                        "--enable-lora")
     p.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1 (default: $NANOVLLM_API_KEY)")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
@@ -49,14 +52,20 @@ def main(argv: list[str] | None = None) -> None:
 
         from nanovllm.serve.async_llm import AsyncLLM
         from nanovllm.serve.openai.app import build_app
+        from nanovllm.serve.openai.lora_modules import parse_lora_modules
     except ImportError as e:
         sys.exit(f"serving needs the serve extra: pip install 'nanovllm[serve]' ({e})")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     try:
+        lora_modules = parse_lora_modules(args.lora_modules)
         llm = AsyncLLM(args.model, engine_process=args.engine_process, **engine_kwargs(args))
     except ValueError as e:
         sys.exit(f"error: {e}")
-    app = build_app(llm, args.served_model_name or args.model, args.api_key)
+    try:
+        app = build_app(llm, args.served_model_name or args.model, args.api_key, lora_modules)
+    except (ValueError, FileNotFoundError) as e:
+        llm.shutdown()
+        sys.exit(f"error: {e}")
     logger.info("serving %s on http://%s:%d", args.model, args.host, args.port)
     try:
         # On Ctrl-C uvicorn stops accepting, gives open streams a few seconds, then cancels

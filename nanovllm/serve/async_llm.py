@@ -9,6 +9,8 @@ from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.request_checks import Prompt, validate_request
 from nanovllm.engine.structured_outputs import StructuredOutputs
+from nanovllm.lora.adapter import load_adapter
+from nanovllm.lora.request import LoRARequest
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.serve.engine_loop import EngineStats, EngineThread, Update
 from nanovllm.serve.engine_process import EngineProcess
@@ -57,6 +59,7 @@ class AsyncLLM:
 
     def __init__(self, model: str, engine_process: bool = True, **kwargs):
         config = config_from_kwargs(model, kwargs)  # a bad keyword fails before any process
+        self.config = config
         self.max_model_len = config.max_model_len
         self.tokenizer = load_tokenizer(config.model)
         # Compiles structured outputs here, before queueing, so a grammar that does not compile
@@ -84,9 +87,18 @@ class AsyncLLM:
         """Whether the engine is stepping (False after shutdown or a crash)."""
         return self._engine.is_alive()
 
-    async def generate(self, prompt: Prompt, params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        """Queue a request and yield its outputs until one has a finish_reason."""
+    def check_lora(self, request: LoRARequest) -> None:
+        """Read and check an adapter here, so that a bad one is a ValueError (FileNotFoundError
+        for a path) before any request names it."""
+        if not self.config.enable_lora:
+            raise ValueError("LoRA is not enabled: start the server with --enable-lora")
+        load_adapter(request, self.config.hf_config, self.config.max_lora_rank)
+
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str,
+                       lora_request: LoRARequest | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Queue a request (through `lora_request`'s adapter, one check_lora passed) and yield
+        its outputs until one has a finish_reason."""
         # A bad request raises ValueError before it is queued; leaving early aborts it.
         if not self.is_running:
             raise EngineDeadError("the engine is not running (it was shut down or it died)")
@@ -110,7 +122,7 @@ class AsyncLLM:
                                    skip_special_tokens=params.skip_special_tokens),
             pending_logprobs=None if params.logprobs is None else [])
         self._handles[request_id] = handle
-        self._engine.add(handle, token_ids, params)
+        self._engine.add(handle, token_ids, params, lora_request)
         finished = False
         try:
             while not finished:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.lora.request import LoRARequest
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -85,9 +86,10 @@ class EngineLoop:
                 self.acknowledge(ack)
         return True
 
-    def _add(self, handle: int, token_ids: list[int], params: SamplingParams) -> list[Update]:
+    def _add(self, handle: int, token_ids: list[int], params: SamplingParams,
+             lora_request: LoRARequest | None = None) -> list[Update]:
         try:
-            request_id = self.engine.add_request(token_ids, params)
+            request_id = self.engine.add_request(token_ids, params, lora_request)
         except ValueError as e:  # validated by the caller already; the engine has the last word
             return [Update(handle, [], error=str(e))]
         self._request_ids[handle], self._handles[request_id] = request_id, handle
@@ -145,8 +147,9 @@ class EngineThread:
         self._thread = threading.Thread(target=loop.run, name="nanovllm-engine", daemon=True)
         self._thread.start()
 
-    def add(self, handle: int, token_ids: list[int], params: SamplingParams) -> None:
-        self._commands.put(("add", handle, token_ids, params))
+    def add(self, handle: int, token_ids: list[int], params: SamplingParams,
+            lora_request: LoRARequest | None = None) -> None:
+        self._commands.put(("add", handle, token_ids, params, lora_request))
 
     def abort(self, handle: int, done: Callable[[], None] | None = None) -> None:
         """Abort a request; `done` is called (in the engine thread) once its blocks are free."""

@@ -13,6 +13,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.util import Finalize
 
 from nanovllm.engine.request_checks import RequestLimits
+from nanovllm.lora.request import LoRARequest
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.serve.engine_loop import EngineLoop, EngineStats, Publish, Update, run_callback
 
@@ -58,12 +59,13 @@ class EngineProcess:
             loop.add_reader(self._updates.fileno(), self._drain)
             self._loop = loop
 
-    def add(self, handle: int, token_ids: list[int], params: SamplingParams) -> None:
+    def add(self, handle: int, token_ids: list[int], params: SamplingParams,
+            lora_request: LoRARequest | None = None) -> None:
         if self._closed:
             self.publish([Update(handle, [], error="the engine process exited")], EngineStats())
             return
         self._open.add(handle)
-        self._send(("add", handle, token_ids, params))
+        self._send(("add", handle, token_ids, params, lora_request))
 
     def abort(self, handle: int, done: Callable[[], None] | None = None) -> None:
         """Abort a request; `done` is called (in the attached loop) once its blocks are free."""

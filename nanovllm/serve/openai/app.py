@@ -10,8 +10,10 @@ from nanovllm.serve.openai.errors import APIError, add_error_handlers
 from nanovllm.serve.openai.serving import OpenAIServing
 
 
-def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The server's routes; `llm` is shut down when the app's lifespan ends."""
+def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
+              lora_modules: dict[str, str] | None = None) -> FastAPI:
+    """The server's routes; `llm` is shut down when the app's lifespan ends. lora_modules:
+    adapter name -> PEFT directory (a bad one raises ValueError or FileNotFoundError here)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -22,7 +24,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Fas
 
     app = FastAPI(title="nanovllm", lifespan=lifespan)
     add_error_handlers(app)
-    serving = OpenAIServing(llm, model_name)
+    serving = OpenAIServing(llm, model_name, lora_modules)
 
     async def health() -> Response:
         return Response(status_code=200 if llm.is_running else 503)
@@ -35,6 +37,8 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Fas
     v1.add_api_route("/models/{model_id:path}", serving.model, methods=["GET"])
     v1.add_api_route("/completions", serving.completions, methods=["POST"])
     v1.add_api_route("/chat/completions", serving.chat_completions, methods=["POST"])
+    v1.add_api_route("/load_lora_adapter", serving.load_lora_adapter, methods=["POST"])
+    v1.add_api_route("/unload_lora_adapter", serving.unload_lora_adapter, methods=["POST"])
     app.include_router(v1)
     return app
 

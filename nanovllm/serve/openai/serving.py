@@ -10,10 +10,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from nanovllm.engine.outputs import completion_params
 from nanovllm.engine.request_checks import prompt_token_ids, validate_request
+from nanovllm.lora.request import LoRARequest
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.serve.async_llm import AsyncLLM, RequestOutput
 from nanovllm.serve.openai.errors import APIError, bad_request
 from nanovllm.serve.openai.logprobs import LogprobsFormat
+from nanovllm.serve.openai.lora_modules import (
+    LoadLoRAAdapterRequest,
+    LoRAModules,
+    UnloadLoRAAdapterRequest,
+)
 from nanovllm.serve.openai.metrics import ServerMetrics
 from nanovllm.serve.openai.protocol import (
     ChatCompletionRequest,
@@ -31,44 +37,66 @@ class ClientDisconnected(Exception):
 
 
 class OpenAIServing:
-    """The route handlers over one AsyncLLM serving one model name."""
+    """The route handlers over one AsyncLLM serving one model name and its LoRA adapters
+    (`lora_modules`: name -> PEFT directory, checked here)."""
 
-    def __init__(self, llm: AsyncLLM, model_name: str):
+    def __init__(self, llm: AsyncLLM, model_name: str, lora_modules: dict[str, str] | None = None):
         self.llm = llm
         self.model_name = model_name
         self.metrics = ServerMetrics(model_name)
         self.created = int(time.time())
+        self.loras = LoRAModules(llm, model_name)
+        for name, path in (lora_modules or {}).items():
+            self.loras.load(name, path)
 
-    def model_card(self) -> dict:
-        """OpenAI's model object, with vLLM's max_model_len."""
-        return {"id": self.model_name, "object": "model", "created": self.created,
+    def model_card(self, lora: LoRARequest | None = None) -> dict:
+        """OpenAI's model object, with vLLM's max_model_len (and, for an adapter, its parent)."""
+        card = {"id": self.model_name, "object": "model", "created": self.created,
                 "owned_by": "nanovllm", "max_model_len": self.llm.max_model_len}
+        if lora is not None:
+            card.update(id=lora.lora_name, root=lora.lora_path, parent=self.model_name)
+        return card
 
     async def models(self) -> dict:
-        return {"object": "list", "data": [self.model_card()]}
+        cards = [self.model_card()] + [self.model_card(r) for r in self.loras.requests.values()]
+        return {"object": "list", "data": cards}
 
     async def model(self, model_id: str) -> dict:
         """GET /v1/models/{model_id}: the model object, or a 404."""
-        if model_id != self.model_name:
+        try:
+            return self.model_card(self.loras.resolve(model_id))
+        except APIError:
             raise APIError(404, f"The model {model_id!r} does not exist; this server serves "
-                                f"{self.model_name!r}", "not_found_error", "model")
-        return self.model_card()
+                                f"{[self.model_name, *self.loras.requests]}", "not_found_error",
+                           "model") from None
+
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> Response:
+        """vLLM's POST /v1/load_lora_adapter: the adapter is checked, then served by its name."""
+        try:
+            self.loras.load(body.lora_name, body.lora_path)
+        except (ValueError, FileNotFoundError) as e:
+            raise APIError(400, str(e), "invalid_request_error", "lora_path") from None
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> Response:
+        self.loras.unload(body.lora_name)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     async def prometheus_metrics(self) -> Response:
         return Response(self.metrics.render(self.llm.stats), media_type=CONTENT_TYPE_LATEST)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        self._check_model(body)
+        lora = self.loras.resolve(body.model)
         try:
             prompts = body.prompts()
             params = body.sampling_params(default_max_tokens=16)  # OpenAI's default
             self._check_structure(body, params)
         except ValueError as e:
             raise bad_request(e) from None
-        return await self._serve(request, body, prompts, params, chat=False)
+        return await self._serve(request, body, prompts, params, chat=False, lora=lora)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
-        self._check_model(body)
+        lora = self.loras.resolve(body.model)
         try:
             prompt = chat_prompt(self.llm, body)
             # the rest of the context; a prompt that fills it is refused in _serve
@@ -76,12 +104,7 @@ class OpenAIServing:
             self._check_structure(body, params)
         except ValueError as e:
             raise bad_request(e) from None
-        return await self._serve(request, body, [prompt], params, chat=True)
-
-    def _check_model(self, body: _SamplingRequest) -> None:
-        if body.model is not None and body.model != self.model_name:
-            raise APIError(404, f"model {body.model!r} does not exist; this server serves "
-                                f"{self.model_name!r}", "not_found_error", "model")
+        return await self._serve(request, body, [prompt], params, chat=True, lora=lora)
 
     def _check_structure(self, body: _SamplingRequest, params: SamplingParams) -> None:
         """Compile the request's grammar here, so one that does not compile is a 400 naming
@@ -91,7 +114,7 @@ class OpenAIServing:
 
     async def _serve(self, request: Request, body: _SamplingRequest,
                      prompts: list[str | list[int]], params: SamplingParams,
-                     chat: bool) -> Response:
+                     chat: bool, lora: LoRARequest | None = None) -> Response:
         """Choice j * n + i is completion i of prompt j: one engine request each."""
         tokenizer = self.llm.tokenizer
         try:  # once per prompt for its n completions: each then gets the token ids
@@ -110,7 +133,7 @@ class OpenAIServing:
                              body.prompt_logprobs, body.continuous_usage, tools)
         # The later completions of a prompt hit its full blocks in the engine's prefix cache.
         outputs = interleave([
-            self.metrics.track(self.llm.generate(ids, p, f"{fmt.id}-{j * params.n + i}"),
+            self.metrics.track(self.llm.generate(ids, p, f"{fmt.id}-{j * params.n + i}", lora),
                                primary=i == 0)
             for j, ids in enumerate(token_ids) for i, p in enumerate(completion_params(params))])
         try:
