@@ -75,9 +75,10 @@ class TorchBackend:
     longest_first = True
 
     def __init__(self, fast_path: FastPath = FastPath()) -> None:
-        from nanovllm.kernels import attention_torch, fused_moe_torch, store_kvcache
+        from nanovllm.kernels import attention_torch, fp8_torch, fused_moe_torch, store_kvcache
         self.fast_path = fast_path
         self.fused_moe = fused_moe_torch.fused_moe_torch
+        self.fp8_linear = fp8_torch.fp8_linear_torch  # W8A8 layers (layers.quantization)
         self.store_kvcache = store_kvcache.store_kvcache_torch
         self._prefill = attention_torch.prefill_attention_torch
         self._decode = attention_torch.decode_attention_torch
@@ -130,11 +131,13 @@ class TritonBackend(TorchBackend):
         from nanovllm.kernels import (
             attention_triton,
             attention_triton_decode,
+            fp8_gemm,
             fused_moe,
             store_kvcache,
         )
         self.fast_path = fast_path
         self.fused_moe = fused_moe.fused_moe
+        self.fp8_linear = fp8_gemm.fp8_linear
         self.store_kvcache = store_kvcache.store_kvcache
         self._prefill = attention_triton.prefill_attention_triton  # same signatures
         self._decode = attention_triton_decode.decode_attention_triton
@@ -150,10 +153,12 @@ class FlashAttnBackend(TorchBackend):
     def __init__(self, fast_path: FastPath = FastPath()) -> None:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
+        from nanovllm.kernels.fp8_gemm import fp8_linear
         from nanovllm.kernels.fused_moe import fused_moe
         from nanovllm.kernels.store_kvcache import store_kvcache
         self.fast_path = fast_path
         self.fused_moe = fused_moe
+        self.fp8_linear = fp8_linear
         self.store_kvcache = store_kvcache
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
@@ -257,5 +262,7 @@ def bind_backend(model: nn.Module, backend: TorchBackend) -> None:
         elif isinstance(module, (RMSNorm, SiluAndMul)):
             module.fused = fast_path.fused_ops
         elif isinstance(module, LinearBase):
+            # FP8 layers: never a fused decode kernel (fits_fused_decode says no), the FP8 GEMM
             fits = fast_path.fused_projections and module.fits_fused_decode()
             module.fused_decode_max_tokens = _fused_decode_max_tokens(module) if fits else 0
+            module.fp8_linear = backend.fp8_linear if module.quant is not None else None
