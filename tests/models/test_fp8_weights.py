@@ -192,3 +192,20 @@ def test_ignored_modules_stay_unquantized(fp8, tmp_path):
         first_tokens(llm)
     finally:
         llm.shutdown()
+
+
+def test_dummy_fp8_weights_of_a_shape(fp8, tmp_path):
+    """--shape with an FP8 weight format: codes drawn over their range, scales mapping them to
+    the dummy range; the engine runs on them (and so does quantization="fp8" over dummies)."""
+    path, _ = fp8("qwen3", "block")
+    shutil.copytree(path, tmp_path / "dummy", ignore=shutil.ignore_patterns("*.safetensors"))
+    for kwargs in ({}, {"quantization": "fp8"}):
+        llm = engine(str(tmp_path / "dummy"), load_format="dummy", **kwargs)
+        try:
+            qkv = llm.model_runner.model.model.layers[0].self_attn.qkv_proj
+            scale = getattr(qkv, qkv.quant.scale_name)
+            assert qkv.weight.dtype == torch.float8_e4m3fn
+            assert qkv.weight.float().abs().max() > 100 and bool((scale == 1e-3 / 448).all())
+            assert len(first_tokens(llm)) == len(PROMPTS)
+        finally:
+            llm.shutdown()
