@@ -5,8 +5,9 @@
 3. bind_backend: each layer gets what it runs; layers and models never choose kernels.
 
 A backend has one interface: `rope_and_store` (q/k norm, RoPE, the K/V write), `prefill`,
-`decode` and `fused_moe`. "torch" runs anywhere and is the reference; the others run the Triton
-kernels on CUDA. Kernel modules are imported lazily: CPU runs never import Triton.
+`decode`, `fused_moe` and `fp8_linear` (FP8 weights, W8A8: layers.quantization). "torch" runs
+anywhere and is the reference; the others run the Triton kernels on CUDA. Kernel modules are
+imported lazily: CPU runs never import Triton.
 
 An FP8 KV cache's prefill reads this step's K/V back from the cache, so every query sees the same
 quantized keys whether or not its prefix was cached. flash-attn never serves it: the installed
@@ -225,12 +226,12 @@ def select_backend(name: str, device: str, kv_cache_dtype: str = "auto") -> Torc
     backend = {"flash-attn": FlashAttnBackend, "triton": TritonBackend,
                "torch": TorchBackend}[name](fast_path)
     logger.info("kernels: attention %s; q/k norm + RoPE + K/V write, RMSNorm, SiLU-and-mul: %s%s; "
-                "experts (MoE): %s%s", name,
+                "experts (MoE) and FP8 GEMMs: %s%s", name,
                 "fused Triton kernels" if fast_path.fused_ops else "torch",
                 " (in decode, q/k norm + RoPE + K/V write and SiLU-and-mul inside qkv_proj and "
                 "gate_up_proj, o_proj and down_proj split over K)" if fast_path.fused_projections
                 else "",
-                "torch loop" if name == "torch" else "fused Triton kernel",
+                "torch" if name == "torch" else "Triton (per-channel FP8: torch._scaled_mm)",
                 "; no CUDA graphs (eager decode)" if device == "cuda" and not backend.cuda_graphs
                 else "")
     if kv_cache_dtype == "fp8":
