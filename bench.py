@@ -9,7 +9,7 @@ import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from benchmarks.shapes import SHAPES, write_shape
+from benchmarks.shapes import SHAPES, WEIGHT_FORMATS, write_shape
 
 DEFAULT_MODEL = "~/huggingface/Qwen3-0.6B"
 SCENARIO_NAMES = ("throughput", "graphs", "prefix-cache", "kv-pressure", "tp", "dp",
@@ -26,8 +26,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shape", choices=list(SHAPES),
                    help="dummy weights of a named model's shape: only its config.json and a "
                         "small tokenizer are written (implies --load-format dummy)")
+    p.add_argument("--weight-format", default="bf16", choices=list(WEIGHT_FORMATS),
+                   help="with --shape: the dummy weights' format (fp8-block: Qwen's FP8 "
+                        "releases; fp8-channel: llm-compressor's FP8_DYNAMIC)")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights from config.json alone")
+    p.add_argument("--quantization", choices=["fp8"],
+                   help="fp8: quantize a bf16 checkpoint's weights at load (W8A8, per channel)")
     # Sizes of the throughput workload; unset means upstream's (or the smoke sizes with --tiny).
     p.add_argument("--num-seqs", type=int)
     p.add_argument("--min-input-len", type=int)
@@ -57,6 +62,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true",
                    help="a tiny random model and small sizes for every scenario (CPU smoke test)")
     args = p.parse_args()
+    if args.weight_format != "bf16" and not args.shape:
+        p.error("--weight-format needs --shape (a checkpoint's own config.json says its format)")
     if args.shape:
         args.load_format = "dummy"
     return args
@@ -66,7 +73,8 @@ def resolve_model(args: argparse.Namespace) -> str:
     """The checkpoint to load; builds a random one in a temporary directory when asked to."""
     from benchmarks.random_checkpoints import build_checkpoint, qwen3_0_6b_random
     if args.shape:
-        return write_shape(args.shape, tempfile.mkdtemp(prefix=f"nanovllm-{args.shape}-"))
+        return write_shape(args.shape, tempfile.mkdtemp(prefix=f"nanovllm-{args.shape}-"),
+                           args.weight_format)
     path = os.path.expanduser(args.model)
     if os.path.isdir(path) and not args.tiny:
         return path

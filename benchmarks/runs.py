@@ -41,7 +41,8 @@ def open_engine(path: str, args: argparse.Namespace, **overrides) -> Iterator[tu
                   kvcache_block_size=args.block_size, attention_backend=args.attention_backend,
                   load_format=getattr(args, "load_format", "auto"),
                   kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
-                  calculate_kv_scales=getattr(args, "calculate_kv_scales", True))
+                  calculate_kv_scales=getattr(args, "calculate_kv_scales", True),
+                  quantization=getattr(args, "quantization", None))
     kwargs.update(overrides)
     t0 = perf_counter()
     llm = LLM(path, **kwargs)
@@ -88,7 +89,9 @@ def measure(llm, prompts: list[list[int]], params: list, outputs: list | None = 
 def engine_env(llm, startup_s: float) -> dict:
     """The engine's side of the conditions: backend, dtype, graphs, block size, KV pool."""
     runner, config = llm.model_runner, llm.config
+    quant = config.quant_config
     return dict(attention_backend=runner.backend.name, dtype=str(config.torch_dtype),
+                weights=quant.method if quant is not None else "unquantized",
                 kv_cache_dtype=str(config.kv_cache_torch_dtype),
                 cuda_graphs=runner.use_cuda_graph, enforce_eager=config.enforce_eager,
                 tensor_parallel_size=config.tensor_parallel_size,

@@ -45,13 +45,33 @@ SHAPES: dict[str, dict] = {
 }
 
 
-def write_shape(name: str, path: str) -> str:
-    """config.json (bf16) of shape `name` and a small BPE tokenizer in `path`; returns `path`."""
+# Weight formats a shape's dummy weights can take: the quantization_config the released FP8
+# checkpoints carry (Qwen's block-scaled "fp8"; llm-compressor's per-channel FP8_DYNAMIC).
+_FP8_CHANNEL = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+                "strategy": "channel"}
+_FP8_TOKEN = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
+              "strategy": "token"}
+WEIGHT_FORMATS: dict[str, dict | None] = {
+    "bf16": None,
+    "fp8-block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                  "weight_block_size": [128, 128]},
+    "fp8-channel": {"quant_method": "compressed-tensors", "format": "float-quantized",
+                    "ignore": ["lm_head"], "config_groups": {"group_0": {
+                        "targets": ["Linear"], "weights": _FP8_CHANNEL,
+                        "input_activations": _FP8_TOKEN}}},
+}
+
+
+def write_shape(name: str, path: str, weight_format: str = "bf16") -> str:
+    """config.json (bf16, or FP8 weights of `weight_format`) of shape `name` and a small BPE
+    tokenizer in `path`; returns `path`."""
     from benchmarks.random_checkpoints import build_tokenizer
     os.makedirs(path, exist_ok=True)
     tokenizer = build_tokenizer(path)
     config = dict(SHAPES[name], dtype="bfloat16", hidden_act="silu",
                   eos_token_id=tokenizer.eos_token_id)
+    if WEIGHT_FORMATS[weight_format] is not None:
+        config["quantization_config"] = WEIGHT_FORMATS[weight_format]
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     return path

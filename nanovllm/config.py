@@ -7,6 +7,7 @@ from transformers import PretrainedConfig
 
 from nanovllm.kernels.kv_quant import FP8_DTYPE
 from nanovllm.layers.backends import BACKENDS, resolve_attention_backend
+from nanovllm.layers.quantization import QuantConfig, resolve_quant_config
 from nanovllm.layers.rotary_embedding import rope_parameters
 from nanovllm.models.registry import architecture, decoder_spec, with_family_defaults
 from nanovllm.utils.field_checks import INT32_MAX, check, check_int, check_real, is_int
@@ -43,7 +44,11 @@ class Config:
     max_loras: int = 1  # adapters in one batch: GPU slots in each targeted projection
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept in host memory; None: max_loras
+    # None: the checkpoint's weights as they are (FP8 when its quantization_config says so);
+    # "fp8": a bf16/fp16/fp32 checkpoint quantized at load (per output channel, W8A8)
+    quantization: str | None = None
     hf_config: PretrainedConfig = field(init=False, repr=False)
+    quant_config: QuantConfig | None = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
     kv_cache_torch_dtype: torch.dtype = field(init=False)
 
@@ -51,11 +56,17 @@ class Config:
         self.model = os.path.expanduser(str(self.model))
         self._check_ranges()
         self.hf_config = load_hf_config(self.model, self.load_format)
+        self.quant_config = resolve_quant_config(
+            getattr(self.hf_config, "quantization_config", None), self.quantization)
+        if self.enable_lora and self.quant_config is not None:
+            raise ValueError(f"enable_lora=True with FP8 weights ({self.quant_config.method}) is "
+                             "not supported: LoRA runs over bf16/fp16/fp32 weights")
         # Longer prompts than max_num_batched_tokens are prefilled in chunks over several steps.
         limit = self.hf_config.max_position_embeddings
         self.max_model_len = limit if self.max_model_len is None else min(self.max_model_len,
                                                                           limit)
         self.device = resolve_device(self.device)
+        check_fp8_device(self.device, self.quant_config)
         check_tensor_parallel(self.tensor_parallel_size, self.device, self.hf_config)
         self.torch_dtype = resolve_dtype(self.dtype, self.device, self.hf_config)
         self.kv_cache_torch_dtype = FP8_DTYPE if self.kv_cache_dtype == "fp8" else self.torch_dtype
@@ -161,6 +172,16 @@ def resolve_device(device: str) -> str:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but no CUDA GPU is visible")
     return device
+
+
+def check_fp8_device(device: str, quant_config: QuantConfig | None) -> None:
+    """FP8 GEMMs need sm_89 or newer on CUDA (CPU runs the torch reference)."""
+    if quant_config is None or device != "cuda":
+        return
+    capability = torch.cuda.get_device_capability()
+    if capability < (8, 9):
+        raise ValueError(f"FP8 weights ({quant_config.method}) need a GPU of compute capability "
+                         f"8.9 or newer; this one is {capability[0]}.{capability[1]}")
 
 
 def check_tensor_parallel(tp_size: int, device: str, hf_config: PretrainedConfig) -> None:

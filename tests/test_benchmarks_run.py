@@ -22,6 +22,7 @@ ELSEWHERE = {
     "ceilings.py": ("tests/test_ceilings.py", "benchmarks.ceilings"),
     "serve.py": ("tests/serve/test_serve_bench.py", "benchmarks.serve"),
     "serve_client.py": ("tests/serve/test_serve_bench.py", "benchmarks.serve"),
+    "fp8.py": ("tests/test_fp8_bench.py", "fp8.run_engine"),
 }
 
 

@@ -10,10 +10,16 @@ one expert:
 The padded length is bounded from shapes alone, and the grouping runs in three small kernels,
 so a decode step has no host sync and can be captured in a CUDA graph; blocks past the real
 padded length (num_padded, on the device) return at once.
+
+FP8 experts (W8A8, kernels.fp8_torch's layout): both GEMMs read FP8 codes of the activations
+(quantized per token group beforehand) and of the weights, and scale each K step's product by
+its token group's and weight block's scales, as kernels.fp8_gemm does for one linear layer.
 """
 import torch
 import triton
 import triton.language as tl
+
+from nanovllm.kernels.fp8_gemm import per_token_group_quant
 
 BLOCK_N = 64
 BLOCK_K = 64
@@ -29,10 +35,22 @@ def _row_block(sorted_ids_ptr, num_padded_ptr, num_slots, BLOCK_M: tl.constexpr)
 
 
 @triton.jit
+def _scaled_dot(a, b, acc, a_scale_ptrs, b_scale_ptrs, row_mask, n_mask, k0, group_k,
+                PRECISION: tl.constexpr, FP8: tl.constexpr):
+    """acc + a . b; for FP8 codes times the step's token-group and weight-block scales."""
+    if FP8:
+        a_s = tl.load(a_scale_ptrs + k0 // group_k, mask=row_mask, other=0.0)
+        b_s = tl.load(b_scale_ptrs + k0 // group_k, mask=n_mask, other=0.0)
+        return acc + tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _gate_up_silu_kernel(x_ptr, w13_ptr, h_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                          num_slots, top_k, N, K, stride_xm, stride_we, stride_wn, stride_hm,
-                         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, group_n, group_k,
+                         PRECISION: tl.constexpr, FP8: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """h[slot, n] = silu(x[token] . w1[e, n]) * (x[token] . w3[e, n]) for one row/column tile."""
     slots, row_mask, live = _row_block(sorted_ids_ptr, num_padded_ptr, num_slots, BLOCK_M)
     if live:
@@ -45,6 +63,10 @@ def _gate_up_silu_kernel(x_ptr, w13_ptr, h_ptr, sorted_ids_ptr, expert_ids_ptr, 
         # [BLOCK_K, BLOCK_N] tiles of w1[e]^T (rows 0..N) and w3[e]^T (rows N..2N)
         g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
         u_ptrs = g_ptrs + N * stride_wn
+        # FP8 scales: the token's groups, and the gate and up rows' blocks of this expert
+        xs_ptrs = xs_ptr + tokens * stride_xsm
+        gs_ptrs = ws_ptr + expert * stride_wse + (offs_n // group_n) * stride_wsn
+        us_ptrs = ws_ptr + expert * stride_wse + ((offs_n + N) // group_n) * stride_wsn
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -53,8 +75,10 @@ def _gate_up_silu_kernel(x_ptr, w13_ptr, h_ptr, sorted_ids_ptr, expert_ids_ptr, 
             w_mask = k_mask[:, None] & n_mask[None, :]
             g = tl.load(g_ptrs + k0, mask=w_mask, other=0.0)
             u = tl.load(u_ptrs + k0, mask=w_mask, other=0.0)
-            acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+            acc_g = _scaled_dot(a, g, acc_g, xs_ptrs, gs_ptrs, row_mask, n_mask, k0, group_k,
+                                PRECISION, FP8)
+            acc_u = _scaled_dot(a, u, acc_u, xs_ptrs, us_ptrs, row_mask, n_mask, k0, group_k,
+                                PRECISION, FP8)
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         h_ptrs = h_ptr + slots[:, None].to(tl.int64) * stride_hm + offs_n[None, :]
         tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
@@ -63,8 +87,9 @@ def _gate_up_silu_kernel(x_ptr, w13_ptr, h_ptr, sorted_ids_ptr, expert_ids_ptr, 
 @triton.jit
 def _down_kernel(h_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr,
                  num_padded_ptr, num_slots, N, K, stride_hm, stride_we, stride_wn, stride_om,
-                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 hs_ptr, ws_ptr, stride_hsm, stride_wse, stride_wsn, group_n, group_k,
+                 PRECISION: tl.constexpr, FP8: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[slot, n] = topk_weight[slot] * (h[slot] . w2[e, n]) for one row/column tile."""
     slots, row_mask, live = _row_block(sorted_ids_ptr, num_padded_ptr, num_slots, BLOCK_M)
     if live:
@@ -75,12 +100,15 @@ def _down_kernel(h_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ids_ptr, expert_ids
         n_mask = offs_n < N
         a_ptrs = h_ptr + rows[:, None] * stride_hm + offs_k[None, :]
         b_ptrs = w2_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+        hs_ptrs = hs_ptr + rows * stride_hsm
+        bs_ptrs = ws_ptr + expert * stride_wse + (offs_n // group_n) * stride_wsn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_mask = offs_k + k0 < K
             a = tl.load(a_ptrs + k0, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             b = tl.load(b_ptrs + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            acc = _scaled_dot(a, b, acc, hs_ptrs, bs_ptrs, row_mask, n_mask, k0, group_k,
+                              PRECISION, FP8)
         weight = tl.load(weights_ptr + rows, mask=row_mask, other=0.0)
         acc = acc * weight[:, None].to(tl.float32)
         out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
@@ -157,30 +185,54 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
     return sorted_ids, expert_ids, num_padded
 
 
+def _fp8_inputs(x: torch.Tensor, scale: torch.Tensor | None, group_k: int
+                ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(x's codes, their scales, their row stride) for FP8 experts; (x, x, 0) otherwise."""
+    if scale is None:
+        return x, x, 0
+    codes, scales = per_token_group_quant(x, group_k)
+    return codes, scales, scales.stride(0)
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None,
+              block: tuple[int, int] | None = None) -> torch.Tensor:
     """sum_k topk_weights[:, k] * expert_{topk_ids[:, k]}(x), as kernels.fused_moe_torch.
 
-    x [M, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; topk_* [M, K].
+    x [M, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; topk_* [M, K]. With
+    scales (FP8 experts): [E, 2I/bn, H/bk] and [E, H/bn, I/bk] for block (bn, bk), else
+    [E, 2I, 1] and [E, H, 1] per channel.
     """
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter, top_k = two_i // 2, topk_ids.shape[1]
     num_slots = num_tokens * top_k
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
+    fp8 = w13_scale is not None
+    # FP8 groups (rows, cols) of each weight's scales; a step of BLOCK_K stays in one group
+    g13, g2 = (block, block) if block is not None else ((1, hidden), (1, inter))
+    block_k = min(BLOCK_K, g13[1]) if fp8 and block is not None else BLOCK_K
     block_m = block_m_for(num_slots, num_experts)
     sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, num_experts, block_m)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    a, a_scale, stride_as = _fp8_inputs(x, w13_scale, g13[1])
+    s13 = w13_scale if fp8 else x
     h = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     grid = (sorted_ids.numel() // block_m, triton.cdiv(inter, BLOCK_N))
     _gate_up_silu_kernel[grid](
-        x, w13, h, sorted_ids, expert_ids, num_padded, num_slots, top_k, inter, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        PRECISION=precision, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        a, w13, h, sorted_ids, expert_ids, num_padded, num_slots, top_k, inter, hidden,
+        a.stride(0), w13.stride(0), w13.stride(1), h.stride(0), a_scale, s13, stride_as,
+        s13.stride(0) if fp8 else 0, s13.stride(1) if fp8 else 0, g13[0], g13[1],
+        PRECISION=precision, FP8=fp8, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k)
+    h_in, h_scale, stride_hs = _fp8_inputs(h, w2_scale, g2[1])
+    s2 = w2_scale if fp8 else x
     out = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
     grid = (sorted_ids.numel() // block_m, triton.cdiv(hidden, BLOCK_N))
     _down_kernel[grid](
-        h, w2, out, topk_weights.contiguous().flatten(), sorted_ids, expert_ids, num_padded,
-        num_slots, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        PRECISION=precision, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        h_in, w2, out, topk_weights.contiguous().flatten(), sorted_ids, expert_ids, num_padded,
+        num_slots, hidden, inter, h_in.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        h_scale, s2, stride_hs, s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
+        g2[0], g2[1], PRECISION=precision, FP8=fp8, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        BLOCK_K=block_k)
     return out.view(num_tokens, top_k, hidden).sum(dim=1)

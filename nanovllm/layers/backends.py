@@ -5,8 +5,9 @@
 3. bind_backend: each layer gets what it runs; layers and models never choose kernels.
 
 A backend has one interface: `rope_and_store` (q/k norm, RoPE, the K/V write), `prefill`,
-`decode` and `fused_moe`. "torch" runs anywhere and is the reference; the others run the Triton
-kernels on CUDA. Kernel modules are imported lazily: CPU runs never import Triton.
+`decode`, `fused_moe` and `fp8_linear` (FP8 weights, W8A8: layers.quantization). "torch" runs
+anywhere and is the reference; the others run the Triton kernels on CUDA. Kernel modules are
+imported lazily: CPU runs never import Triton.
 
 An FP8 KV cache's prefill reads this step's K/V back from the cache, so every query sees the same
 quantized keys whether or not its prefix was cached. flash-attn never serves it: the installed
@@ -75,10 +76,17 @@ class TorchBackend:
     longest_first = True
 
     def __init__(self, fast_path: FastPath = FastPath()) -> None:
-        from nanovllm.kernels import attention_torch, fused_moe_torch, lora_torch, store_kvcache
+        from nanovllm.kernels import (
+            attention_torch,
+            fp8_torch,
+            fused_moe_torch,
+            lora_torch,
+            store_kvcache,
+        )
         self.fast_path = fast_path
         self.fused_moe = fused_moe_torch.fused_moe_torch
         self.add_lora = lora_torch.add_lora_torch
+        self.fp8_linear = fp8_torch.fp8_linear_torch  # W8A8 layers (layers.quantization)
         self.store_kvcache = store_kvcache.store_kvcache_torch
         self._prefill = attention_torch.prefill_attention_torch
         self._decode = attention_torch.decode_attention_torch
@@ -131,6 +139,7 @@ class TritonBackend(TorchBackend):
         from nanovllm.kernels import (
             attention_triton,
             attention_triton_decode,
+            fp8_gemm,
             fused_moe,
             lora,
             store_kvcache,
@@ -138,6 +147,7 @@ class TritonBackend(TorchBackend):
         self.fast_path = fast_path
         self.fused_moe = fused_moe.fused_moe
         self.add_lora = lora.add_lora_triton
+        self.fp8_linear = fp8_gemm.fp8_linear
         self.store_kvcache = store_kvcache.store_kvcache
         self._prefill = attention_triton.prefill_attention_triton  # same signatures
         self._decode = attention_triton_decode.decode_attention_triton
@@ -153,12 +163,14 @@ class FlashAttnBackend(TorchBackend):
     def __init__(self, fast_path: FastPath = FastPath()) -> None:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
+        from nanovllm.kernels.fp8_gemm import fp8_linear
         from nanovllm.kernels.fused_moe import fused_moe
         from nanovllm.kernels.lora import add_lora_triton
         from nanovllm.kernels.store_kvcache import store_kvcache
         self.fast_path = fast_path
         self.fused_moe = fused_moe
         self.add_lora = add_lora_triton
+        self.fp8_linear = fp8_linear
         self.store_kvcache = store_kvcache
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
@@ -225,12 +237,12 @@ def select_backend(name: str, device: str, kv_cache_dtype: str = "auto") -> Torc
     backend = {"flash-attn": FlashAttnBackend, "triton": TritonBackend,
                "torch": TorchBackend}[name](fast_path)
     logger.info("kernels: attention %s; q/k norm + RoPE + K/V write, RMSNorm, SiLU-and-mul: %s%s; "
-                "experts (MoE): %s%s", name,
+                "experts (MoE) and FP8 GEMMs: %s%s", name,
                 "fused Triton kernels" if fast_path.fused_ops else "torch",
                 " (in decode, q/k norm + RoPE + K/V write and SiLU-and-mul inside qkv_proj and "
                 "gate_up_proj, o_proj and down_proj split over K)" if fast_path.fused_projections
                 else "",
-                "torch loop" if name == "torch" else "fused Triton kernel",
+                "torch" if name == "torch" else "Triton (per-channel FP8: torch._scaled_mm)",
                 "; no CUDA graphs (eager decode)" if device == "cuda" and not backend.cuda_graphs
                 else "")
     if kv_cache_dtype == "fp8":
@@ -263,7 +275,9 @@ def bind_backend(model: nn.Module, backend: TorchBackend) -> None:
         elif isinstance(module, (RMSNorm, SiluAndMul)):
             module.fused = fast_path.fused_ops
         elif isinstance(module, LinearBase):
+            # FP8 layers (fits_fused_decode says no) and LoRA layers: never a fused decode kernel
             lora = module.lora_a is not None
             fits = fast_path.fused_projections and module.fits_fused_decode() and not lora
             module.fused_decode_max_tokens = _fused_decode_max_tokens(module) if fits else 0
             module.lora_op = backend.add_lora if lora else None
+            module.fp8_linear = backend.fp8_linear if module.quant is not None else None

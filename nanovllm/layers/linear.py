@@ -4,6 +4,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.quantization.fp8 import Cols, Fp8Format, Rows, load_shard
 from nanovllm.utils.context import get_context
 
 
@@ -22,22 +23,31 @@ def divide(numerator: int, denominator: int) -> int:
 class LinearBase(nn.Module):
     """y = x W^T (+ b); tp_dim is the weight dimension split across ranks (None: replicated).
     W has nn.Linear's shape [output, input]; with k_major it is stored [input, output] and seen
-    through a transposed view (loaders and F.linear are unchanged)."""
+    through a transposed view (loaders and F.linear are unchanged). With a weight format `quant`
+    W holds FP8 codes beside their scales (layers.quantization) and `fp8_linear`, bound by
+    layers.backends.bind_backend, computes y."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None,
-                 k_major: bool = False):
+                 k_major: bool = False, quant: Fp8Format | None = None):
         super().__init__()
         self.tp_dim = tp_dim
         self.tp_rank, self.tp_size = tp_rank_and_size()
-        weight = torch.empty(input_size, output_size).t() if k_major else \
-            torch.empty(output_size, input_size)
-        self.weight = nn.Parameter(weight)
-        self.weight.weight_loader = self.weight_loader
+        self.quant = quant
+        self.fp8_linear = None  # bind_backend's, for a quantized layer
+        if quant is not None:
+            quant.check_shards(type(self).__name__, self.local_output_sizes(output_size),
+                               input_size, self.tp_size)
+            quant.create_weights(self, output_size, input_size)
+        else:
+            weight = torch.empty(input_size, output_size).t() if k_major else \
+                torch.empty(output_size, input_size)
+            self.weight = nn.Parameter(weight)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size))
-            self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        for param in self.parameters(recurse=False):
+            param.weight_loader = self.weight_loader
         self.fused_decode_max_tokens = 0  # bind_backend's: largest step of the fused kernel
         # LoRA (add_lora_slots): per-slot A and B, and the delta op bind_backend chose
         self.register_buffer("lora_a", None, persistent=False)
@@ -46,7 +56,7 @@ class LinearBase(nn.Module):
 
     def lora_slice_sizes(self) -> tuple[int, ...]:
         """This rank's output features of each fused projection (one unless packed)."""
-        return (self.weight.shape[0],)
+        return tuple(self.local_output_sizes(self.weight.shape[0]))
 
     def add_lora_slots(self, max_loras: int, max_rank: int) -> None:
         """Zeroed per-slot A [max_loras, slices * max_rank, in] and B [max_loras, out,
@@ -65,6 +75,10 @@ class LinearBase(nn.Module):
             self.lora_op(y, x, self.lora_a, self.lora_b, self.lora_slice_sizes(), mapping)
         return y
 
+    def local_output_sizes(self, output_size: int) -> list[int]:
+        """This rank's output rows of each fused projection (one: not fused)."""
+        return [output_size]
+
     def fits_fused_decode(self) -> bool:
         """Whether this layer's fused decode kernel takes its shapes (none here: no kernel)."""
         return False
@@ -77,46 +91,65 @@ class LinearBase(nn.Module):
         return not ctx.is_prefill and ctx.slot_mapping is not None \
             and x.shape[0] <= self.fused_decode_max_tokens
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        if self.tp_dim is not None and self.tp_size > 1:
-            shard = param.data.size(self.tp_dim)
-            loaded_weight = loaded_weight.narrow(self.tp_dim, self.tp_rank * shard, shard)
-        param.data.copy_(loaded_weight)
+    def shard(self, *shard_id) -> tuple[Rows, Cols]:
+        """Where this rank's part of a checkpoint tensor lies and lands (load_shard's ranges)."""
+        if self.tp_size == 1 or self.tp_dim is None:
+            return None, None
+        if self.tp_dim == 0:
+            rows = self.weight.shape[0]
+            return (0, self.tp_rank * rows, rows), None
+        cols = self.weight.shape[1]
+        return None, (self.tp_rank * cols, cols)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, *shard_id) -> None:
+        rows, cols = self.shard(*shard_id)
+        load_shard(param, loaded_weight, rows, cols)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ bias) in x's dtype, through the FP8 GEMM when the weight is quantized."""
+        if self.quant is None:
+            return F.linear(x, self.weight, bias)
+        scale = getattr(self, self.quant.scale_name)
+        return self.fp8_linear(x, self.weight, scale, self.quant.block, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.apply_lora(x, F.linear(x, self.weight, self.bias))
+        return self.apply_lora(x, self.linear(x, self.bias))
 
 
 class ReplicatedLinear(LinearBase):
     """The whole weight on every rank (a MoE router)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, output_size, bias, None)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 quant: Fp8Format | None = None):
+        super().__init__(input_size, output_size, bias, None, quant=quant)
 
 
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 quant: Fp8Format | None = None):
         _, tp_size = tp_rank_and_size()
-        super().__init__(input_size, divide(output_size, tp_size), bias, 0)
+        super().__init__(input_size, divide(output_size, tp_size), bias, 0, quant=quant)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs fused into one GEMM (gate_proj + up_proj)."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 quant: Fp8Format | None = None):
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias)
+        super().__init__(input_size, sum(output_sizes), bias, quant)
 
-    def lora_slice_sizes(self) -> tuple[int, ...]:
-        return tuple(size // self.tp_size for size in self.output_sizes)
+    def local_output_sizes(self, output_size: int) -> list[int]:
+        return [size // self.tp_size for size in self.output_sizes]
 
     def fits_fused_decode(self) -> bool:
         """Whether gate_up_silu takes this layer: a gate and an up projection of one size."""
         from nanovllm.kernels.fused_linear import fits_gate_up
         weight, sizes = self.weight, self.output_sizes
-        return len(sizes) == 2 and sizes[0] == sizes[1] and weight.is_contiguous() \
+        return self.quant is None and len(sizes) == 2 and sizes[0] == sizes[1] \
+            and weight.is_contiguous() \
             and fits_gate_up(weight.shape[1], weight.shape[0] // 2, weight.dtype)
 
     def gate_up_silu(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,64 +157,64 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         from nanovllm.kernels.fused_linear import gate_up_silu
         return gate_up_silu(x, self.weight, self.bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      shard_id: int) -> None:
+    def shard(self, shard_id: int) -> tuple[Rows, Cols]:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
-        target = param.data.narrow(0, offset, size)
-        target.copy_(loaded_weight.chunk(self.tp_size, 0)[self.tp_rank])
+        return (offset, self.tp_rank * size, size), None
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one GEMM; each rank holds its heads of all three."""
 
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int,
-                 total_num_kv_heads: int, bias: bool = False):
+                 total_num_kv_heads: int, bias: bool = False, quant: Fp8Format | None = None):
         _, tp_size = tp_rank_and_size()
         self.head_dim = head_dim
         self.num_heads = divide(total_num_heads, tp_size)
         self.num_kv_heads = divide(total_num_kv_heads, tp_size)
         output_size = (total_num_heads + 2 * total_num_kv_heads) * head_dim
-        super().__init__(hidden_size, output_size, bias)
+        super().__init__(hidden_size, output_size, bias, quant)
 
-    def lora_slice_sizes(self) -> tuple[int, ...]:
+    def local_output_sizes(self, output_size: int) -> list[int]:
         kv_size = self.num_kv_heads * self.head_dim
-        return (self.num_heads * self.head_dim, kv_size, kv_size)
+        return [self.num_heads * self.head_dim, kv_size, kv_size]
 
     def fits_fused_decode(self) -> bool:
         """Whether qkv_rope_store (Attention.decode_projected) takes this layer's sizes."""
         from nanovllm.kernels.fused_linear import fits_qkv
         weight = self.weight
-        return weight.is_contiguous() and fits_qkv(weight.shape[1], self.head_dim, weight.dtype)
+        return self.quant is None and weight.is_contiguous() \
+            and fits_qkv(weight.shape[1], self.head_dim, weight.dtype)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      shard_id: str) -> None:
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
+    def shard(self, shard_id: str) -> tuple[Rows, Cols]:
+        q_size, kv_size, _ = self.local_output_sizes(0)
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size),
                         "v": (q_size + kv_size, kv_size)}[shard_id]
-        target = param.data.narrow(0, offset, size)
-        target.copy_(loaded_weight.chunk(self.tp_size, 0)[self.tp_rank])
+        return (offset, self.tp_rank * size, size), None
 
 
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs summed by all-reduce."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 quant: Fp8Format | None = None):
         _, tp_size = tp_rank_and_size()
         # k_major: from that layout cuBLAS ran Qwen3-0.6B's o_proj twice as fast below 8 rows
-        # on the H200 and tied or won elsewhere (other shapes: docs/benchmarks.md)
-        super().__init__(divide(input_size, tp_size), output_size, bias, 1, k_major=True)
+        # on the H200 and tied or won elsewhere (other shapes: docs/benchmarks.md); FP8 codes
+        # stay [output, input], the layout the FP8 GEMMs read
+        super().__init__(divide(input_size, tp_size), output_size, bias, 1,
+                         k_major=quant is None, quant=quant)
 
     def fits_fused_decode(self) -> bool:
         """Whether split_k_linear takes this layer: one rank, no bias, the k-major weight."""
         from nanovllm.kernels.fused_linear import fits_split_k
         weight = self.weight
-        return self.tp_size == 1 and self.bias is None and weight.t().is_contiguous() \
+        return self.quant is None and self.tp_size == 1 and self.bias is None \
+            and weight.t().is_contiguous() \
             and fits_split_k(weight.shape[1], weight.shape[0], weight.dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        if param.dim() == 1:  # the bias is added once, on rank 0 only
+        if param is self.bias:  # the bias is added once, on rank 0 only
             param.data.copy_(loaded_weight if self.tp_rank == 0 else 0 * loaded_weight)
             return
         super().weight_loader(param, loaded_weight)
@@ -189,7 +222,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T (+ b) summed over the ranks: [tokens, output] in x's dtype."""
         # A LoRA delta from this rank's slice of A is partial too: the all-reduce sums it
-        y = self.apply_lora(x, F.linear(x, self.weight, self.bias))
+        y = self.apply_lora(x, self.linear(x, self.bias))
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y

@@ -25,6 +25,7 @@ from nanovllm.layers.linear import (
     divide,
     tp_rank_and_size,
 )
+from nanovllm.layers.quantization import QuantConfig, linear_format
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 
 
@@ -51,6 +52,7 @@ class DecoderSpec:
     sliding_windows: tuple[int | None, ...]  # per layer; None: full causal attention
     rope: dict  # layers.rotary_embedding.rope_parameters(): rope_type, rope_theta, ...
     moe: MoeSpec | None = None
+    quant: QuantConfig | None = None  # the linear layers' weight format (None: model dtype)
 
 
 class DecoderAttention(nn.Module):
@@ -66,11 +68,15 @@ class DecoderAttention(nn.Module):
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         self.head_dim = head_dim
+        prefix = f"model.layers.{layer_idx}.self_attn."  # checkpoint names, for the ignore list
+        qkv_names = [prefix + name for name in ("q_proj", "k_proj", "v_proj")]
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim,
                                           config.num_attention_heads,
-                                          config.num_key_value_heads, bias=spec.qkv_bias)
+                                          config.num_key_value_heads, bias=spec.qkv_bias,
+                                          quant=linear_format(spec.quant, qkv_names))
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim,
-                                        config.hidden_size, bias=spec.o_bias)
+                                        config.hidden_size, bias=spec.o_bias,
+                                        quant=linear_format(spec.quant, [prefix + "o_proj"]))
         self.attn = Attention(self.num_heads, head_dim, head_dim ** -0.5, self.num_kv_heads,
                               rotary_emb, config.rms_norm_eps if spec.qk_norm else None,
                               spec.sliding_windows[layer_idx])
@@ -93,12 +99,14 @@ class DecoderAttention(nn.Module):
 class DecoderMLP(nn.Module):
     """Gated SiLU MLP, gate and up in one GEMM; DecoderLayer runs down_proj (project_add_norm)."""
 
-    def __init__(self, config: PretrainedConfig, spec: DecoderSpec):
+    def __init__(self, config: PretrainedConfig, spec: DecoderSpec, prefix: str):
         super().__init__()
+        gate_up = linear_format(spec.quant, [prefix + "gate_proj", prefix + "up_proj"])
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2, bias=spec.mlp_bias)
+            config.hidden_size, [config.intermediate_size] * 2, bias=spec.mlp_bias, quant=gate_up)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
-                                           bias=spec.mlp_bias)
+                                           bias=spec.mlp_bias,
+                                           quant=linear_format(spec.quant, [prefix + "down_proj"]))
         self.act_fn = SiluAndMul()
 
     def gated(self, x: torch.Tensor) -> torch.Tensor:
@@ -128,12 +136,13 @@ class DecoderLayer(nn.Module):
                  layer_idx: int):
         super().__init__()
         self.self_attn = DecoderAttention(config, spec, rotary_emb, layer_idx)
-        moe = spec.moe
+        moe, prefix = spec.moe, f"model.layers.{layer_idx}.mlp."
         if moe is not None and moe.sparse_layers[layer_idx]:
             self.mlp = SparseMoeBlock(config.hidden_size, moe.num_experts, moe.top_k,
-                                      moe.intermediate_size, moe.norm_topk_prob)
+                                      moe.intermediate_size, moe.norm_topk_prob,
+                                      linear_format(spec.quant, [prefix + "experts"]))
         else:
-            self.mlp = DecoderMLP(config, spec)
+            self.mlp = DecoderMLP(config, spec, prefix)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 

@@ -5,11 +5,12 @@ field out means what it means to transformers; a field that changes the math and
 implement is an error, never ignored.
 """
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 from transformers import PretrainedConfig
 
+from nanovllm.layers.quantization import QuantConfig
 from nanovllm.models.decoder import DecoderForCausalLM, DecoderSpec, MoeSpec
 
 _COMMON = dict(hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False)
@@ -147,7 +148,8 @@ def decoder_spec(cfg: PretrainedConfig) -> DecoderSpec:
     return DecoderSpec(head_dim=cfg.head_dim, rope=cfg.rope_parameters, **flags)
 
 
-def build_model(cfg: PretrainedConfig) -> nn.Module:
-    """The model for a config read by config.read_config_json (parameters uninitialised)."""
+def build_model(cfg: PretrainedConfig, quant: QuantConfig | None = None) -> nn.Module:
+    """The model for a config read by config.read_config_json (parameters uninitialised), its
+    linear layers in the weight format `quant` describes."""
     arch = next(a for a in cfg.architectures if a in ARCHITECTURES)
-    return ARCHITECTURES[arch].model_class(cfg, decoder_spec(cfg))
+    return ARCHITECTURES[arch].model_class(cfg, replace(decoder_spec(cfg), quant=quant))

@@ -94,7 +94,7 @@ class ModelRunner:
         torch.set_default_dtype(config.torch_dtype)
         try:
             with self.device:
-                model = build_model(config.hf_config)
+                model = build_model(config.hf_config, config.quant_config)
         finally:
             torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":

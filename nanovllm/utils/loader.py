@@ -7,6 +7,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+FP8_CODES = torch.float8_e4m3fn  # FP8 weights' codes (layers.quantization)
+FP8_MAX = 448.0
+
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
     param.data.copy_(loaded_weight)
@@ -61,6 +64,8 @@ def _resolver(model: nn.Module) -> Callable[[str], Resolved]:
     def resolve(name: str) -> Resolved:
         for fragment, replacement in renamed.items():
             name = name.replace(fragment, replacement)
+        if name.endswith(".input_scale"):
+            return None, ()  # llm-compressor's static FP8 activation scale: ours are dynamic
         if target := expert_weight(name):
             param_name, shard_id, expert_id = target
             param = params.get(param_name)
@@ -80,9 +85,19 @@ def _resolver(model: nn.Module) -> Callable[[str], Resolved]:
 
 @torch.no_grad()
 def load_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Random weights in [-1e-3, 1e-3] (vLLM's load_format="dummy"); norm weights stay 1."""
+    """Random weights in [-1e-3, 1e-3] (vLLM's load_format="dummy"); norm weights stay 1. FP8
+    codes are drawn over their range and their scales (parameters with a `scale_block`) map it
+    to the same [-1e-3, 1e-3]."""
     device = next(model.parameters()).device  # drawn where the weights live: 8B values
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
-        if not name.endswith("norm.weight"):
+        if name.endswith("norm.weight"):
+            continue
+        if param.dtype == FP8_CODES:
+            for row in param.view(-1, param.shape[-1]).split(4096):  # bounded bf16 scratch
+                row.copy_(torch.empty_like(row, dtype=torch.bfloat16).uniform_(
+                    -FP8_MAX, FP8_MAX, generator=generator))
+        elif hasattr(param, "scale_block"):
+            param.fill_(1e-3 / FP8_MAX)
+        else:
             param.uniform_(-1e-3, 1e-3, generator=generator)

@@ -1,4 +1,5 @@
-"""FP8 KV cache accuracy: teacher-forced logits of an FP8 cache against the model-dtype cache.
+"""FP8 KV cache accuracy: teacher-forced logits of an FP8 cache against the model-dtype cache;
+with --weights, of FP8 weights (quantization="fp8", W8A8 per channel) against the bf16 weights.
 
 For each checkpoint (two tiny random ones, and a random bf16 checkpoint of Qwen3-0.6B's shape),
 each attention backend available (torch on CPU; triton on CUDA) and both scale policies (1.0,
@@ -8,7 +9,7 @@ paged decode) and their logits compared with the bf16 run's at every step: argma
 max and mean |logit error|.
 
     python -m tests.accuracy.fp8_accuracy [--checkpoints tiny qwen3-0.6b] [--num-prompts 8]
-                                          [--backends triton] [--json FILE]
+                                          [--backends triton] [--weights] [--json FILE]
 """
 import argparse
 import json
@@ -110,17 +111,20 @@ def compare(ref_tokens: list[list[int]], ref: list[torch.Tensor], fp8: list[torc
             "mean_err": err_sum / count}
 
 
-def measure(name: str, backend: str, num_prompts: int) -> list[dict]:
-    """The bf16-cache run, then both FP8 policies teacher-forced along its tokens."""
+def measure(name: str, backend: str, num_prompts: int, weights: bool = False) -> list[dict]:
+    """The bf16 run, then both FP8-cache policies (or, with `weights`, FP8 weights quantized at
+    load) teacher-forced along its tokens."""
     path = checkpoint(name)
     llm = engine(path, backend, "auto")
     batch = prompts(llm.config.hf_config.vocab_size, num_prompts)
     ref_tokens, ref = teacher_forced(llm, batch, None)
     llm.shutdown()
     rows = []
-    for policy, calculate in POLICIES.items():
+    runs = {"fp8 weights": ("auto", False, "fp8")} if weights else \
+        {policy: ("fp8", calculate, None) for policy, calculate in POLICIES.items()}
+    for policy, (kv_cache_dtype, calculate, quantization) in runs.items():
         t0 = time.perf_counter()
-        llm = engine(path, backend, "fp8", calculate)
+        llm = engine(path, backend, kv_cache_dtype, calculate, quantization=quantization)
         scales = [(a.k_scale, a.v_scale) for a in llm.model_runner.attn_layers]
         _, fp8 = teacher_forced(llm, batch, ref_tokens)
         llm.shutdown()
@@ -140,14 +144,17 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+",
                         default=["triton"] if torch.cuda.is_available() else ["torch"])
     parser.add_argument("--num-prompts", type=int, default=8, choices=range(1, 9))
+    parser.add_argument("--weights", action="store_true",
+                        help="FP8 weights (quantization='fp8') instead of an FP8 KV cache")
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args()
     rows = [row for name in args.checkpoints for backend in args.backends
-            for row in measure(name, backend, args.num_prompts)]
+            for row in measure(name, backend, args.num_prompts, args.weights)]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    print(f"\nFP8 KV vs bf16 KV, teacher-forced, {NUM_TOKENS} tokens per prompt")
+    what = "FP8 weights vs bf16 weights" if args.weights else "FP8 KV vs bf16 KV"
+    print(f"\n{what}, teacher-forced, {NUM_TOKENS} tokens per prompt")
     print(f"{'checkpoint':<15} {'backend':<7} {'policy':<10} {'prompts':>7} {'agree':>8} "
           f"{'max|err|':>9} {'mean|err|':>10}")
     for r in rows:

@@ -1,0 +1,138 @@
+"""W8A8 FP8 linear layers on the GPU: activations quantized per token group by a Triton kernel,
+then a GEMM of FP8 codes that applies both scales in its epilogue (kernels.fp8_torch is the
+reference and describes the layout).
+
+- Block-scaled weights (Qwen's FP8 releases, [128, 128] blocks): our Triton GEMM, one K step per
+  block, each step's partial product times its token-group and weight-block scales.
+- Per-channel weights: torch._scaled_mm (cuBLAS, rowwise scales) where it takes the shapes and
+  dtype, else the same Triton GEMM with one group spanning all of K.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.fp8_torch import FP8_DTYPE, SCALE_EPS
+
+
+@triton.jit
+def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, group, stride_xm, stride_qm, stride_sm,
+                        eps, BLOCK: tl.constexpr):
+    """Grid (tokens, groups): scale = max|x| / 448 over one token's group, codes = x / scale."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    start = g * group
+    amax = tl.zeros([BLOCK], tl.float32)
+    for k0 in range(0, group, BLOCK):
+        offs = start + k0 + tl.arange(0, BLOCK)
+        mask = (k0 + tl.arange(0, BLOCK) < group) & (offs < K)
+        x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, 0), eps) / 448.0  # fp8_torch.FP8_MAX, e4m3's largest
+    for k0 in range(0, group, BLOCK):
+        offs = start + k0 + tl.arange(0, BLOCK)
+        mask = (k0 + tl.arange(0, BLOCK) < group) & (offs < K)
+        x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+        q = tl.clamp(x / scale, -448.0, 448.0)
+        tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * stride_sm + g, scale)
+
+
+def per_token_group_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [M, K] -> (codes [M, K] float8, scales [M, ceil(K/group)] float32), as
+    kernels.fp8_torch.per_token_group_quant_torch."""
+    assert x.dim() == 2 and x.stride(1) == 1
+    m, k = x.shape
+    groups = triton.cdiv(k, group)
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    block = min(triton.next_power_of_2(group), 1024)
+    _group_quant_kernel[(m, groups)](x, q, s, k, group, x.stride(0), q.stride(0), s.stride(0),
+                                     SCALE_EPS, BLOCK=block, num_warps=4 if block >= 512 else 1)
+    return q, s
+
+
+@triton.jit
+def _w8a8_gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K, group_n, group_k,
+                      stride_am, stride_bn, stride_cm, stride_asm, stride_bsn,
+                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    """c[m, n] = sum over K steps of (a . b^T) * a_scale[m, step] * b_scale[n // gn, step]:
+    BLOCK_K divides group_k, so every step lies in one scale group."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]  # [BK, BN]
+    as_ptrs = as_ptr + offs_m.to(tl.int64) * stride_asm
+    bs_ptrs = bs_ptr + (offs_n // group_n).to(tl.int64) * stride_bsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k + k0 < K
+        a = tl.load(a_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        a_s = tl.load(as_ptrs + k0 // group_k, mask=m_mask, other=0.0)
+        b_s = tl.load(bs_ptrs + k0 // group_k, mask=n_mask, other=0.0)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _tiles(m: int, group_k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, stages): narrow N tiles for decode-sized M, so that a few
+    tokens still give the GPU many programs; K steps of at most 128 that divide a power-of-two
+    group (a per-channel group, all of K, has one scale for every step)."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 256 else 128
+    block_n = 64 if m <= 64 else 128
+    return block_m, block_n, min(triton.next_power_of_2(group_k), 128), 4 if m <= 64 else 3
+
+
+def w8a8_gemm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor,
+              weight_scale: torch.Tensor, groups: tuple[int, int], bias: torch.Tensor | None,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M, K] and weight [N, K] FP8 codes with their group scales -> [M, N] in out_dtype;
+    groups (gn, gk) of the weight's scales, and a's groups span gk too."""
+    m, k = a.shape
+    n = weight.shape[0]
+    group_n, group_k = groups
+    assert weight.stride(1) == 1 and a.stride(1) == 1 and weight_scale.stride(1) == 1
+    c = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    block_m, block_n, block_k, stages = _tiles(m, group_k)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _w8a8_gemm_kernel[grid](
+        a, weight, c, a_scale, weight_scale, bias if bias is not None else c, m, n, k,
+        group_n, group_k, a.stride(0), weight.stride(0), c.stride(0), a_scale.stride(0),
+        weight_scale.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=4, num_stages=stages)
+    return c
+
+
+def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether cuBLAS's rowwise-scaled FP8 GEMM takes these: CUDA, K and N multiples of 16, a
+    16-bit output."""
+    n, k = weight.shape
+    return x.is_cuda and k % 16 == 0 and n % 16 == 0 and x.dtype in (torch.bfloat16,
+                                                                       torch.float16)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               block: tuple[int, int] | None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b) in x's dtype, as kernels.fp8_torch.fp8_linear_torch; x [..., K]."""
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    groups = block if block is not None else (1, k)
+    codes, scales = per_token_group_quant(x2, groups[1])
+    if block is None and _scaled_mm_fits(x2, weight):
+        y = torch._scaled_mm(codes, weight.t(), scale_a=scales, scale_b=weight_scale.view(1, n),
+                             bias=bias, out_dtype=x.dtype)
+    else:
+        y = w8a8_gemm(codes, scales, weight, weight_scale, groups, bias, x.dtype)
+    return y.reshape(*x.shape[:-1], n)
+

@@ -1,0 +1,97 @@
+"""The W8A8 FP8 Triton kernels vs their torch reference (kernels.fp8_torch): the activation
+quantization, the block-scaled GEMM and fp8_linear's dispatch. On CPU under TRITON_INTERPRET
+with tiny shapes; on CUDA the same tests, plus layer-sized shapes (marked gpu)."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
+
+import pytest  # noqa: E402
+
+from nanovllm.kernels.fp8_gemm import fp8_linear, per_token_group_quant, w8a8_gemm  # noqa: E402
+from nanovllm.kernels.fp8_torch import (  # noqa: E402
+    FP8_DTYPE,
+    fp8_linear_torch,
+    per_token_group_quant_torch,
+    quantize_groups,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The interpreter rounds to e4m3 wrongly where rounding up carries into the exponent (x.97 ->
+# a power of two comes out as half of it); the GPU rounds as torch does.
+MIN_EXACT_CODES = 0.999 if DEVICE == "cuda" else 0.95
+
+
+def _activations(m: int, k: int, dtype: torch.dtype = torch.float32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    # rows and groups of very different magnitude: a scale taken from the wrong group shows
+    x = torch.randn(m, k, generator=g) * 2.0 ** torch.randint(-4, 5, (m, 1), generator=g)
+    return x.to(DEVICE, dtype)
+
+
+def _weight(n: int, k: int, block: tuple[int, int] | None, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 2.0 ** torch.randint(-3, 4, (n, 1), generator=g)
+    codes, scale = quantize_groups(w, *(block or (1, k)))
+    return codes.to(DEVICE), scale.to(DEVICE)
+
+
+@pytest.mark.parametrize("m,k,group", [(3, 64, 16), (5, 80, 32), (2, 48, 48), (1, 1100, 1100)])
+def test_per_token_group_quant_matches_the_reference(m, k, group):
+    x = _activations(m, k)
+    codes, scales = per_token_group_quant(x, group)
+    ref_codes, ref_scales = per_token_group_quant_torch(x, group)
+    torch.testing.assert_close(scales, ref_scales, rtol=1e-6, atol=0)
+    assert codes.dtype == FP8_DTYPE
+    exact = (codes.float() == ref_codes.float()).float().mean().item()
+    assert exact >= MIN_EXACT_CODES, exact
+
+
+@pytest.mark.parametrize("m,n,k,block", [(1, 48, 64, (32, 32)), (17, 40, 80, (16, 32)),
+                                         (5, 32, 96, None)])
+def test_w8a8_gemm_applies_both_scales_per_group(m, n, k, block):
+    """Given the reference's codes and scales, the GEMM is the reference's product."""
+    x = _activations(m, k)
+    weight, weight_scale = _weight(n, k, block)
+    groups = block or (1, k)
+    codes, scales = per_token_group_quant_torch(x, groups[1])
+    bias = torch.randn(n, device=DEVICE)
+    out = w8a8_gemm(codes, scales, weight, weight_scale, groups, bias, torch.float32)
+    ref = fp8_linear_torch(x, weight, weight_scale, block, bias)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("block", [(32, 32), None])
+def test_fp8_linear_matches_the_reference(block):
+    x = _activations(9, 64)
+    weight, weight_scale = _weight(32, 64, block)
+    out = fp8_linear(x, weight, weight_scale, block)
+    ref = fp8_linear_torch(x, weight, weight_scale, block)
+    # a few codes may round differently (see MIN_EXACT_CODES): a few ulps of e4m3 in the sum
+    torch.testing.assert_close(out, ref, rtol=0.05, atol=0.02 * ref.abs().max().item())
+
+
+def test_a_transposed_block_scale_is_caught():
+    """The comparison above can fail: the same codes with the weight's scale grid transposed."""
+    x = _activations(4, 64)
+    weight, weight_scale = _weight(64, 64, (32, 32))
+    out = fp8_linear(x, weight, weight_scale.t().contiguous(), (32, 32))
+    ref = fp8_linear_torch(x, weight, weight_scale, (32, 32))
+    assert not torch.allclose(out, ref, rtol=0.05, atol=0.02 * ref.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 7, 64, 300])
+@pytest.mark.parametrize("block", [(128, 128), None])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
+def test_layer_sized_fp8_linear_on_cuda(m, block, n, k):
+    """Llama-3.1-8B's qkv_proj and down_proj shapes in bf16: the Triton block GEMM, and
+    torch._scaled_mm per channel, against the torch reference on the GPU."""
+    x = _activations(m, k, torch.bfloat16)
+    weight, weight_scale = _weight(n, k, block)
+    bias = torch.randn(n, device=DEVICE, dtype=torch.bfloat16)
+    out = fp8_linear(x, weight, weight_scale, block, bias).float()
+    ref = fp8_linear_torch(x, weight, weight_scale, block, bias).float()
+    torch.testing.assert_close(out, ref, rtol=0.02, atol=0.01 * ref.abs().max().item())

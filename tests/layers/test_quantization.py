@@ -1,0 +1,99 @@
+"""Weight formats: what quantization_config and LLM(quantization=...) accept, the errors for what
+they do not, and FP8 layers kept off the bf16 decode fast path."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from nanovllm.config import Config
+from nanovllm.layers.backends import FastPath, TorchBackend, bind_backend
+from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.quantization import Fp8Format, QuantConfig, resolve_quant_config
+from tests.fp8_checkpoints import quantization_config
+
+BLOCK = QuantConfig("fp8", (128, 128), "weight_scale_inv")
+
+
+def with_quantization_config(src: str, dst: str, quant: dict | None) -> str:
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = quant
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    return dst
+
+
+def test_the_released_formats_resolve():
+    block = resolve_quant_config(quantization_config("block", 128), None)
+    assert (block.method, block.weight_block_size, block.scale_name) == \
+        ("fp8", (128, 128), "weight_scale_inv")
+    channel = resolve_quant_config(quantization_config("channel", 128), "fp8")
+    assert (channel.method, channel.weight_block_size, channel.scale_name, channel.ignore) == \
+        ("compressed-tensors", None, "weight_scale", ("lm_head",))
+    assert resolve_quant_config(None, "fp8").method == "online"
+    assert resolve_quant_config(None, None) is None
+
+
+@pytest.mark.parametrize("quant,quantization,message", [
+    ({"quant_method": "awq", "bits": 4}, None, "quant_method='awq' is not supported"),
+    ({"quant_method": "gptq"}, "fp8", "quant_method='gptq' is not supported"),
+    ({"quant_method": "bitsandbytes"}, None, "'fp8', 'compressed-tensors'"),
+    (None, "int8", "quantization='int8' is not supported"),
+    ({**quantization_config("block", 128), "activation_scheme": "static"}, None,
+     "activation_scheme='static'"),
+    ({**quantization_config("block", 128), "weight_block_size": [100, 128]}, None,
+     "weight_block_size=\\[100, 128\\]"),
+    ({**quantization_config("block", 128), "weight_block_size": None}, None, "per-tensor"),
+    ({**quantization_config("channel", 128), "format": "pack-quantized"}, None,
+     "format='pack-quantized'"),
+])
+def test_unsupported_quantization_is_a_value_error_before_loading(tiny_model, tmp_path, quant,
+                                                                  quantization, message):
+    path = with_quantization_config(tiny_model, str(tmp_path / "ckpt"), quant)
+    with pytest.raises(ValueError, match=message):
+        Config(path, device="cpu", quantization=quantization)
+
+
+def test_lora_over_fp8_weights_is_refused(tiny_model):
+    with pytest.raises(ValueError, match="enable_lora=True with FP8 weights"):
+        Config(tiny_model, device="cpu", quantization="fp8", enable_lora=True)
+
+
+def test_compressed_tensors_int_weights_are_refused():
+    quant = quantization_config("channel", 128)
+    quant["config_groups"]["group_0"]["weights"].update(type="int", num_bits=4)
+    with pytest.raises(ValueError, match="FP8"):
+        resolve_quant_config(quant, None)
+
+
+def test_the_ignore_list_matches_names_suffixes_and_patterns():
+    config = QuantConfig("compressed-tensors", None, "weight_scale",
+                         ("lm_head", "re:.*layers\\.1\\..*", "self_attn.o_proj"))
+    assert config.quantizes(["model.layers.0.mlp.down_proj"])
+    assert not config.quantizes(["model.layers.1.mlp.down_proj"])
+    assert not config.quantizes(["model.layers.0.self_attn.o_proj"])
+    with pytest.raises(ValueError, match="as a whole"):
+        QuantConfig("fp8", None, "w", ("q_proj",)).quantizes(["a.q_proj", "a.k_proj"])
+
+
+def test_a_shard_that_starts_inside_a_block_is_a_value_error():
+    with pytest.raises(ValueError, match="does not divide"):
+        MergedColumnParallelLinear(256, [96, 96], quant=Fp8Format(BLOCK))
+    RowParallelLinear(96, 100, quant=Fp8Format(BLOCK))  # one rank: partial edge blocks are fine
+
+
+def test_fp8_layers_never_take_the_fused_decode_kernels():
+    """bind_backend's fused projections are for bf16 weights: FP8 layers run their FP8 GEMM."""
+    layers = [QKVParallelLinear(256, 128, 2, 1, quant=Fp8Format(BLOCK)),
+              MergedColumnParallelLinear(256, [256, 256], quant=Fp8Format(BLOCK)),
+              RowParallelLinear(256, 256, quant=Fp8Format(BLOCK))]
+    model = torch.nn.ModuleList(layers)
+    bind_backend(model, TorchBackend(FastPath(fused_ops=True, fused_projections=True)))
+    for layer in layers:
+        assert not layer.fits_fused_decode()
+        assert layer.fused_decode_max_tokens == 0
+        assert layer.fp8_linear is not None
+        assert layer.weight.dtype == torch.float8_e4m3fn
