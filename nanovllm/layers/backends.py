@@ -48,6 +48,13 @@ class FastPath:
     # Decode projections carrying the kernel after them (kernels.fused_linear), in decode steps
     # of at most the FUSED_*_MAX_TOKENS below, in the layers whose shapes the kernels take
     fused_projections: bool = False
+    # The sampler's fast path (temperature alone) as one Triton kernel (kernels.sample)
+    fused_sampler: bool = False
+
+    @property
+    def any(self) -> bool:
+        """Whether any fused kernel runs."""
+        return self.fused_ops or self.fused_projections or self.fused_sampler
 
 
 # The largest decode step, in tokens, that runs each projection's fused kernel: up to there each
@@ -59,10 +66,12 @@ FUSED_SPLIT_K_MAX_TOKENS = 256  # o_proj and down_proj as split-K partials (RowP
 
 
 def plan_fast_path(name: str, device: str) -> FastPath:
-    """Fused ops on CUDA but for torch (the reference); fused projections from sm_90 (TMA)."""
+    """Fused ops on CUDA but for torch (the reference); fused projections from sm_90 (TMA); the
+    fused sampler on CUDA with every backend."""
     fused_ops = device == "cuda" and name != "torch"
     return FastPath(fused_ops=fused_ops,
-                    fused_projections=fused_ops and torch.cuda.get_device_capability()[0] >= 9)
+                    fused_projections=fused_ops and torch.cuda.get_device_capability()[0] >= 9,
+                    fused_sampler=device == "cuda")
 
 
 class TorchBackend:
@@ -78,6 +87,7 @@ class TorchBackend:
     def __init__(self, fast_path: FastPath = FastPath()) -> None:
         from nanovllm.kernels import attention_torch, fused_moe_torch, store_kvcache
         self.fast_path = fast_path
+        self.runs_triton = fast_path.any  # so the runner warms its kernels up (runner.warmup)
         self.fused_moe = fused_moe_torch.fused_moe_torch
         self.store_kvcache = store_kvcache.store_kvcache_torch
         self._prefill = attention_torch.prefill_attention_torch
@@ -135,6 +145,7 @@ class TritonBackend(TorchBackend):
             store_kvcache,
         )
         self.fast_path = fast_path
+        self.runs_triton = True
         self.fused_moe = fused_moe.fused_moe
         self.store_kvcache = store_kvcache.store_kvcache
         self._prefill = attention_triton.prefill_attention_triton  # same signatures
@@ -154,6 +165,7 @@ class FlashAttnBackend(TorchBackend):
         from nanovllm.kernels.fused_moe import fused_moe
         from nanovllm.kernels.store_kvcache import store_kvcache
         self.fast_path = fast_path
+        self.runs_triton = True  # its K/V write, experts and our fused ops
         self.fused_moe = fused_moe
         self.store_kvcache = store_kvcache
         self._varlen = flash_attn_varlen_func
