@@ -24,6 +24,7 @@ from torch import nn
 from nanovllm.kernels.kv_quant import FP8_DTYPE
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.fused_calibration import layer_class
 from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import (
@@ -57,12 +58,18 @@ class FastPath:
         return self.fused_ops or self.fused_projections or self.fused_sampler
 
 
-# The largest decode step, in tokens, that runs each projection's fused kernel: up to there each
-# beat cuBLAS + the kernel it absorbs, measured on the H200 for Qwen3-0.6B's shapes
-# (docs/benchmarks.md); larger steps keep the separate kernels.
+# The largest decode step, in tokens, that runs each projection's fused kernel until start-up
+# measures it on the model's own shapes (layers.fused_calibration, on CUDA), and the limits
+# bound when NANOVLLM_FUSED_LIMITS=fixed (A/B runs): up to there each beat cuBLAS + the kernel
+# it absorbs on the H200 for Qwen3-0.6B's shapes (docs/benchmarks.md).
 FUSED_QKV_MAX_TOKENS = 256  # qkv_proj + q/k norm + RoPE + K/V write (QKVParallelLinear)
 FUSED_GATE_UP_MAX_TOKENS = 64  # gate_up_proj + SiLU-and-mul (MergedColumnParallelLinear)
 FUSED_SPLIT_K_MAX_TOKENS = 256  # o_proj and down_proj as split-K partials (RowParallelLinear)
+
+
+def measures_fused_limits(fast_path: FastPath) -> bool:
+    """Whether start-up measures the fused projections' limits (else the fixed ones stay)."""
+    return fast_path.fused_projections and os.environ.get("NANOVLLM_FUSED_LIMITS") != "fixed"
 
 
 def plan_fast_path(name: str, device: str) -> FastPath:
@@ -266,8 +273,10 @@ def _fused_decode_max_tokens(linear: LinearBase) -> int:
     return 0
 
 
-def bind_backend(model: nn.Module, backend: TorchBackend) -> None:
-    """Give each layer what it runs, from the backend and its fast path (again: replaces it)."""
+def bind_backend(model: nn.Module, backend: TorchBackend,
+                 fused_limits: dict[tuple, int] | None = None) -> None:
+    """Give each layer what it runs, from the backend and its fast path (again: replaces it);
+    fused_limits: measured {layer class: largest fused decode step} (fused_calibration)."""
     fast_path = backend.fast_path
     # attention and experts: the backend; RMSNorm and SiLU-and-mul: their Triton kernel or not;
     # projections: the largest decode step that runs their fused kernel (0: none, also where
@@ -279,4 +288,7 @@ def bind_backend(model: nn.Module, backend: TorchBackend) -> None:
             module.fused = fast_path.fused_ops
         elif isinstance(module, LinearBase):
             fits = fast_path.fused_projections and module.fits_fused_decode()
-            module.fused_decode_max_tokens = _fused_decode_max_tokens(module) if fits else 0
+            limit = _fused_decode_max_tokens(module)
+            if fused_limits is not None:
+                limit = fused_limits.get(layer_class(module), limit)
+            module.fused_decode_max_tokens = limit if fits else 0

@@ -9,7 +9,12 @@ import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.backends import bind_backend, select_backend
+from nanovllm.layers.backends import bind_backend, measures_fused_limits, select_backend
+from nanovllm.layers.fused_calibration import (
+    CALIBRATION_MAX_TOKENS,
+    calibrate,
+    cuda_graph_time,
+)
 from nanovllm.layers.linear import tp_rank_and_size
 from nanovllm.layers.penalties import Penalties, TokenCounts
 from nanovllm.layers.sampler import Sampler, SamplingTensors
@@ -72,6 +77,10 @@ class ModelRunner:
             warm_up_peak(self, calibrate)
             self.startup_s["warmup"] = perf_counter() - t0
         self.num_kvcache_blocks = self.allocate_kv_cache()
+        if config.device == "cuda" and measures_fused_limits(self.backend.fast_path):
+            t0 = perf_counter()
+            self.calibrate_fused_limits()
+            self.startup_s["calibrate"] = perf_counter() - t0
         if needs_kernel_warmup(config.device, self.backend.runs_triton):
             t0 = perf_counter()
             graph_sizes = graph_batch_sizes(config.max_num_seqs) if self.use_cuda_graph else []
@@ -105,6 +114,18 @@ class ModelRunner:
         layer = self.attn_layers[0]
         return (2 * len(self.attn_layers) * self.block_size * layer.num_kv_heads
                 * layer.head_dim * self.config.kv_cache_torch_dtype.itemsize)
+
+    @torch.inference_mode()
+    def calibrate_fused_limits(self) -> None:
+        """Bind each projection class the decode steps its fused kernel wins (measured)."""
+        # the step sizes decode runs: the CUDA graphs' (a lone sequence pads to 2), else all
+        sizes = graph_batch_sizes(self.config.max_num_seqs) if self.use_cuda_graph else \
+            sorted({1, *graph_batch_sizes(self.config.max_num_seqs)})
+        limits = calibrate(self.model, [n for n in sizes if n <= CALIBRATION_MAX_TOKENS],
+                           cuda_graph_time)
+        bind_backend(self.model, self.backend, limits)
+        logger.info("fused decode projections up to (tokens, measured): %s",
+                    ", ".join(f"{name} {list(shape)}: {n}" for (name, shape), n in limits.items()))
 
     def allocate_kv_cache(self) -> int:
         """Size the KV pool, allocate it (create_kv_cache) and return its block count."""
