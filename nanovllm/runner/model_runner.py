@@ -124,6 +124,7 @@ class ModelRunner:
         limits = calibrate(self.model, [n for n in sizes if n <= CALIBRATION_MAX_TOKENS],
                            cuda_graph_time)
         bind_backend(self.model, self.backend, limits)
+        torch.cuda.empty_cache()  # the timing graphs' pools: the KV pool is sized already
         logger.info("fused decode projections up to (tokens, measured): %s",
                     ", ".join(f"{name} {list(shape)}: {n}" for (name, shape), n in limits.items()))
 
