@@ -1,19 +1,27 @@
-"""Which Triton kernels compile inside a timed run on a machine with an empty Triton cache.
+"""A fresh process on an empty Triton cache: how long LLM() takes, which kernel variants still
+compile inside the first timed generate(), and its throughput against a warm run.
 
-TRITON_CACHE_DIR=$(mktemp -d) python -m benchmarks.cold_compiles [bench.py flags]
+python -m benchmarks.cold_compiles [bench.py flags, e.g. --attention-backend triton, --shape]
 
-Runs bench.py (its flags pass through) and lists every kernel variant that reached the cache
-during a timed generate(), i.e. after start-up and the untimed warm-up had compiled theirs: each
-one is a compile the user's first real run pays. A variant is named by its kernel and the
-argument attributes of its specialisation (divisibility by 16, equal to 1, constants).
+Sets TRITON_CACHE_DIR to a new empty directory unless one is given (it must then be empty).
+No untimed generate() runs first: the first timed run is what a user's first call gets. A
+variant is named by its kernel and the argument attributes of its specialisation (divisibility
+by 16, equal to 1, constants); every one listed is a compile start-up's warm-up missed.
 """
-import glob
 import os
-import re
 import sys
+import tempfile
 
-import bench
-from benchmarks import scenarios
+if not os.environ.get("TRITON_CACHE_DIR"):  # before anything imports triton
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="nanovllm-triton-")
+
+import glob  # noqa: E402
+import re  # noqa: E402
+from time import perf_counter  # noqa: E402
+
+import bench  # noqa: E402
+from benchmarks import workloads  # noqa: E402
+from benchmarks.runs import measure  # noqa: E402
 
 
 def _variants(cache: str) -> set[str]:
@@ -30,24 +38,43 @@ def _describe(path: str) -> str:
     return f"{head.group(1)} " + " ".join(f"{name}[{a.strip()}]" for name, a in attrs)
 
 
+def _timed_run(llm, prompts: list, params: list, cache: str, label: str) -> float:
+    """One timed generate(); prints its tok/s and the variants that compiled inside it."""
+    before = _variants(cache)
+    run = measure(llm, prompts, params)
+    new = sorted(_variants(cache) - before)
+    print(f"{label}: {run['output_tok_s']:,.0f} tok/s, {run['total_s']:.2f} s; "
+          f"compiled inside it: {len(new)}")
+    for path in new:
+        print("  " + _describe(path))
+    return run["output_tok_s"]
+
+
 def main() -> None:
-    cache = os.environ.get("TRITON_CACHE_DIR")
-    if not cache:
-        raise SystemExit("set TRITON_CACHE_DIR to an empty directory first")
-    measure = scenarios.measure
-
-    def timed(*args, **kwargs):
-        before = _variants(cache)
-        result = measure(*args, **kwargs)
-        new = sorted(_variants(cache) - before)
-        print(f"compiled inside the timed run: {len(new)}")
-        for path in new:
-            print("  " + _describe(path))
-        return result
-
-    scenarios.measure = timed
+    cache = os.environ["TRITON_CACHE_DIR"]
+    if _variants(cache):
+        raise SystemExit(f"TRITON_CACHE_DIR={cache} is not empty: give an empty directory")
     sys.argv = ["bench.py", "--random-weights", *sys.argv[1:]]
-    bench.main()
+    args = bench.parse_args()
+    path = bench.resolve_model(args)
+    from nanovllm import LLM
+    size = workloads.sizes("throughput", args.tiny)
+    prompts, params = workloads.standard(**size, max_id=workloads.max_token_id(path),
+                                         seed=args.seed)
+    t0 = perf_counter()
+    llm = LLM(path, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
+              kvcache_block_size=args.block_size, attention_backend=args.attention_backend,
+              load_format=args.load_format, kv_cache_dtype=args.kv_cache_dtype)
+    startup_s = perf_counter() - t0
+    parts = ", ".join(f"{k} {v:.1f} s" for k, v in llm.model_runner.startup_s.items())
+    print(f"LLM() on an empty Triton cache: {startup_s:.1f} s ({parts}); "
+          f"{len(_variants(cache))} variants compiled; backend {llm.config.attention_backend}")
+    try:
+        first = _timed_run(llm, prompts, params, cache, "first run")
+        warm = _timed_run(llm, prompts, params, cache, "warm run")
+    finally:
+        llm.shutdown()
+    print(f"first run / warm run: {first / warm:.3f}")
 
 
 if __name__ == "__main__":

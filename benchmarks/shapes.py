@@ -75,3 +75,66 @@ def write_shape(name: str, path: str, weight_format: str = "bf16") -> str:
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     return path
+
+
+# Shapes the fused-limits A/B alternates, with prompts per timed run: the standard workload for
+# the 0.6B shape, fewer for the large ones so that 3 rounds fit in ~8 minutes on an H200.
+AB_SHAPES = {"qwen3-0.6b": 256, "llama-3.1-8b": 128, "qwen3-30b-a3b": 64}
+AB_MODES = ("measured", "fixed")  # NANOVLLM_FUSED_LIMITS: start-up measures them, or not
+
+
+def _tok_s(path: str, num_seqs: int, tiny: bool) -> float:
+    """Output tok/s of one timed standard-workload run on a fresh engine (one untimed request
+    first, as bench.py)."""
+    from benchmarks import workloads
+    from benchmarks.runs import measure
+    from nanovllm import LLM, SamplingParams
+    size = dict(workloads.sizes("throughput", tiny), num_seqs=num_seqs)
+    prompts, params = workloads.standard(**size, max_id=workloads.max_token_id(path), seed=0)
+    llm = LLM(path, max_model_len=4096, load_format="auto" if tiny else "dummy")
+    try:
+        llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+        return measure(llm, prompts, params)["output_tok_s"]
+    finally:
+        llm.shutdown()
+
+
+def fused_limits_ab(rounds: int, tiny: bool = False) -> dict[tuple[str, str], list[float]]:
+    """tok/s per (shape, mode) over `rounds` rounds, the modes' order alternating by round."""
+    import tempfile
+
+    from benchmarks.random_checkpoints import build_checkpoint
+    root = tempfile.mkdtemp(prefix="nanovllm-shapes-")
+    shapes = {"tiny": 4} if tiny else AB_SHAPES
+    paths = {name: build_checkpoint(os.path.join(root, name)) if tiny
+             else write_shape(name, os.path.join(root, name)) for name in shapes}
+    results: dict[tuple[str, str], list[float]] = {}
+    for r in range(rounds):
+        for name, num_seqs in shapes.items():
+            for mode in AB_MODES if r % 2 == 0 else AB_MODES[::-1]:
+                os.environ["NANOVLLM_FUSED_LIMITS"] = mode
+                tok_s = _tok_s(paths[name], num_seqs, tiny)
+                results.setdefault((name, mode), []).append(tok_s)
+                print(f"round {r + 1} {name} {mode}: {tok_s:,.0f} tok/s", flush=True)
+    return results
+
+
+def main() -> None:
+    """python -m benchmarks.shapes [--rounds 3]: fused-projection limits measured at start-up
+    against the fixed ones, alternated on each A/B shape; prints the medians."""
+    import argparse
+    import statistics
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tiny", action="store_true", help="a tiny random model (CPU smoke test)")
+    args = p.parse_args()
+    results = fused_limits_ab(args.rounds, args.tiny)
+    print("| shape | measured limits tok/s | fixed limits tok/s | measured / fixed |")
+    print("|---|---|---|---|")
+    for name in dict.fromkeys(name for name, _ in results):
+        on, off = (statistics.median(results[(name, mode)]) for mode in AB_MODES)
+        print(f"| {name} | {on:,.0f} | {off:,.0f} | {on / off:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

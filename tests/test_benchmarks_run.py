@@ -17,7 +17,6 @@ ELSEWHERE = {
     "__init__.py": BENCH, "runs.py": BENCH, "scenarios.py": BENCH, "workloads.py": BENCH,
     "report.py": BENCH, "rl.py": BENCH, "structured.py": BENCH,
     "random_checkpoints.py": ("tests/conftest.py", "benchmarks.random_checkpoints"),
-    "shapes.py": ("tests/test_floor.py", "benchmarks.shapes"),
     "step_floor.py": ("tests/test_step_floor.py", "benchmarks.step_floor"),
     "ceilings.py": ("tests/test_ceilings.py", "benchmarks.ceilings"),
     "serve.py": ("tests/serve/test_serve_bench.py", "benchmarks.serve"),
@@ -42,7 +41,14 @@ def ok(proc: subprocess.CompletedProcess, *expected: str) -> None:
 def cold_compiles(tmp_path: Path) -> None:
     proc = run(sys.executable, "-m", "benchmarks.cold_compiles", "--tiny", tmp_path=tmp_path,
                TRITON_CACHE_DIR=str(tmp_path / "triton"))
-    ok(proc, "compiled inside the timed run:", "median output throughput")
+    ok(proc, "LLM() on an empty Triton cache:", "first run: ", "compiled inside it: 0",
+       "first run / warm run:")
+
+
+def shapes(tmp_path: Path) -> None:
+    proc = run(sys.executable, "-m", "benchmarks.shapes", "--tiny", "--rounds", "2",
+               tmp_path=tmp_path)
+    ok(proc, "round 2 tiny fixed: ", "| shape | measured limits tok/s |", "| tiny | ")
 
 
 def floor(tmp_path: Path) -> None:
@@ -99,7 +105,7 @@ def soak(tmp_path: Path) -> None:
 
 # File -> its smallest CPU case, run here.
 CASES = {"cold_compiles.py": cold_compiles, "floor.py": floor, "gpu_figures.sh": gpu_figures,
-         "plot.py": plot, "profile_steps.py": profile_steps, "soak.py": soak}
+         "plot.py": plot, "profile_steps.py": profile_steps, "shapes.py": shapes, "soak.py": soak}
 SLOW = {"gpu_figures.sh", "profile_steps.py"}  # each takes ~20-30 s on CPU
 
 

@@ -15,19 +15,26 @@ LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) == exp2(x * log2(e)
 
 
 @triton.jit
-def _locate_tile(cu_q_ptr, num_seqs, BLOCK_M: tl.constexpr, SEQS_P2: tl.constexpr):
+def _locate_tile(cu_q_ptr, num_seqs, BLOCK_M: tl.constexpr, SEQS_CHUNK: tl.constexpr):
     """Map program_id(0) to (sequence, first query of its tile); seq >= num_seqs if surplus."""
     tile = tl.program_id(0)
-    seqs = tl.arange(0, SEQS_P2)
-    valid = seqs < num_seqs
-    starts = tl.load(cu_q_ptr + seqs, mask=valid, other=0)
-    ends = tl.load(cu_q_ptr + seqs + 1, mask=valid, other=0)
-    num_tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
     # Tiles are numbered sequence after sequence: the sequences whose tiles all come before
     # this one give its sequence index (their count) and its first tile (their tile sum).
-    before = tl.cumsum(num_tiles, axis=0) <= tile
-    seq = tl.sum(before.to(tl.int32), axis=0)
-    first = tl.sum(tl.where(before, num_tiles, 0), axis=0)
+    # SEQS_CHUNK sequences at a time: one compiled variant serves every batch size. Entries
+    # past num_seqs have no tiles, so a surplus program counts them all (seq >= num_seqs).
+    seq = 0
+    first = 0
+    done = 0  # tiles of the chunks before this one
+    for base in range(0, num_seqs, SEQS_CHUNK):
+        seqs = base + tl.arange(0, SEQS_CHUNK)
+        valid = seqs < num_seqs
+        starts = tl.load(cu_q_ptr + seqs, mask=valid, other=0)
+        ends = tl.load(cu_q_ptr + seqs + 1, mask=valid, other=0)
+        num_tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+        before = done + tl.cumsum(num_tiles, axis=0) <= tile
+        seq += tl.sum(before.to(tl.int32), axis=0)
+        first += tl.sum(tl.where(before, num_tiles, 0), axis=0)
+        done += tl.sum(num_tiles, axis=0)
     return seq, (tile - first) * BLOCK_M
 
 
@@ -88,20 +95,21 @@ def _attend_tiles(q, k_ptr, v_ptr, block_tables_ptr, seq, k_start, len_k, q_pos,
     return m_i, l_i, acc
 
 
-# num_seqs changes every step: specialising on its value (1, multiple of 16) would compile new
-# variants mid-run; window likewise stays a plain int (SLIDING alone picks the variant).
-@triton.jit(do_not_specialize=["num_seqs", "window"])
+# num_seqs and stride_bt (the widest block table) change every step: specialising on their
+# values (1, multiple of 16) would compile new variants mid-run; window likewise stays a plain
+# int (SLIDING alone picks the variant).
+@triton.jit(do_not_specialize=["stride_bt", "num_seqs", "window"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr, block_tables_ptr,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
     stride_bt, qk_scale, v_scale, num_seqs, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEQS_P2: tl.constexpr, PAGED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEQS_CHUNK: tl.constexpr, PAGED: tl.constexpr,
     PRECISION: tl.constexpr, SLIDING: tl.constexpr,
 ):
     """Grid (query tiles, H): causal attention of one [BLOCK_M, D] query tile of one head."""
     head = tl.program_id(1)
-    seq, m_start = _locate_tile(cu_q_ptr, num_seqs, BLOCK_M, SEQS_P2)
+    seq, m_start = _locate_tile(cu_q_ptr, num_seqs, BLOCK_M, SEQS_CHUNK)
     if seq >= num_seqs:  # surplus program of the upper-bound grid
         return
     q_start = tl.load(cu_q_ptr + seq)
@@ -217,10 +225,7 @@ def prefill_attention_triton(
         window,
         GROUP=num_heads // keys.shape[-2], HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PRECISION=dot_precision(q.dtype),
-        SLIDING=window > 0,
-        # At least 64: the warm-up's small batches compile the variant that typical prefill
-        # batches (<= 64 sequences) use, instead of one per power of two inside a timed run.
-        SEQS_P2=max(64, triton.next_power_of_2(num_seqs)),
+        SLIDING=window > 0, SEQS_CHUNK=64,
         num_warps=warps, num_stages=stages,
     )
     return out

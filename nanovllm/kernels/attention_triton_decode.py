@@ -54,8 +54,9 @@ def _attend_chunk(q, k_cache_ptr, v_cache_ptr, pages, page0, lo_n, hi_n, lo, kv_
 
 
 # num_splits is a plain argument, not specialised: the split count depends on the batch size,
-# and a constant would compile a variant per CUDA-graph size (seconds of cold start-up).
-@triton.jit(do_not_specialize=["num_splits", "window"])
+# and a constant would compile a variant per CUDA-graph size (seconds of cold start-up); so is
+# stride_bt, the block tables' width, which an eager step takes from its longest sequence.
+@triton.jit(do_not_specialize=["stride_bt", "num_splits", "window"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, context_lens_ptr, block_tables_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_qb, stride_qh, stride_bt, stride_ob,
@@ -189,6 +190,7 @@ def decode_attention_triton(
         if window:  # only the window is read (from a tile boundary)
             max_keys = min(max_keys, window + block_n - 1)
         num_splits = _num_splits(batch, num_kv_heads, max_keys)
+    assert 1 <= num_splits <= _MAX_SPLITS, f"num_splits={num_splits}: 1..{_MAX_SPLITS}"
     group = num_heads // num_kv_heads
     # fp32 scratch sized from shapes only (no data-dependent allocation under graph capture);
     # with one split (large batches: programs enough) the kernel writes `out`, and no reduce runs.
@@ -211,7 +213,8 @@ def decode_attention_triton(
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
             part_m, part_l, part_acc, out, out.stride(0), out.stride(1), num_splits,
-            NUM_HEADS=num_heads, SPLITS_P2=triton.next_power_of_2(num_splits),
+            # the most splits, whatever this step's count: one compiled variant
+            NUM_HEADS=num_heads, SPLITS_P2=_MAX_SPLITS,
             HEAD_DIM=head_dim, **launch_options(),
         )
     return out

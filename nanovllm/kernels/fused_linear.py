@@ -40,7 +40,9 @@ def _pair_gemm(w_desc, x_desc, row_a, row_b, tok0, K, BLOCK_T: tl.constexpr,
     return acc_a, acc_b
 
 
-@triton.jit
+# M, the step's token count, only masks: specialising on it (1, multiple of 16) would compile
+# variants per batch size.
+@triton.jit(do_not_specialize=["M"])
 def _qkv_rope_store_kernel(w_desc, x_desc, bias_ptr, q_out_ptr, qn_w_ptr, kn_w_ptr, pos_ptr,
                            cs_ptr, stride_cs, k_cache_ptr, v_cache_ptr, slot_ptr, M, K, eps,
                            k_inv_scale, v_inv_scale, NUM_Q_HEADS: tl.constexpr,
@@ -106,7 +108,7 @@ def _qkv_rope_store_kernel(w_desc, x_desc, bias_ptr, q_out_ptr, qn_w_ptr, kn_w_p
         tl.store(v_dst + HALF, quantize_kv(x2, v_inv_scale, kv_dtype, FP8), mask=kv_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _gate_up_silu_kernel(w_desc, x_desc, bias_ptr, out_ptr, M, K, inter,
                          HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                          STAGES: tl.constexpr, USE_PDL: tl.constexpr):
@@ -132,7 +134,7 @@ def _gate_up_silu_kernel(w_desc, x_desc, bias_ptr, out_ptr, M, K, inter,
     tl.store(out_ptr + toks.to(tl.int64) * inter + cols, (silu * up).to(dtype), mask=toks < M)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _split_k_kernel(wt_desc, x_desc, part_ptr, M, N, K_SPLIT, BLOCK_T: tl.constexpr,
                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (N / 64, splits, token tiles): part[split] = x[:, ks] @ W[:, ks].T (ks: the split's

@@ -45,7 +45,9 @@ def _scaled_dot(a, b, acc, a_scale_ptrs, b_scale_ptrs, row_mask, n_mask, k0, gro
     return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
-@triton.jit
+# num_slots (tokens x top_k) and num_blocks change every step: specialising on them would
+# compile variants per batch size.
+@triton.jit(do_not_specialize=["num_slots"])
 def _gate_up_silu_kernel(x_ptr, w13_ptr, h_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                          num_slots, top_k, N, K, stride_xm, stride_we, stride_wn, stride_hm,
                          xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, group_n, group_k,
@@ -84,7 +86,7 @@ def _gate_up_silu_kernel(x_ptr, w13_ptr, h_ptr, sorted_ids_ptr, expert_ids_ptr, 
         tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def _down_kernel(h_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr,
                  num_padded_ptr, num_slots, N, K, stride_hm, stride_we, stride_wn, stride_om,
                  hs_ptr, ws_ptr, stride_hsm, stride_wse, stride_wsn, group_n, group_k,
@@ -122,7 +124,7 @@ def block_m_for(num_slots: int, num_experts: int) -> int:
     return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def _count_kernel(ids_ptr, counts_ptr, num_slots, BLOCK: tl.constexpr):
     """counts[e] += the slots of this chunk routed to expert e."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -131,7 +133,7 @@ def _count_kernel(ids_ptr, counts_ptr, num_slots, BLOCK: tl.constexpr):
     tl.atomic_add(counts_ptr + expert, 1, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_blocks"])
 def _offsets_kernel(counts_ptr, starts_ptr, expert_ids_ptr, num_padded_ptr, num_experts,
                     num_blocks, BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr):
     """Each expert's padded group start, the padded total, and the expert of every row block."""
@@ -150,7 +152,7 @@ def _offsets_kernel(counts_ptr, starts_ptr, expert_ids_ptr, num_padded_ptr, num_
         tl.store(expert_ids_ptr + block, expert, mask=block < num_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def _scatter_kernel(ids_ptr, starts_ptr, cursors_ptr, sorted_ids_ptr, num_slots,
                     BLOCK: tl.constexpr):
     """sorted_ids[start[e] + next free row of e] = slot; the order within a group is arbitrary

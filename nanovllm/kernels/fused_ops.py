@@ -7,7 +7,7 @@ import triton.language as tl
 from nanovllm.kernels.pdl import launch_options, wait_then_release
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_split"])  # tokens x hidden: changes every step
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res,
                      stride_split, eps, H: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr,
                      PARTIALS: tl.constexpr, USE_PDL: tl.constexpr):

@@ -1,6 +1,7 @@
 """Every kernel choice in one place, made once per run, in this order:
 
-1. resolve_attention_backend (Config calls it): which attention backend runs;
+1. resolve_attention_backend (Config calls it): which attention backend runs ('auto': triton on
+   CUDA, the fastest measured; torch elsewhere);
 2. select_backend: that backend, with its FastPath (plan_fast_path): which fused kernels run;
 3. bind_backend: each layer gets what it runs; layers and models never choose kernels.
 
@@ -24,6 +25,7 @@ from torch import nn
 from nanovllm.kernels.kv_quant import FP8_DTYPE
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.fused_calibration import layer_class
 from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import (
@@ -48,21 +50,36 @@ class FastPath:
     # Decode projections carrying the kernel after them (kernels.fused_linear), in decode steps
     # of at most the FUSED_*_MAX_TOKENS below, in the layers whose shapes the kernels take
     fused_projections: bool = False
+    # The sampler's fast path (temperature alone) as one Triton kernel (kernels.sample)
+    fused_sampler: bool = False
+
+    @property
+    def any(self) -> bool:
+        """Whether any fused kernel runs."""
+        return self.fused_ops or self.fused_projections or self.fused_sampler
 
 
-# The largest decode step, in tokens, that runs each projection's fused kernel: up to there each
-# beat cuBLAS + the kernel it absorbs, measured on the H200 for Qwen3-0.6B's shapes
-# (docs/benchmarks.md); larger steps keep the separate kernels.
+# The largest decode step, in tokens, that runs each projection's fused kernel until start-up
+# measures it on the model's own shapes (layers.fused_calibration, on CUDA), and the limits
+# bound when NANOVLLM_FUSED_LIMITS=fixed (A/B runs): up to there each beat cuBLAS + the kernel
+# it absorbs on the H200 for Qwen3-0.6B's shapes (docs/benchmarks.md).
 FUSED_QKV_MAX_TOKENS = 256  # qkv_proj + q/k norm + RoPE + K/V write (QKVParallelLinear)
 FUSED_GATE_UP_MAX_TOKENS = 64  # gate_up_proj + SiLU-and-mul (MergedColumnParallelLinear)
 FUSED_SPLIT_K_MAX_TOKENS = 256  # o_proj and down_proj as split-K partials (RowParallelLinear)
 
 
+def measures_fused_limits(fast_path: FastPath) -> bool:
+    """Whether start-up measures the fused projections' limits (else the fixed ones stay)."""
+    return fast_path.fused_projections and os.environ.get("NANOVLLM_FUSED_LIMITS") != "fixed"
+
+
 def plan_fast_path(name: str, device: str) -> FastPath:
-    """Fused ops on CUDA but for torch (the reference); fused projections from sm_90 (TMA)."""
+    """Fused ops on CUDA but for torch (the reference); fused projections from sm_90 (TMA); the
+    fused sampler on CUDA with every backend."""
     fused_ops = device == "cuda" and name != "torch"
     return FastPath(fused_ops=fused_ops,
-                    fused_projections=fused_ops and torch.cuda.get_device_capability()[0] >= 9)
+                    fused_projections=fused_ops and torch.cuda.get_device_capability()[0] >= 9,
+                    fused_sampler=device == "cuda")
 
 
 class TorchBackend:
@@ -84,6 +101,7 @@ class TorchBackend:
             store_kvcache,
         )
         self.fast_path = fast_path
+        self.runs_triton = fast_path.any  # so the runner warms its kernels up (runner.warmup)
         self.fused_moe = fused_moe_torch.fused_moe_torch
         self.add_lora = lora_torch.add_lora_torch
         self.fp8_linear = fp8_torch.fp8_linear_torch  # W8A8 layers (layers.quantization)
@@ -145,6 +163,7 @@ class TritonBackend(TorchBackend):
             store_kvcache,
         )
         self.fast_path = fast_path
+        self.runs_triton = True
         self.fused_moe = fused_moe.fused_moe
         self.add_lora = lora.add_lora_triton
         self.fp8_linear = fp8_gemm.fp8_linear
@@ -168,6 +187,7 @@ class FlashAttnBackend(TorchBackend):
         from nanovllm.kernels.lora import add_lora_triton
         from nanovllm.kernels.store_kvcache import store_kvcache
         self.fast_path = fast_path
+        self.runs_triton = True  # its K/V write, experts and our fused ops
         self.fused_moe = fused_moe
         self.add_lora = add_lora_triton
         self.fp8_linear = fp8_linear
@@ -203,22 +223,30 @@ class FlashAttnBackend(TorchBackend):
         return out.squeeze(1)
 
 
+def _resolve_auto(device: str) -> str:
+    """'auto': triton on CUDA (the fastest measured), torch elsewhere; logs the pick and why."""
+    if device != "cuda":
+        logger.info("attention_backend='auto' -> 'torch': no CUDA device (the reference path)")
+        return "torch"
+    # Triton for prefill too: one backend keeps one K/V read path (cached prefixes, FP8), and
+    # prefill is a small share of a step mix's time, where the decode gain decides.
+    logger.info("attention_backend='auto' -> 'triton': the fastest measured on the H200 "
+                "(standard workload, aff7a6c: 27,504 tok/s against flash-attn's 25,260)")
+    return "triton"
+
+
 def resolve_attention_backend(name: str, device: str, dtype: torch.dtype,
                               kv_cache_dtype: str = "auto") -> str:
     """The backend `name` resolves to, or an error naming why it cannot run (Config, once)."""
-    # name is 'auto' or in BACKENDS (Config checked it before reading the model). 'auto':
-    # flash-attn if importable on CUDA with fp16/bf16 and a cache in the model dtype, else
-    # triton on CUDA, torch on CPU.
+    # name is 'auto' or in BACKENDS (Config checked it before reading the model).
     if name == "flash-attn" and kv_cache_dtype == "fp8":
         raise ValueError("attention_backend='flash-attn' cannot read kv_cache_dtype='fp8' (the "
                          "installed flash-attn ignores FP8 descale factors): use 'triton' or "
                          "'auto'")
+    if name == "auto":
+        return _resolve_auto(device)
     has_flash = importlib.util.find_spec("flash_attn") is not None
     half = dtype in (torch.float16, torch.bfloat16)  # FlashAttention has no float32 kernels
-    if name == "auto":
-        if device != "cuda":
-            return "torch"
-        return "flash-attn" if has_flash and half and kv_cache_dtype == "auto" else "triton"
     if name == "flash-attn" and not has_flash:
         raise ImportError("attention_backend='flash-attn' needs flash-attn: "
                           "pip install 'nanovllm[flash]'")
@@ -262,8 +290,10 @@ def _fused_decode_max_tokens(linear: LinearBase) -> int:
     return 0
 
 
-def bind_backend(model: nn.Module, backend: TorchBackend) -> None:
-    """Give each layer what it runs, from the backend and its fast path (again: replaces it)."""
+def bind_backend(model: nn.Module, backend: TorchBackend,
+                 fused_limits: dict[tuple, int] | None = None) -> None:
+    """Give each layer what it runs, from the backend and its fast path (again: replaces it);
+    fused_limits: measured {layer class: largest fused decode step} (fused_calibration)."""
     fast_path = backend.fast_path
     # attention and experts: the backend; RMSNorm and SiLU-and-mul: their Triton kernel or not;
     # projections: the largest decode step that runs their fused kernel (0: none, also where
@@ -278,6 +308,9 @@ def bind_backend(model: nn.Module, backend: TorchBackend) -> None:
             # FP8 layers (fits_fused_decode says no) and LoRA layers: never a fused decode kernel
             lora = module.lora_a is not None
             fits = fast_path.fused_projections and module.fits_fused_decode() and not lora
-            module.fused_decode_max_tokens = _fused_decode_max_tokens(module) if fits else 0
+            limit = _fused_decode_max_tokens(module)
+            if fused_limits is not None:
+                limit = fused_limits.get(layer_class(module), limit)
+            module.fused_decode_max_tokens = limit if fits else 0
             module.lora_op = backend.add_lora if lora else None
             module.fp8_linear = backend.fp8_linear if module.quant is not None else None

@@ -1,10 +1,11 @@
 """Token sampling without host syncs (the sampled ids' .tolist() is the only one).
 
 Fast path, when no row uses top-k/top-p/min-p/seed: the exponential race argmax(l / T - log E),
-E ~ Exp(1); on CUDA one Triton kernel (kernels.sample) with Philox noise keyed by a per-step
-seed from torch's CPU RNG. Full path: l / T, then min_p, top_k and top_p as -inf masks, then
-the same draw with E = -log U, U a counter-based hash of (seed, position, vocab index): a
-seeded row draws the same noise whatever its batch. Greedy rows (T = 0) take argmax(l).
+E ~ Exp(1); on CUDA (FastPath.fused_sampler) one Triton kernel (kernels.sample) with Philox
+noise keyed by a per-step seed from torch's CPU RNG. Full path: l / T, then min_p, top_k and
+top_p as -inf masks, then the same draw with E = -log U, U a counter-based hash of (seed,
+position, vocab index): a seeded row draws the same noise whatever its batch. Greedy rows
+(T = 0) take argmax(l).
 A structured output's token bitmask (layers.token_bitmask) sets disallowed tokens to -inf
 first; then steering (layers.steering: allowed_token_ids, bad_words, min_tokens, logit_bias),
 then the penalties (layers.penalties), in vLLM V1's order; they and logprobs run only for a
@@ -144,8 +145,9 @@ class Sampler(nn.Module):
     the bitmask and steering); "processed": of the distribution sampled from (after them, the
     penalties, temperature and filters; greedy rows: after them and the penalties)."""
 
-    def __init__(self, logprobs_mode: str = "raw"):
+    def __init__(self, logprobs_mode: str = "raw", fused: bool = False):
         super().__init__()
+        self.fused = fused  # the fast path's draw as one Triton kernel (FastPath.fused_sampler)
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={logprobs_mode!r} is invalid: expected one of "
                              f"{LOGPROBS_MODES}")
@@ -210,7 +212,7 @@ class Sampler(nn.Module):
 
     def race(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
         """The fast path: exponential race (fused kernel on CUDA), argmax for greedy rows."""
-        if logits.is_cuda:
+        if self.fused:
             # Imported here: CPU-only runs never import Triton (as for the attention backends).
             from nanovllm.kernels.sample import race_sample
             # The seed comes from torch's CPU RNG: torch.manual_seed governs it, and no sync.

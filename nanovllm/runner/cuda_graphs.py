@@ -6,20 +6,29 @@ from nanovllm.config import Config
 from nanovllm.runner.step_inputs import DecodeInputs
 from nanovllm.utils.context import forward_context
 
+# Powers of two and their midpoints: 1, 2, 3, 4, 6, 8, 12, ... 384, 512
+BATCH_LADDER = sorted({b * m // 2 for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) for m in (2, 3)})
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Batch sizes with a graph: 2, 3, 4, 6, 8, ... below min(max_num_seqs, 512), and that."""
+    # Powers of two and their midpoints: a decode step reads every weight whatever its batch,
+    # so padding a batch up costs little, and fewer graphs start faster (upstream captures
+    # every 16th). A lone sequence runs in the graph of 2.
+    max_bs = min(max_num_seqs, 512)
+    return [b for b in BATCH_LADDER if 1 < b < max_bs] + [max_bs]
+
 
 @torch.inference_mode()  # graph input buffers are inference tensors
 def capture_decode_graphs(model: nn.Module, config: Config, max_num_blocks: int,
                           device: torch.device
                           ) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor],
                                      torch.Tensor]:
-    """(graphs, input buffers, output buffer) for batches 2, 3, 4, 6, ... min(max_num_seqs, 512)."""
-    # Powers of two and their midpoints, largest first: a decode step reads every weight
-    # whatever its batch, so padding a batch up costs little, and fewer graphs start faster
-    # (upstream captures every 16th). A lone sequence runs in the graph of 2. Each graph reads
-    # its own packed input buffer (DecodeInputs); all share one output buffer and memory pool.
-    max_bs = min(config.max_num_seqs, 512)
-    ladder = sorted({b * m // 2 for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) for m in (2, 3)})
-    graph_bs = [b for b in ladder if 1 < b < max_bs] + [max_bs]
+    """(graphs, input buffers, output buffer) for graph_batch_sizes, captured largest first."""
+    # Each graph reads its own packed input buffer (DecodeInputs); all share one output buffer
+    # and memory pool.
+    graph_bs = graph_batch_sizes(config.max_num_seqs)
+    max_bs = graph_bs[-1]
     outputs = torch.zeros(max_bs, config.hf_config.hidden_size, dtype=config.torch_dtype,
                           device=device)
     graphs, inputs, pool = {}, {}, None

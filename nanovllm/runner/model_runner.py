@@ -1,7 +1,6 @@
 """Runs the model for one rank: weights, the KV pool, step inputs, CUDA graphs."""
 import logging
 import threading
-from contextlib import nullcontext
 from functools import partial
 from time import perf_counter
 
@@ -9,8 +8,13 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.layers.attention import Attention, kv_scale_calibration
-from nanovllm.layers.backends import bind_backend, select_backend
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.backends import bind_backend, measures_fused_limits, select_backend
+from nanovllm.layers.fused_calibration import (
+    CALIBRATION_MAX_TOKENS,
+    calibrate,
+    cuda_graph_time,
+)
 from nanovllm.layers.linear import tp_rank_and_size
 from nanovllm.layers.penalties import Penalties, TokenCounts
 from nanovllm.layers.sampler import Sampler, SamplingTensors
@@ -18,11 +22,11 @@ from nanovllm.layers.steering import Steering
 from nanovllm.layers.token_bitmask import fill_token_bitmask
 from nanovllm.lora.manager import LoRAManager
 from nanovllm.models.registry import build_model
-from nanovllm.runner.cuda_graphs import capture_decode_graphs
+from nanovllm.runner.cuda_graphs import capture_decode_graphs, graph_batch_sizes
 from nanovllm.runner.prompt_logprobs import prompt_logprobs, wants_prompt_logprobs
 from nanovllm.runner.sampled_ids import SampledIds, StepLogits
 from nanovllm.runner.step_inputs import DecodeInputs, prepare_prefill, to_device
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.runner.warmup import needs_kernel_warmup, warm_up_kernels, warm_up_peak
 from nanovllm.sequence import Sequence
 from nanovllm.utils.context import Context, forward_context
 from nanovllm.utils.loader import load_dummy_weights, load_model
@@ -30,8 +34,6 @@ from nanovllm.utils.precision import check_float32_matmuls
 
 logger = logging.getLogger(__name__)
 CPU_KV_POOL_BYTES = 2 << 30  # CPU KV pool of all ranks together when num_kvcache_blocks is -1
-CPU_WARMUP_TOKENS = 1024  # CPU runs warm up only to calibrate FP8 KV scales: 4 x 256 tokens
-_WARMUP_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 
 class ModelRunner:
@@ -65,7 +67,7 @@ class ModelRunner:
         check_float32_matmuls(config.device, config.torch_dtype)
         self.use_cuda_graph = (config.device == "cuda" and not config.enforce_eager
                                and self.backend.cuda_graphs)
-        self.sampler = Sampler(config.logprobs_mode)
+        self.sampler = Sampler(config.logprobs_mode, self.backend.fast_path.fused_sampler)
         self.token_counts = TokenCounts(hf_config.vocab_size, self.device)  # penalties only
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_inputs: dict[int, torch.Tensor] = {}
@@ -78,9 +80,18 @@ class ModelRunner:
         calibrate = config.kv_cache_dtype == "fp8" and config.calculate_kv_scales
         if config.device == "cuda" or calibrate:
             t0 = perf_counter()
-            self.warmup_model(calibrate)
+            warm_up_peak(self, calibrate)
             self.startup_s["warmup"] = perf_counter() - t0
         self.num_kvcache_blocks = self.allocate_kv_cache()
+        if config.device == "cuda" and measures_fused_limits(self.backend.fast_path):
+            t0 = perf_counter()
+            self.calibrate_fused_limits()
+            self.startup_s["calibrate"] = perf_counter() - t0
+        if needs_kernel_warmup(config.device, self.backend.runs_triton):
+            t0 = perf_counter()
+            graph_sizes = graph_batch_sizes(config.max_num_seqs) if self.use_cuda_graph else []
+            warm_up_kernels(self, graph_sizes)
+            self.startup_s["kernels"] = perf_counter() - t0
         if self.use_cuda_graph:
             t0 = perf_counter()
             self.capture_cudagraph()
@@ -110,29 +121,18 @@ class ModelRunner:
         return (2 * len(self.attn_layers) * self.block_size * layer.num_kv_heads
                 * layer.head_dim * self.config.kv_cache_torch_dtype.itemsize)
 
-    def warmup_model(self, calibrate: bool = False) -> None:
-        """Run the largest prefill step once, so the activation peak is known before sizing KV."""
-        # The whole token budget over as many sequences as a step may hold (each samples, so the
-        # LM head's rows peak too). Its random ids, the same on every rank, also calibrate FP8
-        # KV scales (on CPU with a small batch).
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        budget, num_seqs = self.config.max_num_batched_tokens, self.config.max_num_seqs
-        if not cuda:
-            budget, num_seqs = min(budget, CPU_WARMUP_TOKENS), 4
-        num_seqs = min(budget, num_seqs)
-        length = min(budget // num_seqs, self.config.max_model_len)
-        ids = torch.randint(self.config.hf_config.vocab_size, (num_seqs, length),
-                            generator=torch.Generator().manual_seed(0)).tolist()
-        seqs = [Sequence(row, _WARMUP_PARAMS, self.block_size) for row in ids]
-        for seq in seqs:
-            seq.num_scheduled_tokens = len(seq)
-        with kv_scale_calibration(self.attn_layers, self.device) if calibrate else nullcontext():
-            self.run(seqs, True)
-        if cuda:
-            torch.cuda.empty_cache()
+    @torch.inference_mode()
+    def calibrate_fused_limits(self) -> None:
+        """Bind each projection class the decode steps its fused kernel wins (measured)."""
+        # the step sizes decode runs: the CUDA graphs' (a lone sequence pads to 2), else all
+        sizes = graph_batch_sizes(self.config.max_num_seqs) if self.use_cuda_graph else \
+            sorted({1, *graph_batch_sizes(self.config.max_num_seqs)})
+        limits = calibrate(self.model, [n for n in sizes if n <= CALIBRATION_MAX_TOKENS],
+                           cuda_graph_time)
+        bind_backend(self.model, self.backend, limits)
+        torch.cuda.empty_cache()  # the timing graphs' pools: the KV pool is sized already
+        logger.info("fused decode projections up to (tokens, measured): %s",
+                    ", ".join(f"{name} {list(shape)}: {n}" for (name, shape), n in limits.items()))
 
     def allocate_kv_cache(self) -> int:
         """Size the KV pool, allocate it (create_kv_cache) and return its block count."""

@@ -159,6 +159,17 @@ def test_prefill_triton_dense(head_dim: int, group: int, dtype: torch.dtype) -> 
     _close(prefill_attention_triton(*args), prefill_attention_torch(*args), dtype)
 
 
+def test_prefill_triton_many_sequences() -> None:
+    """More sequences than one chunk of the tile search (64), empty ones among them, map each
+    query tile to its own sequence."""
+    lens = [(7 * i) % 23 for i in range(70)]  # 0..22 queries each, several zeros
+    q = torch.randn(sum(lens), KV_HEADS, 16, device=DEVICE)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    cu = _cu(lens)
+    args = (q, k, v, None, None, cu, cu, None, 0.25)
+    _close(prefill_attention_triton(*args), prefill_attention_torch(*args), torch.float32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("block_size", "head_dim", "group"), PAGED_CASES)
 def test_prefill_triton_paged(block_size: int, head_dim: int, group: int,

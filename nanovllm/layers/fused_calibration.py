@@ -1,0 +1,134 @@
+"""Which decode steps run each fused projection kernel, measured at start-up on the model's own
+layers (CUDA): fixed limits tuned on one shape cost another 5-9% (Llama-3.1-8B).
+
+For each projection class (its type and weight shape: qkv_proj, gate_up_proj, o_proj and
+down_proj each once) and each decode step size the engine runs (the CUDA-graph batch sizes up
+to 256), the fused kernel and the unfused path it replaces are each captured in a CUDA graph
+of a few calls (as decode replays them: no launch gaps) and timed by CUDA events. The limit
+bound is the step size up to which the fused kernel runs with the least summed time.
+
+    qkv_proj:      qkv_rope_store                  vs  GEMM + q/k norm, RoPE, K/V write
+    gate_up_proj:  gate_up_silu                    vs  GEMM + SiLU-and-mul
+    o/down_proj:   split_k_linear + partials norm  vs  GEMM + add + RMSNorm
+"""
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.linear import (
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from nanovllm.utils.context import Context, forward_context
+
+CALIBRATION_MAX_TOKENS = 256  # beyond, the GEMMs' own tiles fill the GPU (never measured to win)
+_CALLS_PER_GRAPH, _REPLAYS = 8, 3
+
+LayerClass = tuple[str, tuple[int, ...]]
+StepTimer = Callable[[nn.Module, nn.Module | None, int, bool], float]
+
+
+def layer_class(linear: LinearBase) -> LayerClass:
+    """Projections of one class share a measured limit: their type and weight shape."""
+    return type(linear).__name__, tuple(linear.weight.shape)
+
+
+def choose_max_tokens(sizes: list[int], fused_s: list[float], unfused_s: list[float]) -> int:
+    """The limit t (0 or one of `sizes`, ascending) whose steps, fused up to t and unfused
+    above, take the least summed time; ties keep the smaller limit."""
+    best, best_total = 0, sum(unfused_s)
+    for i, size in enumerate(sizes):
+        total = sum(fused_s[:i + 1]) + sum(unfused_s[i + 1:])
+        if total < best_total:
+            best, best_total = size, total
+    return best
+
+
+def calibrate(model: nn.Module, sizes: list[int], time_step: StepTimer) -> dict[LayerClass, int]:
+    """{layer class: limit} for the projections bound to a fused kernel, the first of each
+    class timed by time_step(projection, its parent module, step size, fused)."""
+    parents = {child: parent for parent in model.modules() for child in parent.children()}
+    limits: dict[LayerClass, int] = {}
+    for module in model.modules():
+        if not isinstance(module, LinearBase) or not module.fused_decode_max_tokens:
+            continue
+        key = layer_class(module)
+        if key not in limits:
+            parent = parents.get(module)
+            fused = [time_step(module, parent, n, True) for n in sizes]
+            unfused = [time_step(module, parent, n, False) for n in sizes]
+            limits[key] = choose_max_tokens(sizes, fused, unfused)
+    return limits
+
+
+def _qkv_step(proj: QKVParallelLinear, parent: nn.Module, x: torch.Tensor, fused: bool
+              ) -> Callable[[], object]:
+    """parent.attend's projection part: q, and K/V into parent.attn's cache."""
+    from nanovllm.kernels.fused_linear import qkv_rope_store
+    attn, n = parent.attn, x.shape[0]
+    # int32 as a decode step's packed inputs; slots of blocks no sequence owns yet
+    positions = torch.arange(n, dtype=torch.int32, device=x.device)
+    slots = torch.arange(n, dtype=torch.int32, device=x.device)
+    norm = attn.q_norm is not None
+    if fused:
+        return lambda: qkv_rope_store(
+            x, proj.weight, proj.bias, attn.num_heads, attn.num_kv_heads, positions,
+            attn.q_norm.weight if norm else None, attn.k_norm.weight if norm else None,
+            attn.q_norm.eps if norm else 0.0, attn.rotary_emb.cos_sin_cache, attn.k_cache,
+            attn.v_cache, slots, (attn.k_scale, attn.v_scale))
+    sizes = [attn.num_heads * attn.head_dim] + 2 * [attn.num_kv_heads * attn.head_dim]
+
+    def unfused() -> object:
+        q, k, v = F.linear(x, proj.weight, proj.bias).split(sizes, dim=-1)
+        q, k, v = (t.view(n, -1, attn.head_dim) for t in (q, k, v))
+        with forward_context(Context(is_prefill=False, slot_mapping=slots)):
+            return attn.backend.rope_and_store(attn, positions, q, k, v)
+    return unfused
+
+
+def _step(proj: LinearBase, parent: nn.Module | None, n: int, fused: bool
+          ) -> Callable[[], object]:
+    """One decode step's work that the projection's fused kernel replaces, for n tokens."""
+    weight = proj.weight
+    x = torch.randn(n, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    if isinstance(proj, QKVParallelLinear):
+        return _qkv_step(proj, parent, x, fused)
+    if isinstance(proj, MergedColumnParallelLinear):
+        act = parent.act_fn
+        if fused:
+            return lambda: proj.gate_up_silu(x)
+        return lambda: act(F.linear(x, weight, proj.bias))
+    assert isinstance(proj, RowParallelLinear)
+    # the add + RMSNorm after it: the next norm's shape, its weight's values do not matter
+    norm = RMSNorm(weight.shape[0]).to(weight.device, weight.dtype)
+    norm.fused = True
+    residual = torch.randn(n, weight.shape[0], dtype=weight.dtype, device=weight.device)
+    if fused:
+        return lambda: norm.add_partials(proj.split_k_partials(x), residual)
+    return lambda: norm(F.linear(x, weight), residual)
+
+
+def cuda_graph_time(proj: LinearBase, parent: nn.Module | None, n: int, fused: bool) -> float:
+    """Seconds per call of _step, from CUDA graphs of _CALLS_PER_GRAPH calls (median replay)."""
+    fn = _step(proj, parent, n, fused)
+    fn()  # compiles its kernels, outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(_CALLS_PER_GRAPH):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(_REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / _CALLS_PER_GRAPH)
+    return sorted(times)[len(times) // 2]

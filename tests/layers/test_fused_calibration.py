@@ -1,0 +1,86 @@
+"""layers.fused_calibration: the limit chosen from timings, one per projection class, and its
+binding (timings injected: the CUDA timer is exercised by benchmarks.shapes on a GPU)."""
+import pytest
+import torch
+
+from benchmarks.random_checkpoints import build_checkpoint
+from nanovllm import LLM
+from nanovllm.layers.backends import (
+    FUSED_GATE_UP_MAX_TOKENS,
+    FastPath,
+    TorchBackend,
+    bind_backend,
+    measures_fused_limits,
+)
+from nanovllm.layers.fused_calibration import calibrate, choose_max_tokens, layer_class
+from nanovllm.layers.linear import (
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+
+SIZES = [2, 3, 4, 6, 8, 16, 64, 128, 256]
+
+
+@pytest.mark.parametrize(("fused", "unfused", "expected"), [
+    ([1] * 9, [2] * 9, 256),  # fused wins everywhere
+    ([3] * 9, [2] * 9, 0),  # loses everywhere
+    ([1, 1, 1, 1, 1, 1, 3, 3, 3], [2] * 9, 16),  # wins up to 16
+    # a lone loss at 3 is outweighed by the wins after it
+    ([1, 2.5, 1, 1, 1, 1, 3, 3, 3], [2] * 9, 16),
+    ([2] * 9, [2] * 9, 0),  # ties keep the unfused path
+])
+def test_choose_max_tokens(fused, unfused, expected) -> None:
+    assert choose_max_tokens(SIZES, fused, unfused) == expected
+
+
+def test_fixed_limits_by_env(monkeypatch) -> None:
+    monkeypatch.delenv("NANOVLLM_FUSED_LIMITS", raising=False)
+    assert measures_fused_limits(FastPath(fused_projections=True))
+    assert not measures_fused_limits(FastPath())
+    monkeypatch.setenv("NANOVLLM_FUSED_LIMITS", "fixed")
+    assert not measures_fused_limits(FastPath(fused_projections=True))
+
+
+def _wins(proj: LinearBase) -> int:
+    """The largest step the fake timer lets each projection's fused kernel win."""
+    if isinstance(proj, RowParallelLinear):  # o_proj [128, 256] and down_proj [128, 384]
+        return 16 if proj.weight.shape[1] == 256 else 0
+    return 64 if isinstance(proj, QKVParallelLinear) else 8
+
+
+def test_calibrate_binds_one_limit_per_class(tmp_path) -> None:
+    """qkv_proj, gate_up_proj, o_proj and down_proj: each class timed once, its limit bound
+    to all its layers; o_proj and down_proj (one type, two shapes) get their own."""
+    path = build_checkpoint(str(tmp_path), hidden_size=128, head_dim=128, num_attention_heads=2,
+                            num_key_value_heads=1, intermediate_size=384)
+    llm = LLM(path, device="cpu", dtype="float16", num_kvcache_blocks=4, max_model_len=512)
+    try:
+        model = llm.model_runner.model
+        backend = TorchBackend(FastPath(fused_projections=True))
+        bind_backend(model, backend)
+        calls = []
+
+        def timer(proj: LinearBase, parent, n: int, fused: bool) -> float:
+            calls.append((layer_class(proj), n, fused))
+            assert parent is not None and proj in list(parent.children())
+            return (1.0 if n <= _wins(proj) else 3.0) if fused else 2.0
+
+        limits = calibrate(model, SIZES, timer)
+        bind_backend(model, backend, limits)
+        kinds = (QKVParallelLinear, MergedColumnParallelLinear, RowParallelLinear)
+        projections = [m for m in model.modules() if type(m) in kinds]
+        assert len(limits) == 4 and len(calls) == 2 * len(SIZES) * 4
+        assert all(m.fused_decode_max_tokens == _wins(m) for m in projections)
+        bind_backend(model, backend)  # without measured limits the fixed ones come back
+        assert all(m.fused_decode_max_tokens == FUSED_GATE_UP_MAX_TOKENS for m in projections
+                   if isinstance(m, MergedColumnParallelLinear))
+    finally:
+        llm.shutdown()
+
+
+def test_calibration_skips_unbound_layers() -> None:
+    """Projections without a fused kernel bound (limit 0) are never timed."""
+    model = torch.nn.Sequential(RowParallelLinear(256, 128).to(torch.float16))
+    assert calibrate(model, SIZES, lambda *a: pytest.fail("timed an unbound layer")) == {}

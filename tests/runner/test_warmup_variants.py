@@ -1,0 +1,111 @@
+"""Warm-up compiles every kernel variant a run reaches (runner.warmup).
+
+Each Triton launch is recorded, under the interpreter, by the specialisation key Triton's JIT
+would compile it under: the kernel, its constexprs, its argument types, the alignment classes of
+its pointers and integers (multiple of 16, equal to 1) and its launch options. The keys a varied
+workload launches after LLM() must all have been launched by LLM()'s warm-up. Every fused path
+is forced on (on CPU the engine binds none), float16 so that the fused projections take it."""
+import inspect
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
+
+import pytest  # noqa: E402
+from triton.backends.compiler import BaseBackend  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from triton.runtime.jit import KernelParam, create_function_from_signature  # noqa: E402
+
+from benchmarks.random_checkpoints import build_checkpoint  # noqa: E402
+from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.layers import backends  # noqa: E402
+from nanovllm.layers.backends import FastPath  # noqa: E402
+from nanovllm.runner import warmup  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="records interpreted launches; on CUDA benchmarks.cold_compiles counts compiles")
+# head_dim 128: the fused projections' half heads are whole 64-row MMA tiles
+SHAPE = dict(hidden_size=128, head_dim=128, num_attention_heads=2, num_key_value_heads=1,
+             intermediate_size=256, vocab_size=512, num_hidden_layers=1)
+
+
+class VariantRecorder:
+    """The specialisation key of every interpreted launch, in launch order."""
+
+    def __init__(self) -> None:
+        self.keys: list[tuple] = []
+        self._binders: dict[InterpretedFunction, object] = {}
+
+    def _binder(self, fn: InterpretedFunction):
+        """Triton's own argument binder for fn, with fn's do_not_specialize lists."""
+        if fn not in self._binders:
+            sig = inspect.signature(fn.fn)
+            plain = fn.kwargs.get("do_not_specialize") or []
+            unaligned = fn.kwargs.get("do_not_specialize_on_alignment") or []
+            params = [KernelParam(i, p, i in plain or p.name in plain,
+                                  i in unaligned or p.name in unaligned)
+                      for i, p in enumerate(sig.parameters.values())]
+            self._binders[fn] = create_function_from_signature(sig, params, BaseBackend)
+        return self._binders[fn]
+
+    def record(self, fn: InterpretedFunction, args: tuple, kwargs: dict) -> None:
+        _, specialization, options = self._binder(fn)(*args, **kwargs)
+        self.keys.append((fn.fn.__name__, repr(specialization), repr(sorted(options.items()))))
+
+
+@pytest.fixture
+def recorder(monkeypatch: pytest.MonkeyPatch) -> VariantRecorder:
+    """Record every launch; bind every fused path (kernels run interpreted)."""
+    recorder, run = VariantRecorder(), InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        recorder.record(self, args, kwargs)
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recording_run)
+    monkeypatch.setattr(warmup, "WARM_UP_INTERPRETED", True)
+    monkeypatch.setattr(backends, "plan_fast_path",
+                        lambda name, device: FastPath(True, True, True))
+    return recorder
+
+
+def _workload(llm: LLM) -> None:
+    """Chunked prompts (a later chunk reads its prefix from the cache, as a prefix-cache hit or
+    a recomputed preempted sequence does), batch sizes 1 to 4, n > 1, logprobs, prompt
+    logprobs, temperature, top-k/top-p, seeds and penalties (interpreted kernels run ~10
+    tokens/s: prompts stay short)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    llm.generate([[1, 2, 3], [(5 * i) % 400 + 3 for i in range(37)]], greedy, use_tqdm=False)
+    llm.generate([[4] * 9, [5] * 6], [
+        SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True, n=2, logprobs=2),
+        SamplingParams(temperature=1.0, top_k=5, top_p=0.9, seed=3, max_tokens=3,
+                       ignore_eos=True)], use_tqdm=False)
+    # alone in its batch, a penalised row takes the fast path on float32 logits
+    llm.generate([[6] * 5], SamplingParams(temperature=0.7, presence_penalty=0.5, max_tokens=3,
+                                           ignore_eos=True, prompt_logprobs=1), use_tqdm=False)
+    assert llm.stats()["prefill_steps"] >= 4  # the 37-token prompt took 3 chunks
+
+
+def test_workload_launches_only_warmed_variants(recorder: VariantRecorder, tmp_path) -> None:
+    checkpoint = build_checkpoint(str(tmp_path / "ckpt"), **SHAPE)
+    llm = LLM(checkpoint, device="cpu", attention_backend="triton", dtype="float16",
+              num_kvcache_blocks=4, max_num_seqs=4, max_num_batched_tokens=16,
+              max_model_len=512)
+    try:
+        warmed = set(recorder.keys)
+        start = len(recorder.keys)
+        _workload(llm)
+        launched = recorder.keys[start:]
+    finally:
+        llm.shutdown()
+    kernels = {key[0] for key in launched}
+    # the workload reaches every kernel family but split decode's reduce (contexts of more
+    # than one block): attention, fused ops, projections, the sampler
+    assert {"_prefill_kernel", "_decode_split_kernel", "_qk_norm_rope_kernel", "_rms_norm_kernel",
+            "_qkv_rope_store_kernel", "_gate_up_silu_kernel", "_split_k_kernel",
+            "_race_kernel"} <= kernels
+    cold = sorted(set(launched) - warmed)
+    assert not cold, "variants the warm-up never compiled:\n" + "\n".join(map(str, cold))
