@@ -102,7 +102,8 @@ def main() -> None:
     prompts, params = standard(**sizes("throughput", False), max_id=max_token_id(base), seed=0)
     mixed = [loras[i % len(loras)] for i in range(len(prompts))]
     plain = LLM(base, max_model_len=4096, gpu_memory_utilization=0.4)
-    with_lora = LLM(base, max_model_len=4096, gpu_memory_utilization=0.4, enable_lora=True,
+    # the fraction counts what the first engine holds: 0.8 leaves this one as much again
+    with_lora = LLM(base, max_model_len=4096, gpu_memory_utilization=0.8, enable_lora=True,
                     max_loras=args.num_adapters, max_lora_rank=args.rank)
     one = ([[7] * 128], SamplingParams(temperature=0, max_tokens=256, ignore_eos=True))
     runs = {k: [] for k in ("base_tok_s", "lora_tok_s", "base_tpot_ms", "lora_tpot_ms")}

@@ -13,10 +13,14 @@ def fill_token_bitmask(matchers: list, vocab_size: int,
     `device`; None when no row has a matcher."""
     if all(matcher is None for matcher in matchers):
         return None
-    # -1: every bit set; pinned on CUDA so the copy is asynchronous
-    bitmask = torch.full((len(matchers), -(-vocab_size // 32)), -1, dtype=torch.int32,
-                         pin_memory=device.type == "cuda")
+    # pinned on CUDA so the copy is asynchronous; empty, not full: a parallel fill of the
+    # whole mask would leave torch's OpenMP threads spinning on the cores xgrammar fills on
+    bitmask = torch.empty((len(matchers), -(-vocab_size // 32)), dtype=torch.int32,
+                          pin_memory=device.type == "cuda")
     rows = [row for row, matcher in enumerate(matchers) if matcher is not None]
+    free = [row for row, matcher in enumerate(matchers) if matcher is None]
+    if free:
+        bitmask[free] = -1  # every bit set: any token
     # xgrammar fills the rows on its own threads (a large batch's rows take ~10 us each)
     _batch_matcher().batch_fill_next_token_bitmask([matchers[r] for r in rows], bitmask, rows)
     return bitmask.to(device, non_blocking=True)
