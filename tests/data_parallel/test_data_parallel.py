@@ -106,6 +106,18 @@ def _prompts() -> list[list[int]]:
             + [shared + [rng.randrange(1, 512) for _ in range(n)] for n in (3, 30)])
 
 
+def _structured_requests() -> tuple[list, list[SamplingParams]] | None:
+    """Every structured-output kind (greedy) and the steering fields; None without xgrammar."""
+    if importlib.util.find_spec("xgrammar") is None:
+        return None
+    from tests.engine.test_structured_outputs import FIVE_PROMPTS, KINDS
+    params = [SamplingParams(temperature=0, max_tokens=30, structured_outputs=s) for s in KINDS]
+    steered = [SamplingParams(temperature=0, max_tokens=8, logit_bias={300: 100}),
+               SamplingParams(temperature=0, max_tokens=8, min_tokens=4, bad_words=["fox"],
+                              allowed_token_ids=list(range(250, 300)))]
+    return FIVE_PROMPTS + FIVE_PROMPTS[:2], params + steered
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_model) -> list[list[int]]:
     hf = load_hf(tiny_model)
@@ -124,6 +136,8 @@ def test_two_replicas_match_one_engine_and_transformers(tiny_model, reference):
     convs = [[{"role": "user", "content": "hello world"}], [{"role": "user", "content": "fox"}]]
     expected_chat = single.chat(convs, GREEDY, use_tqdm=False)
     expected_rich = single.generate(prompts[:6], RICH, use_tqdm=False)
+    structured = _structured_requests()
+    expected_structured = single.generate(*structured, use_tqdm=False) if structured else []
     single.shutdown()
 
     llm = LLM(tiny_model, data_parallel_size=2, num_kvcache_blocks=64)
@@ -134,8 +148,12 @@ def test_two_replicas_match_one_engine_and_transformers(tiny_model, reference):
         stats = llm.stats()
         chat = llm.chat(convs, GREEDY, use_tqdm=False)
         rich = llm.generate(prompts[:6], RICH, use_tqdm=False)
+        # grammars compile on the replicas' own engines; steering travels in SamplingParams
+        got_structured = llm.generate(*structured, use_tqdm=False) if structured else []
     finally:
         llm.shutdown()
+    assert [o["token_ids"] for o in got_structured] == [
+        o["token_ids"] for o in expected_structured]
     assert [o["token_ids"] for o in outs] == [o["token_ids"] for o in expected] == reference
     assert [o["text"] for o in chat] == [o["text"] for o in expected_chat]
     # n, logprobs and the penalties travel to the replicas as they are
