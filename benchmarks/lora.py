@@ -12,7 +12,7 @@ from time import perf_counter
 import torch
 from safetensors.torch import save_file
 
-from benchmarks.random_checkpoints import qwen3_0_6b_random
+from benchmarks.random_checkpoints import build_checkpoint, qwen3_0_6b_random
 from benchmarks.workloads import max_token_id, sizes, standard
 from nanovllm import LLM, SamplingParams
 from nanovllm.lora import LoRARequest
@@ -52,12 +52,17 @@ def write_adapter(base: str, path: str, rank: int, seed: int) -> str:
     return path
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(llm: LLM, prompts, params, loras) -> tuple[float, list[dict]]:
     llm.reset_prefix_cache()
-    torch.cuda.synchronize()
+    sync()
     t = perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
-    torch.cuda.synchronize()
+    sync()
     return perf_counter() - t, outs
 
 
@@ -67,24 +72,29 @@ def tpot_ms(outs: list[dict]) -> float:
 
 
 def agreement(base: str, adapter: str, llm: LLM, lora: LoRARequest, num_tokens: int) -> float:
-    """Share of greedy tokens equal to peft's in bf16, up to each prompt's first divergence."""
+    """Share of greedy tokens equal to peft's in bf16 (float32 on CPU), up to each prompt's
+    first divergence."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-    prompts = [[(97 * i + 13 * j) % 5000 + 1 for j in range(32 + 16 * i)] for i in range(8)]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    max_id = max_token_id(base)
+    prompts = [[(97 * i + 13 * j) % max_id + 1 for j in range(32 + 16 * i)] for i in range(8)]
     ours = [o["token_ids"] for o in llm.generate(prompts, SamplingParams(
         temperature=0, max_tokens=num_tokens, ignore_eos=True), use_tqdm=False,
         lora_request=lora)]
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).cuda()
+    model = AutoModelForCausalLM.from_pretrained(
+        base, dtype=torch.bfloat16 if device == "cuda" else torch.float32).to(device)
     model = PeftModel.from_pretrained(model, adapter).eval()
     same = 0
     with torch.inference_mode():
         for prompt, mine in zip(prompts, ours):
-            out = model.generate(torch.tensor([prompt], device="cuda"), do_sample=False,
+            out = model.generate(torch.tensor([prompt], device=device), do_sample=False,
                                  max_new_tokens=num_tokens, min_new_tokens=num_tokens)
             theirs = out[0, len(prompt):].tolist()
             same += next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), num_tokens)
     del model
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return same / (num_tokens * len(prompts))
 
 
@@ -93,19 +103,26 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--num-adapters", type=int, default=4)
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--tiny", action="store_true", help="a CPU smoke run on a tiny random model")
     args = p.parse_args()
-    base = qwen3_0_6b_random()
-    root = os.path.join(tempfile.gettempdir(), "nanovllm-lora-adapters")
+    base = (build_checkpoint(tempfile.mkdtemp(prefix="nanovllm-tiny-")) if args.tiny
+            else qwen3_0_6b_random())
+    root = tempfile.mkdtemp() if args.tiny else os.path.join(tempfile.gettempdir(),
+                                                              "nanovllm-lora-adapters")
     paths = [write_adapter(base, os.path.join(root, f"r{args.rank}-{i}"), args.rank, i)
              for i in range(args.num_adapters)]
     loras = [LoRARequest(f"a{i}", i + 1, path) for i, path in enumerate(paths)]
-    prompts, params = standard(**sizes("throughput", False), max_id=max_token_id(base), seed=0)
+    prompts, params = standard(**sizes("throughput", args.tiny), max_id=max_token_id(base),
+                               seed=0)
     mixed = [loras[i % len(loras)] for i in range(len(prompts))]
-    plain = LLM(base, max_model_len=4096, gpu_memory_utilization=0.4)
-    # the fraction counts what the first engine holds: 0.8 leaves this one as much again
-    with_lora = LLM(base, max_model_len=4096, gpu_memory_utilization=0.8, enable_lora=True,
-                    max_loras=args.num_adapters, max_lora_rank=args.rank)
-    one = ([[7] * 128], SamplingParams(temperature=0, max_tokens=256, ignore_eos=True))
+    # the second fraction counts what the first engine holds: 0.8 leaves it as much again
+    memory = [dict(num_kvcache_blocks=64)] * 2 if args.tiny else [
+        dict(gpu_memory_utilization=0.4), dict(gpu_memory_utilization=0.8)]
+    plain = LLM(base, max_model_len=4096, **memory[0])
+    with_lora = LLM(base, max_model_len=4096, enable_lora=True, max_loras=args.num_adapters,
+                    max_lora_rank=args.rank, **memory[1])
+    one = ([[7] * 128], SamplingParams(temperature=0, max_tokens=16 if args.tiny else 256,
+                                       ignore_eos=True))
     runs = {k: [] for k in ("base_tok_s", "lora_tok_s", "base_tpot_ms", "lora_tpot_ms")}
     tokens = sum(sp.max_tokens for sp in params)
     for _ in range(args.rounds):  # alternated, so that drift hits both sides alike
@@ -121,9 +138,10 @@ def main() -> None:
           f"{med['lora_tok_s'] / med['base_tok_s']:.1%} of base")
     print(f"batch-1 TPOT: base {med['base_tpot_ms']:.2f} ms, with an adapter "
           f"{med['lora_tpot_ms']:.2f} ms = {med['lora_tpot_ms'] / med['base_tpot_ms']:.2f}x")
-    share = agreement(base, paths[0], with_lora, loras[0], 64)
-    print(f"greedy agreement with transformers + peft (bf16, 8 prompts x 64 tokens, up to the "
-          f"first divergence): {share:.1%}")
+    num_tokens = 8 if args.tiny else 64
+    share = agreement(base, paths[0], with_lora, loras[0], num_tokens)
+    print(f"greedy agreement with transformers + peft ({'float32' if args.tiny else 'bf16'}, "
+          f"8 prompts x {num_tokens} tokens, up to the first divergence): {share:.1%}")
     with_lora.shutdown()
 
 

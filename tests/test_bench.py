@@ -36,11 +36,14 @@ def test_every_scenario_on_cpu(tmp_path):
     png = tmp_path / "timeline.png"
     data, stdout = run_bench(tmp_path, "--scenario", "all", *(["--plot", str(png)] if plot else []))
     for title in ("graphs:", "prefix-cache:", "kv-pressure:", "tp: skipped", "dp: skipped",
-                  "long-context:", "median output", "rl:"):
+                  "long-context:", "median output", "rl:", "structured:"):
         assert title in stdout, stdout
     scenarios = data["scenarios"]
     assert list(scenarios) == ["throughput", "graphs", "prefix-cache", "kv-pressure", "tp",
-                              "dp", "long-context", "rl"]
+                              "dp", "long-context", "rl", "structured"]
+    structured = scenarios["structured"]["runs"]
+    assert structured["json schema"]["mask_fill_ms_per_step"] > 0
+    assert structured["unconstrained"]["output_tok_s"] > 0
     for name in ("graphs", "prefix-cache", "kv-pressure"):
         check_environment(scenarios[name])
 

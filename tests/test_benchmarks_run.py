@@ -103,9 +103,17 @@ def soak(tmp_path: Path) -> None:
     assert summary["calls"] == 3 and summary["leaked_blocks"] == 0 and summary["requests"] > 0
 
 
+def lora(tmp_path: Path) -> None:
+    proc = run(sys.executable, "-m", "benchmarks.lora", "--tiny", "--rounds", "1",
+               tmp_path=tmp_path)
+    ok(proc, "4 rank-16 adapters round-robin", "batch-1 TPOT: base",
+       "greedy agreement with transformers + peft (float32")
+
+
 # File -> its smallest CPU case, run here.
 CASES = {"cold_compiles.py": cold_compiles, "floor.py": floor, "gpu_figures.sh": gpu_figures,
-         "plot.py": plot, "profile_steps.py": profile_steps, "shapes.py": shapes, "soak.py": soak}
+         "lora.py": lora, "plot.py": plot, "profile_steps.py": profile_steps, "shapes.py": shapes,
+         "soak.py": soak}
 SLOW = {"gpu_figures.sh", "profile_steps.py"}  # each takes ~20-30 s on CPU
 
 

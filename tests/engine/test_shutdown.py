@@ -46,7 +46,8 @@ def test_shutdown_is_idempotent(shut_down):
 
 # ---- DataParallelLLM, without Ray: the class and its refusals ------------------------------
 REFUSED = ["add_request", "step", "abort_request", "new_tokens", "is_finished",
-           "request_limits", "update_weights", "sleep", "wake_up"]
+           "request_limits", "update_weights", "sleep", "wake_up", "add_lora", "remove_lora",
+           "list_loras"]
 SUPPORTED = ["generate", "chat", "stats", "reset_stats", "reset_prefix_cache", "shutdown"]
 
 
