@@ -6,7 +6,7 @@ import torch
 from transformers import PretrainedConfig
 
 from nanovllm.kernels.kv_quant import FP8_DTYPE
-from nanovllm.layers.backends import BACKENDS, resolve_attention_backend
+from nanovllm.layers.backend_names import BACKENDS, resolve_attention_backend
 from nanovllm.layers.quantization import QuantConfig, resolve_quant_config
 from nanovllm.layers.rotary_embedding import rope_parameters
 from nanovllm.models.registry import architecture, decoder_spec, with_family_defaults

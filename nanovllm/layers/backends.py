@@ -1,7 +1,7 @@
 """Every kernel choice in one place, made once per run, in this order:
 
-1. resolve_attention_backend (Config calls it): which attention backend runs ('auto': triton on
-   CUDA, the fastest measured; torch elsewhere);
+1. resolve_attention_backend (backend_names.py; Config calls it): which attention backend runs
+   ('auto': triton on CUDA, the fastest measured; torch elsewhere);
 2. select_backend: that backend, with its FastPath (plan_fast_path): which fused kernels run;
 3. bind_backend: each layer gets what it runs; layers and models never choose kernels.
 
@@ -14,7 +14,6 @@ An FP8 KV cache's prefill reads this step's K/V back from the cache, so every qu
 quantized keys whether or not its prefix was cached. flash-attn never serves it: the installed
 build takes descale factors through **kwargs and ignores them.
 """
-import importlib.util
 import logging
 import os
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from torch import nn
 from nanovllm.kernels.kv_quant import FP8_DTYPE
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.backend_names import BACKENDS
 from nanovllm.layers.fused_calibration import layer_class
 from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.layers.layernorm import RMSNorm
@@ -37,7 +37,6 @@ from nanovllm.layers.linear import (
 from nanovllm.utils.context import Context
 
 logger = logging.getLogger(__name__)
-BACKENDS = ("flash-attn", "triton", "torch")
 
 
 @dataclass(frozen=True)
@@ -221,41 +220,6 @@ class FlashAttnBackend(TorchBackend):
                                  block_table=ctx.block_tables, softmax_scale=scale, causal=True,
                                  **self._window(sliding_window))
         return out.squeeze(1)
-
-
-def _resolve_auto(device: str) -> str:
-    """'auto': triton on CUDA (the fastest measured), torch elsewhere; logs the pick and why."""
-    if device != "cuda":
-        logger.info("attention_backend='auto' -> 'torch': no CUDA device (the reference path)")
-        return "torch"
-    # Triton for prefill too: one backend keeps one K/V read path (cached prefixes, FP8), and
-    # prefill is a small share of a step mix's time, where the decode gain decides.
-    logger.info("attention_backend='auto' -> 'triton': the fastest measured on the H200 "
-                "(standard workload, aff7a6c: 27,504 tok/s against flash-attn's 25,260)")
-    return "triton"
-
-
-def resolve_attention_backend(name: str, device: str, dtype: torch.dtype,
-                              kv_cache_dtype: str = "auto") -> str:
-    """The backend `name` resolves to, or an error naming why it cannot run (Config, once)."""
-    # name is 'auto' or in BACKENDS (Config checked it before reading the model).
-    if name == "flash-attn" and kv_cache_dtype == "fp8":
-        raise ValueError("attention_backend='flash-attn' cannot read kv_cache_dtype='fp8' (the "
-                         "installed flash-attn ignores FP8 descale factors): use 'triton' or "
-                         "'auto'")
-    if name == "auto":
-        return _resolve_auto(device)
-    has_flash = importlib.util.find_spec("flash_attn") is not None
-    half = dtype in (torch.float16, torch.bfloat16)  # FlashAttention has no float32 kernels
-    if name == "flash-attn" and not has_flash:
-        raise ImportError("attention_backend='flash-attn' needs flash-attn: "
-                          "pip install 'nanovllm[flash]'")
-    if name == "flash-attn" and not half:
-        raise ValueError(f"attention_backend='flash-attn' needs float16 or bfloat16, not {dtype}")
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # Triton on CPU, for tests
-    if device != "cuda" and not (name == "torch" or name == "triton" and interpreted):
-        raise ValueError(f"attention_backend={name!r} needs device='cuda'")
-    return name
 
 
 def select_backend(name: str, device: str, kv_cache_dtype: str = "auto") -> TorchBackend:

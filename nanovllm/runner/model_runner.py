@@ -1,7 +1,6 @@
 """Runs the model for one rank: weights, the KV pool, step inputs, CUDA graphs."""
 import logging
 import threading
-from functools import partial
 from time import perf_counter
 
 import torch
@@ -16,16 +15,15 @@ from nanovllm.layers.fused_calibration import (
     cuda_graph_time,
 )
 from nanovllm.layers.linear import tp_rank_and_size
-from nanovllm.layers.penalties import Penalties, TokenCounts
-from nanovllm.layers.sampler import Sampler, SamplingTensors
-from nanovllm.layers.steering import Steering
-from nanovllm.layers.token_bitmask import fill_token_bitmask
+from nanovllm.layers.penalties import TokenCounts
+from nanovllm.layers.sampler import Sampler
 from nanovllm.lora.manager import LoRAManager
 from nanovllm.models.registry import build_model
 from nanovllm.runner.cuda_graphs import capture_decode_graphs, graph_batch_sizes
 from nanovllm.runner.prompt_logprobs import prompt_logprobs, wants_prompt_logprobs
+from nanovllm.runner.sample_inputs import prepare_sample
 from nanovllm.runner.sampled_ids import SampledIds, StepLogits
-from nanovllm.runner.step_inputs import DecodeInputs, prepare_prefill, to_device
+from nanovllm.runner.step_inputs import DecodeInputs, prepare_prefill
 from nanovllm.runner.warmup import needs_kernel_warmup, warm_up_kernels, warm_up_peak
 from nanovllm.sequence import Sequence
 from nanovllm.utils.context import Context, forward_context
@@ -211,34 +209,6 @@ class ModelRunner:
             input_ids.copy_(torch.where(src >= 0, carried, input_ids))
         return input_ids, positions, context
 
-    def prepare_sample(self, seqs: list[Sequence], lengths: list[int]) -> tuple[
-            torch.Tensor | SamplingTensors, Penalties | None, int | None, torch.Tensor | None]:
-        """(temperatures or SamplingTensors, penalties, number of top logprobs, token bitmask of
-        structured outputs) for the sampler; `lengths`: len(seq) at the step's launch."""
-        params = [seq.sampling_params for seq in seqs]
-        upload = partial(to_device, device=self.device)
-        if all(p.simple for p in params):  # no row steers either: nothing more is built
-            sample_params = upload([p.temperature for p in params], torch.float32)
-        else:
-            # seeded noise is keyed by the index the new token will have in its sequence
-            sample_params = SamplingTensors.build(params, lengths, upload,
-                                                  Steering.build(seqs, upload, lengths))
-        penalties = None
-        if any(p.uses_penalties for p in params):
-            rows = [self.token_counts.slot(seq.seq_id, seq.token_ids[:seq.num_prompt_tokens],
-                                           seq.completion_token_ids)
-                    if p.uses_penalties else 0 for seq, p in zip(seqs, params)]
-            penalties = Penalties.build(self.token_counts, rows, params, upload)
-        ks = [p.logprobs for p in params if p.logprobs is not None]
-        # grammars are at their sequences' committed tokens: the engine defers the sampling of
-        # their steps until the previous step is committed (one that just terminated its
-        # grammar has finished: its new token is dropped)
-        bitmask = fill_token_bitmask([seq.grammar if seq.grammar is not None
-                                      and not seq.grammar.is_terminated() else None
-                                      for seq in seqs],
-                                     self.config.hf_config.vocab_size, self.device)
-        return sample_params, penalties, max(ks) if ks else None, bitmask
-
     # ---- execution ----------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -286,7 +256,9 @@ class ModelRunner:
     def sample(self, step: StepLogits) -> SampledIds:
         """Enqueue the sampler on a launched step's logits (rank 0)."""
         # Prepared after the (asynchronous) forward was launched, so it overlaps the GPU.
-        out = self.sampler(step.logits, *self.prepare_sample(step.seqs, step.lengths))
+        out = self.sampler(step.logits, *prepare_sample(
+            step.seqs, step.lengths, self.token_counts, self.config.hf_config.vocab_size,
+            self.device))
         return SampledIds(out.token_ids, out.logprobs, step.prompt_logprobs, step.is_prefill)
 
     def wait_idle(self) -> None:

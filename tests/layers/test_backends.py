@@ -1,12 +1,12 @@
-"""layers.backends: what 'auto' and the explicit backend names resolve to."""
+"""layers.backend_names: what 'auto' and the explicit backend names resolve to."""
 import importlib.util
 import logging
 
 import pytest
 import torch
 
-from nanovllm.layers import backends
-from nanovllm.layers.backends import resolve_attention_backend
+from nanovllm.layers import backend_names as backends
+from nanovllm.layers.backend_names import resolve_attention_backend
 
 
 @pytest.mark.parametrize("has_flash", [False, True])

@@ -1,0 +1,40 @@
+"""The sampler's per-step inputs, built on the host from the rows' sampling params."""
+from functools import partial
+
+import torch
+
+from nanovllm.layers.penalties import Penalties, TokenCounts
+from nanovllm.layers.sampler import SamplingTensors
+from nanovllm.layers.steering import Steering
+from nanovllm.layers.token_bitmask import fill_token_bitmask
+from nanovllm.runner.step_inputs import to_device
+from nanovllm.sequence import Sequence
+
+
+def prepare_sample(seqs: list[Sequence], lengths: list[int], token_counts: TokenCounts,
+                   vocab_size: int, device: torch.device) -> tuple[
+        torch.Tensor | SamplingTensors, Penalties | None, int | None, torch.Tensor | None]:
+    """(temperatures or SamplingTensors, penalties, number of top logprobs, token bitmask of
+    structured outputs) for the sampler; `lengths`: len(seq) at the step's launch."""
+    params = [seq.sampling_params for seq in seqs]
+    upload = partial(to_device, device=device)
+    if all(p.simple for p in params):  # no row steers either: nothing more is built
+        sample_params = upload([p.temperature for p in params], torch.float32)
+    else:
+        # seeded noise is keyed by the index the new token will have in its sequence
+        sample_params = SamplingTensors.build(params, lengths, upload,
+                                              Steering.build(seqs, upload, lengths))
+    penalties = None
+    if any(p.uses_penalties for p in params):
+        rows = [token_counts.slot(seq.seq_id, seq.token_ids[:seq.num_prompt_tokens],
+                                  seq.completion_token_ids)
+                if p.uses_penalties else 0 for seq, p in zip(seqs, params)]
+        penalties = Penalties.build(token_counts, rows, params, upload)
+    ks = [p.logprobs for p in params if p.logprobs is not None]
+    # grammars are at their sequences' committed tokens: the engine defers the sampling of
+    # their steps until the previous step is committed (one that just terminated its grammar
+    # has finished: its new token is dropped)
+    bitmask = fill_token_bitmask([seq.grammar if seq.grammar is not None
+                                  and not seq.grammar.is_terminated() else None
+                                  for seq in seqs], vocab_size, device)
+    return sample_params, penalties, max(ks) if ks else None, bitmask
