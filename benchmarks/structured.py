@@ -28,7 +28,7 @@ class FillTimer:
     """Wraps the runner's bitmask fill to time it (host seconds and calls)."""
 
     def __init__(self):
-        import nanovllm.runner.model_runner as model_runner
+        import nanovllm.runner.sample_inputs as model_runner
         self.module, self.fill = model_runner, model_runner.fill_token_bitmask
         self.seconds, self.calls = 0.0, 0
 
