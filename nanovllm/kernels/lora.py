@@ -1,126 +1,61 @@
-"""LoRA deltas for a batch of rows, each row through its own adapter slot (Punica-style):
+"""The LoRA shrink for a batch of rows, each row through its own adapter slot, as one Triton
+kernel (the torch reference and the layouts: kernels.lora_torch).
 
-    y[rows of slot l, slice s] += (x[rows] A_l,s^T) B_l,s^T
+Every adapter slot's A is multiplied in, and each row keeps the columns of its own slot (others
+are zeros): for max_loras x max_rank of a few dozen columns that costs less than grouping rows
+by slot, and it leaves one dense product for the expand, which the fused decode projections run
+as one more K step (kernels.fused_linear) and the other steps as a GEMM.
 
-shrink: x [T, K] @ A [L, S*R, K]^T -> [T, S*R] (float32); expand: each slice's R columns
-@ its B rows -> added to y's columns of that slice. Rows come grouped by slot (LoRAMapping), so
-a program reads one adapter's weights for up to BLOCK_M rows; slots with no rows exit at once,
-which keeps the grid static for CUDA graphs. Scaling is folded into B when a slot is loaded.
-The torch reference is kernels.lora_torch.add_lora_torch.
-
-    lora_a[l]  [S*R, K]   slice s's A in rows s*R .. s*R + R (rank r <= R, zero padded)
-    lora_b[l]  [OUT, R]   slice s's B in rows off_s .. off_s + size_s (q | k | v, gate | up)
+A program owns BLOCK_N columns of BLOCK_T rows; when none of its rows runs through the slots of
+its columns it writes zeros without reading A (a prefill of base-model rows reads nothing).
 """
 import torch
 import triton
 import triton.language as tl
 
 from nanovllm.kernels.attention_triton import dot_precision
-from nanovllm.utils.context import LoRAMapping
-
-BLOCK_M = 16
 
 
-@triton.jit
-def _group_rows(rows_ptr, counts_ptr, starts_ptr, slot, pid_m, BLOCK_M: tl.constexpr):
-    """(this program's rows, their mask, whether it has any) within slot's group."""
-    count = tl.load(counts_ptr + slot)
-    start = tl.load(starts_ptr + slot)
-    offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask = offs < count
-    rows = tl.load(rows_ptr + start + offs, mask=mask, other=0).to(tl.int64)
-    return rows, mask, pid_m * BLOCK_M < count
-
-
-@triton.jit
-def _shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, counts_ptr, starts_ptr, stride_x,
-                   stride_al, stride_an, stride_out, N, K, BLOCK_M: tl.constexpr,
+@triton.jit(do_not_specialize=["T"])
+def _shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, stride_x, stride_out,
+                   RANK: tl.constexpr, NUM_SLOTS: tl.constexpr, BLOCK_T: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """Grid (cdiv(T, BLOCK_M), cdiv(N, BLOCK_N), L): out[rows] = x[rows] @ A_l^T, one tile."""
-    pid_m, pid_n, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows, mask_m, active = _group_rows(rows_ptr, counts_ptr, starts_ptr, slot, pid_m, BLOCK_M)
-    if active:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
-        a_base = a_ptr + slot.to(tl.int64) * stride_al
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    """Grid (cdiv(T, BLOCK_T), cdiv(N, BLOCK_N)): out[t, c] = x[t] . A[c] if row t's slot is
+    column c's slot ((c // RANK) % NUM_SLOTS), else 0; rounded to out's dtype."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_t, mask_n = offs_t < T, offs_n < N
+    slot = tl.load(slots_ptr + offs_t, mask=mask_t, other=-1)
+    keep = (slot[:, None] == (offs_n // RANK % NUM_SLOTS)[None, :]) & mask_n[None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+    if tl.max(keep.to(tl.int32)) > 0:
+        rows = offs_t.to(tl.int64)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
             x = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :],
-                        mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            a = tl.load(a_base + offs_n[None, :] * stride_an + offs_k[:, None],
+                        mask=mask_t[:, None] & mask_k[None, :], other=0.0)
+            a = tl.load(a_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None],
                         mask=mask_n[None, :] & mask_k[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
             acc = tl.dot(x, a, acc, input_precision=PRECISION)
-        tl.store(out_ptr + rows[:, None] * stride_out + offs_n[None, :], acc,
-                 mask=mask_m[:, None] & mask_n[None, :])
+    acc = tl.where(keep, acc, 0.0)
+    out = out_ptr + offs_t[:, None].to(tl.int64) * stride_out + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_n[None, :])
 
 
-@triton.jit
-def _expand_kernel(s_ptr, b_ptr, y_ptr, rows_ptr, counts_ptr, starts_ptr, stride_s,
-                   stride_bl, stride_bo, stride_y, off1, off2, off3, R: tl.constexpr,
-                   BLOCK_R: tl.constexpr, SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    """Grid (cdiv(T, BLOCK_M), cdiv(largest slice, BLOCK_N), L * SLICES): y[rows, slice's
-    columns] += shrunk[rows, slice's R] @ B_l[slice's rows]^T, one tile."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    slot, sl = tl.program_id(2) // SLICES, tl.program_id(2) % SLICES
-    lo = tl.where(sl == 0, 0, tl.where(sl == 1, off1, off2))
-    hi = tl.where(sl == 0, off1, tl.where(sl == 1, off2, off3))
-    rows, mask_m, active = _group_rows(rows_ptr, counts_ptr, starts_ptr, slot, pid_m, BLOCK_M)
-    if active and lo + pid_n * BLOCK_N < hi:
-        offs_r = tl.arange(0, BLOCK_R)
-        mask_r = offs_r < R
-        cols = lo + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_c = cols < hi
-        dtype = b_ptr.dtype.element_ty
-        # rounded to the model dtype, as PEFT's lora_A output is
-        s = tl.load(s_ptr + rows[:, None] * stride_s + sl * R + offs_r[None, :],
-                    mask=mask_m[:, None] & mask_r[None, :], other=0.0).to(dtype)
-        b = tl.load(b_ptr + slot.to(tl.int64) * stride_bl + cols[None, :] * stride_bo
-                    + offs_r[:, None], mask=mask_c[None, :] & mask_r[:, None], other=0.0)
-        delta = tl.dot(s, b, input_precision=PRECISION)
-        mask = mask_m[:, None] & mask_c[None, :]
-        y_ptrs = y_ptr + rows[:, None] * stride_y + cols[None, :]
-        y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
-
-
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
-    """float32 [T, S*R]: x @ A_slot^T for the grouped rows (other rows left unwritten)."""
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[T, S*L*R] in x's dtype: each row's x @ A^T in its slot's columns, zeros elsewhere, for
+    lora_a [S, L, R, K]; as kernels.lora_torch.lora_shrink_torch, graph-safe (no host sync)."""
     num_tokens, k = x.shape
-    num_slots, n, _ = lora_a.shape
-    out = torch.empty(num_tokens, n, dtype=torch.float32, device=x.device)
-    block_n = min(64, max(16, triton.next_power_of_2(n)))
-    grid = (triton.cdiv(num_tokens, BLOCK_M), triton.cdiv(n, block_n), num_slots)
-    _shrink_kernel[grid](x, lora_a, out, mapping.rows, mapping.counts, mapping.starts,
-                         x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0), n, k,
-                         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=128,
-                         PRECISION=dot_precision(x.dtype))
+    num_slices, num_slots, rank, _ = lora_a.shape
+    assert x.stride(1) == 1 and lora_a.is_contiguous() and lora_a.shape[3] == k
+    n = num_slices * num_slots * rank
+    out = torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
+    block_t = 16 if num_tokens <= 16 else 64
+    # decode: narrow column tiles, so a row's slot reads only its own A rows
+    block_n = 16 if num_tokens <= 16 else 64
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(n, block_n))
+    _shrink_kernel[grid](x, lora_a, slots, out, num_tokens, k, n, x.stride(0), out.stride(0),
+                         RANK=rank, NUM_SLOTS=num_slots, BLOCK_T=block_t, BLOCK_N=block_n,
+                         BLOCK_K=128, PRECISION=dot_precision(x.dtype))
     return out
-
-
-def lora_expand(y: torch.Tensor, shrunk: torch.Tensor, lora_b: torch.Tensor,
-                slice_sizes: tuple[int, ...], mapping: LoRAMapping) -> None:
-    """y[grouped rows] += each slice's shrunk columns @ its B rows^T, in place."""
-    assert 1 <= len(slice_sizes) <= 3 and sum(slice_sizes) == y.size(1) == lora_b.size(1)
-    num_slots, _, rank = lora_b.shape
-    ends = [sum(slice_sizes[:i + 1]) for i in range(len(slice_sizes))]
-    ends += [ends[-1]] * (3 - len(ends))
-    block_n = 64
-    grid = (triton.cdiv(y.size(0), BLOCK_M), triton.cdiv(max(slice_sizes), block_n),
-            num_slots * len(slice_sizes))
-    _expand_kernel[grid](shrunk, lora_b, y, mapping.rows, mapping.counts, mapping.starts,
-                         shrunk.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-                         *ends, R=rank, BLOCK_R=max(16, triton.next_power_of_2(rank)),
-                         SLICES=len(slice_sizes), BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-                         PRECISION=dot_precision(y.dtype))
-
-
-def add_lora_triton(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
-                    lora_b: torch.Tensor, slice_sizes: tuple[int, ...],
-                    mapping: LoRAMapping) -> None:
-    """add_lora_torch as two Triton kernels (shrink, expand); no host sync, graph-safe."""
-    assert x.stride(1) == 1 and y.stride(1) == 1 and lora_a.is_contiguous() \
-        and lora_b.is_contiguous()
-    lora_expand(y, lora_shrink(x, lora_a, mapping), lora_b, slice_sizes, mapping)

@@ -102,7 +102,8 @@ class TorchBackend:
         self.fast_path = fast_path
         self.runs_triton = fast_path.any  # so the runner warms its kernels up (runner.warmup)
         self.fused_moe = fused_moe_torch.fused_moe_torch
-        self.add_lora = lora_torch.add_lora_torch
+        self.lora_shrink = lora_torch.lora_shrink_torch
+        self.lora_expand = lora_torch.lora_expand  # every backend's: one GEMM per slice
         self.fp8_linear = fp8_torch.fp8_linear_torch  # W8A8 layers (layers.quantization)
         self.store_kvcache = store_kvcache.store_kvcache_torch
         self._prefill = attention_torch.prefill_attention_torch
@@ -159,12 +160,14 @@ class TritonBackend(TorchBackend):
             fp8_gemm,
             fused_moe,
             lora,
+            lora_torch,
             store_kvcache,
         )
         self.fast_path = fast_path
         self.runs_triton = True
         self.fused_moe = fused_moe.fused_moe
-        self.add_lora = lora.add_lora_triton
+        self.lora_shrink = lora.lora_shrink
+        self.lora_expand = lora_torch.lora_expand
         self.fp8_linear = fp8_gemm.fp8_linear
         self.store_kvcache = store_kvcache.store_kvcache
         self._prefill = attention_triton.prefill_attention_triton  # same signatures
@@ -183,12 +186,14 @@ class FlashAttnBackend(TorchBackend):
 
         from nanovllm.kernels.fp8_gemm import fp8_linear
         from nanovllm.kernels.fused_moe import fused_moe
-        from nanovllm.kernels.lora import add_lora_triton
+        from nanovllm.kernels.lora import lora_shrink
+        from nanovllm.kernels.lora_torch import lora_expand
         from nanovllm.kernels.store_kvcache import store_kvcache
         self.fast_path = fast_path
         self.runs_triton = True  # its K/V write, experts and our fused ops
         self.fused_moe = fused_moe
-        self.add_lora = add_lora_triton
+        self.lora_shrink = lora_shrink
+        self.lora_expand = lora_expand
         self.fp8_linear = fp8_linear
         self.store_kvcache = store_kvcache
         self._varlen = flash_attn_varlen_func
@@ -261,20 +266,21 @@ def bind_backend(model: nn.Module, backend: TorchBackend,
     fast_path = backend.fast_path
     # attention and experts: the backend; RMSNorm and SiLU-and-mul: their Triton kernel or not;
     # projections: the largest decode step that runs their fused kernel (0: none, also where
-    # the kernel does not take the layer's shapes, and in projections with LoRA slots: the
-    # fused kernels have no place for the delta) and the LoRA delta op
+    # the kernel does not take the layer's shapes; with LoRA slots it adds the delta as one
+    # more K step) and the LoRA ops
     for module in model.modules():
         if isinstance(module, (Attention, FusedMoE)):
             module.backend = backend
         elif isinstance(module, (RMSNorm, SiluAndMul)):
             module.fused = fast_path.fused_ops
         elif isinstance(module, LinearBase):
-            # FP8 layers (fits_fused_decode says no) and LoRA layers: never a fused decode kernel
+            # FP8 layers (fits_fused_decode says no): never a fused decode kernel
             lora = module.lora_a is not None
-            fits = fast_path.fused_projections and module.fits_fused_decode() and not lora
+            fits = fast_path.fused_projections and module.fits_fused_decode()
             limit = _fused_decode_max_tokens(module)
             if fused_limits is not None:
                 limit = fused_limits.get(layer_class(module), limit)
             module.fused_decode_max_tokens = limit if fits else 0
-            module.lora_op = backend.add_lora if lora else None
+            module.lora_shrink = backend.lora_shrink if lora else None
+            module.lora_expand = backend.lora_expand if lora else None
             module.fp8_linear = backend.fp8_linear if module.quant is not None else None

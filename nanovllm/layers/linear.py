@@ -49,30 +49,39 @@ class LinearBase(nn.Module):
         for param in self.parameters(recurse=False):
             param.weight_loader = self.weight_loader
         self.fused_decode_max_tokens = 0  # bind_backend's: largest step of the fused kernel
-        # LoRA (add_lora_slots): per-slot A and B, and the delta op bind_backend chose
+        # LoRA (add_lora_slots): every slot's A and B (layouts: kernels/lora_torch.py), and the
+        # shrink and expand ops bind_backend chose
         self.register_buffer("lora_a", None, persistent=False)
         self.register_buffer("lora_b", None, persistent=False)
-        self.lora_op = None
+        self.lora_shrink = self.lora_expand = None
 
     def lora_slice_sizes(self) -> tuple[int, ...]:
         """This rank's output features of each fused projection (one unless packed)."""
         return tuple(self.local_output_sizes(self.weight.shape[0]))
 
     def add_lora_slots(self, max_loras: int, max_rank: int) -> None:
-        """Zeroed per-slot A [max_loras, slices * max_rank, in] and B [max_loras, out,
-        max_rank] (layouts: kernels/lora.py); buffers, so sleep and wake_up move them."""
+        """Zeroed A [slices, max_loras, max_rank, in] and B [out, max_loras, max_rank];
+        buffers, so sleep and wake_up move them."""
         out_features, in_features = self.weight.shape
         slices = len(self.lora_slice_sizes())
-        self.lora_a = torch.zeros(max_loras, slices * max_rank, in_features,
+        self.lora_a = torch.zeros(slices, max_loras, max_rank, in_features,
                                   dtype=self.weight.dtype, device=self.weight.device)
-        self.lora_b = torch.zeros(max_loras, out_features, max_rank, dtype=self.weight.dtype,
+        self.lora_b = torch.zeros(out_features, max_loras, max_rank, dtype=self.weight.dtype,
                                   device=self.weight.device)
+
+    def lora_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(shrunk [T, S*L*R], B [out, L*R]) of this step's rows, for the expand; None when
+        no row of the step runs through an adapter."""
+        slots = get_context().lora_slots
+        if self.lora_shrink is None or slots is None:
+            return None
+        return self.lora_shrink(x, self.lora_a, slots), self.lora_b.flatten(1)
 
     def apply_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y plus this step's adapter deltas (in place; rows without an adapter unchanged)."""
-        mapping = get_context().lora
-        if self.lora_op is not None and mapping is not None:
-            self.lora_op(y, x, self.lora_a, self.lora_b, self.lora_slice_sizes(), mapping)
+        lora = self.lora_inputs(x)
+        if lora is not None:
+            self.lora_expand(y, lora[0], self.lora_b, self.lora_slice_sizes())
         return y
 
     def local_output_sizes(self, output_size: int) -> list[int]:
@@ -82,6 +91,11 @@ class LinearBase(nn.Module):
     def fits_fused_decode(self) -> bool:
         """Whether this layer's fused decode kernel takes its shapes (none here: no kernel)."""
         return False
+
+    def lora_fits_fused(self) -> bool:
+        """Whether the fused decode kernels take this layer's LoRA slots (or it has none)."""
+        from nanovllm.kernels.fused_linear import fits_lora
+        return self.lora_b is None or fits_lora(self.lora_b[0].numel())
 
     def runs_fused_decode(self, x: torch.Tensor) -> bool:
         """Whether x's step runs the bound fused kernel: decode, writing the cache, few tokens."""
@@ -149,13 +163,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         from nanovllm.kernels.fused_linear import fits_gate_up
         weight, sizes = self.weight, self.output_sizes
         return self.quant is None and len(sizes) == 2 and sizes[0] == sizes[1] \
-            and weight.is_contiguous() \
+            and weight.is_contiguous() and self.lora_fits_fused() \
             and fits_gate_up(weight.shape[1], weight.shape[0] // 2, weight.dtype)
 
     def gate_up_silu(self, x: torch.Tensor) -> torch.Tensor:
         """SiluAndMul()(self(x)) as one kernel, for the steps runs_fused_decode picks."""
         from nanovllm.kernels.fused_linear import gate_up_silu
-        return gate_up_silu(x, self.weight, self.bias)
+        return gate_up_silu(x, self.weight, self.bias, lora=self.lora_inputs(x))
 
     def shard(self, shard_id: int) -> tuple[Rows, Cols]:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
@@ -183,7 +197,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         """Whether qkv_rope_store (Attention.decode_projected) takes this layer's sizes."""
         from nanovllm.kernels.fused_linear import fits_qkv
         weight = self.weight
-        return self.quant is None and weight.is_contiguous() \
+        return self.quant is None and weight.is_contiguous() and self.lora_fits_fused() \
             and fits_qkv(weight.shape[1], self.head_dim, weight.dtype)
 
     def shard(self, shard_id: str) -> tuple[Rows, Cols]:
@@ -210,7 +224,7 @@ class RowParallelLinear(LinearBase):
         from nanovllm.kernels.fused_linear import fits_split_k
         weight = self.weight
         return self.quant is None and self.tp_size == 1 and self.bias is None \
-            and weight.t().is_contiguous() \
+            and weight.t().is_contiguous() and self.lora_fits_fused() \
             and fits_split_k(weight.shape[1], weight.shape[0], weight.dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
@@ -232,4 +246,4 @@ class RowParallelLinear(LinearBase):
         # For the decode steps runs_fused_decode picks; RMSNorm.add_partials sums them. Split
         # over K: a decode step's few tokens and outputs alone give too few programs.
         from nanovllm.kernels.fused_linear import split_k_linear
-        return split_k_linear(x, self.weight)
+        return split_k_linear(x, self.weight, lora=self.lora_inputs(x))

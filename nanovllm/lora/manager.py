@@ -85,11 +85,11 @@ class LoRAManager:
         """Write an adapter into `slot` of every projection: this rank's shard, rank zero
         padded to max_rank, scaling folded into B; untargeted projections get zeros."""
         for linear in {linear for linear, _ in self.targets.values()}:
-            linear.lora_a[slot].zero_()
-            linear.lora_b[slot].zero_()
+            linear.lora_a[:, slot].zero_()
+            linear.lora_b[:, slot].zero_()
         for (layer, module), (a, b) in adapter.weights.items():
             linear, s = self.targets[(layer, module)]
-            r, rank, size = self.max_rank, a.shape[0], linear.lora_slice_sizes()[s]
+            rank, size = a.shape[0], linear.lora_slice_sizes()[s]
             tp_rank, tp_size = linear.tp_rank, linear.tp_size
             if isinstance(linear, RowParallelLinear):
                 a = a.chunk(tp_size, 1)[tp_rank]  # A along its input, as the weight; B whole
@@ -97,6 +97,6 @@ class LoRAManager:
                 b = b.chunk(tp_size, 0)[tp_rank]  # B along its output (heads for q/k/v)
             offset = sum(linear.lora_slice_sizes()[:s])
             dtype = linear.lora_a.dtype
-            linear.lora_a[slot, s * r:s * r + rank].copy_(a.to(dtype))
-            linear.lora_b[slot, offset:offset + size, :rank].copy_(
+            linear.lora_a[s, slot, :rank].copy_(a.to(dtype))
+            linear.lora_b[offset:offset + size, slot, :rank].copy_(
                 (b.float() * adapter.scaling).to(dtype))

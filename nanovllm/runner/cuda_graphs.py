@@ -33,13 +33,15 @@ def capture_decode_graphs(model: nn.Module, config: Config, max_num_blocks: int,
                           device=device)
     graphs, inputs, pool = {}, {}, None
     for bs in reversed(graph_bs):
-        # with LoRA, the slots' kernels are captured too (no row in a group: they do nothing)
+        # with LoRA, its kernels are captured too (rows of slot -1: their deltas are zeros)
         max_loras = config.max_loras if config.enable_lora else 0
         buf = torch.zeros(DecodeInputs.size(bs, max_num_blocks, max_loras), dtype=torch.int32,
                           device=device)
         input_ids, positions, _, context = DecodeInputs.unpack(buf, bs, max_num_blocks,
                                                                max_loras)
         context.slot_mapping.fill_(-1)  # capture runs write nothing into the KV cache
+        if context.lora_slots is not None:
+            context.lora_slots.fill_(-1)
         graph = torch.cuda.CUDAGraph()
         with forward_context(context):
             outputs[:bs] = model(input_ids, positions)  # warm up

@@ -203,7 +203,7 @@ class ModelRunner:
         input_ids, positions, src, context = DecodeInputs.unpack(buf, rows, width,
                                                                  self.max_loras)
         if graph_rows is None and (lora_slots is None or max(lora_slots) < 0):
-            context.lora = None  # eager, and no row has an adapter: skip the LoRA ops
+            context.lora_slots = None  # eager, and no row has an adapter: skip the LoRA ops
         if previous_ids is not None:
             carried = previous_ids[src.clamp(min=0)].int()
             input_ids.copy_(torch.where(src >= 0, carried, input_ids))
@@ -232,7 +232,7 @@ class ModelRunner:
                       if self.lora_manager is not None else None)
         if is_prefill:
             input_ids, positions, context = prepare_prefill(seqs, self.block_size, self.device,
-                                                            lora_slots, self.max_loras)
+                                                            lora_slots)
         else:
             input_ids, positions, context = self.prepare_decode(seqs, previous_ids, source_rows,
                                                                 lora_slots)

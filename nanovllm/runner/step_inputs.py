@@ -5,32 +5,13 @@ import numpy as np
 import torch
 
 from nanovllm.sequence import Sequence
-from nanovllm.utils.context import Context, LoRAMapping
+from nanovllm.utils.context import Context
 
 
 def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host list -> device tensor, through pinned memory on CUDA so the copy is async."""
     pin = device.type == "cuda"
     return torch.tensor(data, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
-
-
-def group_by_slot(slots: np.ndarray, max_loras: int, out: np.ndarray | None = None
-                  ) -> np.ndarray:
-    """LoRAMapping's [rows | counts | starts] (int32) for per-row adapter slots (-1: none);
-    rows without an adapter sort first and belong to no group. Written into `out` if given."""
-    n = len(slots)
-    out = np.empty(n + 2 * max_loras, np.int32) if out is None else out
-    rows, counts, starts = np.split(out[:n + 2 * max_loras], [n, n + max_loras])
-    rows[:] = np.argsort(slots, kind="stable")
-    counts[:] = np.bincount(slots[slots >= 0], minlength=max_loras)
-    starts[:] = n - counts.sum() + np.cumsum(counts) - counts
-    return out
-
-
-def lora_mapping(packed: torch.Tensor, num_rows: int, max_loras: int) -> LoRAMapping:
-    """Views of group_by_slot's packed layout."""
-    rows, counts, starts = packed.split([num_rows, max_loras, max_loras])
-    return LoRAMapping(rows, counts, starts)
 
 
 def block_table_rows(seqs: list[Sequence]) -> list[list[int]]:
@@ -55,7 +36,7 @@ def chunk_slots(block_table: list[int], start: int, end: int, block_size: int) -
 
 
 def prepare_prefill(seqs: list[Sequence], block_size: int, device: torch.device,
-                    lora_slots: list[int] | None = None, max_loras: int = 0
+                    lora_slots: list[int] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, Context]:
     """Inputs for each sequence's chunk: num_scheduled_tokens tokens after its cached ones;
     lora_slots: each sequence's adapter slot (-1: none), when any has one."""
@@ -89,21 +70,21 @@ def prepare_prefill(seqs: list[Sequence], block_size: int, device: torch.device,
         prefix_cached=prefix_cached,
         logits_indices=(to_device(logits_indices, torch.int64, device) if logits_indices
                         else None),
-        lora=_prefill_lora(seqs, lora_slots, max_loras, device))
+        lora_slots=_prefill_lora(seqs, lora_slots, device))
     return (to_device(input_ids, torch.int64, device), to_device(positions, torch.int64, device),
             context)
 
 
-def _prefill_lora(seqs: list[Sequence], lora_slots: list[int] | None, max_loras: int,
-                  device: torch.device) -> LoRAMapping | None:
-    """The chunk tokens grouped by their sequence's slot; None when no sequence has one."""
+def _prefill_lora(seqs: list[Sequence], lora_slots: list[int] | None,
+                  device: torch.device) -> torch.Tensor | None:
+    """Each chunk token's adapter slot (its sequence's); None when no sequence has one."""
     if lora_slots is None or max(lora_slots) < 0:
         return None
     token_slots = np.repeat(np.array(lora_slots, np.int32),
                             [seq.num_scheduled_tokens for seq in seqs])
-    packed = torch.from_numpy(group_by_slot(token_slots, max_loras))
+    packed = torch.from_numpy(token_slots)
     packed = packed.pin_memory() if device.type == "cuda" else packed
-    return lora_mapping(packed.to(device, non_blocking=True), len(token_slots), max_loras)
+    return packed.to(device, non_blocking=True)
 
 
 class DecodeInputs:
@@ -111,8 +92,8 @@ class DecodeInputs:
 
     Layout for `rows` sequences (the batch padded up to a CUDA-graph size) and `width` blocks:
         [input_ids | positions | slot_mapping | context_lens | source_rows | lora | block_tables]
-    block_tables is rows x width; lora (with max_loras slots only) is group_by_slot's rows,
-    counts and starts. source_rows[i]: the row of the previous step's sampled ids
+    block_tables is rows x width; lora (with LoRA enabled only) is each row's adapter slot.
+    source_rows[i]: the row of the previous step's sampled ids
     holding sequence i's input id, or -1 (input_ids[i] holds it). Padding rows have slot -1
     and context length 0. The first five sections take a multiple of 4 entries each, so every
     section is 16-byte aligned: Triton specialises kernels on pointer alignment."""
@@ -142,9 +123,8 @@ class DecodeInputs:
         ids, pos, slots, ctx, src, rest = np.split(buf.numpy(), [seg * i for i in range(1, 6)])
         lora, tables = np.split(rest, [_lora_size(rows, self.max_loras)])
         if self.max_loras:
-            row_slots = np.full(rows, -1, np.int32)
-            row_slots[:n] = -1 if lora_slots is None else lora_slots
-            group_by_slot(row_slots, self.max_loras, out=lora)
+            lora[:n] = -1 if lora_slots is None else lora_slots
+            lora[n:] = -1
         # np.fromiter over generators: this runs every decode step, for every sequence.
         ids[:n] = np.fromiter((seq.last_token for seq in seqs), np.int32, n)
         ctx[:n] = np.fromiter((seq.num_tokens for seq in seqs), np.int32, n)
@@ -167,11 +147,10 @@ class DecodeInputs:
         """Views of a packed buffer: input_ids, positions, source_rows, the decode Context."""
         seg, lora_size = _aligned(rows), _lora_size(rows, max_loras)
         ids, pos, slots, ctx, src = (part[:rows] for part in buf[:5 * seg].split(seg))
-        lora = buf[5 * seg:5 * seg + rows + 2 * max_loras]
         tables = buf[5 * seg + lora_size:]
         context = Context(is_prefill=False, slot_mapping=slots, context_lens=ctx,
                           block_tables=tables.view(rows, width),
-                          lora=lora_mapping(lora, rows, max_loras) if max_loras else None)
+                          lora_slots=buf[5 * seg:5 * seg + rows] if max_loras else None)
         return ids, pos, src, context
 
 
@@ -181,5 +160,5 @@ def _aligned(rows: int) -> int:
 
 
 def _lora_size(rows: int, max_loras: int) -> int:
-    """Entries of the lora section: rows, counts and starts, 16-byte aligned; 0 without LoRA."""
-    return _aligned(rows + 2 * max_loras) if max_loras else 0
+    """Entries of the lora section: one slot per row, 16-byte aligned; 0 without LoRA."""
+    return _aligned(rows) if max_loras else 0

@@ -7,16 +7,6 @@ import torch
 
 
 @dataclass
-class LoRAMapping:
-    """A step's rows grouped by adapter slot: slot l owns rows[starts[l]:starts[l] + counts[l]]
-    (rows without an adapter are in no group). int32 tensors on the step's device."""
-
-    rows: torch.Tensor  # [tokens]: row indices, sorted by slot
-    counts: torch.Tensor  # [max_loras]
-    starts: torch.Tensor  # [max_loras]
-
-
-@dataclass
 class Context:
     """What attention layers need to know about the current step's batch."""
 
@@ -30,7 +20,8 @@ class Context:
     block_tables: torch.Tensor | None = None
     prefix_cached: bool = False  # prefill whose keys include blocks already in the cache
     logits_indices: torch.Tensor | None = None  # prefill rows that sample; None: no row does
-    lora: LoRAMapping | None = None  # None: no row runs through an adapter
+    # [tokens] int32: each row's adapter slot (-1: none); None: no row runs through an adapter
+    lora_slots: torch.Tensor | None = None
 
 
 _EMPTY = Context()  # what a thread without a forward pass reads
