@@ -18,6 +18,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanovllm.kernels.kv_quant import FP8_DTYPE
+from nanovllm.kernels.lora import LoRASlots, add_lora, fused_lora_args
 from nanovllm.kernels.pdl import launch_options, wait_then_release
 from nanovllm.kernels.qk_norm_rope import _norm_rope
 from nanovllm.kernels.store_kvcache import quantize_kv
@@ -27,22 +28,35 @@ ROWS = 64  # weight rows per MMA tile: a half head, or a gate or up slice
 
 @triton.jit
 def _pair_gemm(w_desc, x_desc, row_a, row_b, tok0, K, BLOCK_T: tl.constexpr,
-               BLOCK_K: tl.constexpr, STAGES: tl.constexpr, b_desc, s_desc, col_a, col_b,
-               LORA_K: tl.constexpr, BLOCK_L: tl.constexpr):
+               BLOCK_K: tl.constexpr, STAGES: tl.constexpr, a_desc, b_desc, slots_ptr, M,
+               lora_row_a, lora_row_b, LORA_K: tl.constexpr, RANK: tl.constexpr,
+               PAIR_SLICES: tl.constexpr):
     """(W[row_a:+64] @ x.T, W[row_b:+64] @ x.T) for tokens tok0:+BLOCK_T, float32 [64, T]
     each (token rows past the batch load as zeros). The epilogues work in this orientation:
     transposing the accumulators costs more than the stores' poorer coalescing. With LoRA
-    (LORA_K = slots x rank > 0) the expand is LORA_K more K columns: B's rows beside W's, the
-    shrunk rows' columns col_a (col_b) onward beside x (kernels.lora_torch's layouts)."""
+    (LORA_K = slots x rank > 0) each adds its LoRA delta (kernels.lora.add_lora): the shrink
+    is 64 more rows in the K loop (A rows lora_row_a onward; PAIR_SLICES: the second
+    accumulator's slice from lora_row_b, else the first's)."""
     acc_a = tl.zeros([64, BLOCK_T], tl.float32)
     acc_b = tl.zeros([64, BLOCK_T], tl.float32)
+    s_a = tl.zeros([64, BLOCK_T], tl.float32)
+    s_b = tl.zeros([64, BLOCK_T], tl.float32)
     for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         x = x_desc.load([tok0, k]).T
         acc_a = tl.dot(w_desc.load([row_a, k]), x, acc_a)
         acc_b = tl.dot(w_desc.load([row_b, k]), x, acc_b)
-    for k in tl.static_range(0, LORA_K, BLOCK_L):
-        acc_a = tl.dot(b_desc.load([row_a, k]), s_desc.load([tok0, col_a + k]).T, acc_a)
-        acc_b = tl.dot(b_desc.load([row_b, k]), s_desc.load([tok0, col_b + k]).T, acc_b)
+        if LORA_K > 0:
+            s_a = tl.dot(a_desc.load([lora_row_a, k]), x, s_a)
+            if PAIR_SLICES:
+                s_b = tl.dot(a_desc.load([lora_row_b, k]), x, s_b)
+    if LORA_K > 0:
+        acc_a = add_lora(acc_a, s_a, b_desc, row_a, slots_ptr, tok0, M, LORA_K, RANK, BLOCK_T)
+        if PAIR_SLICES:
+            acc_b = add_lora(acc_b, s_b, b_desc, row_b, slots_ptr, tok0, M, LORA_K, RANK,
+                             BLOCK_T)
+        else:
+            acc_b = add_lora(acc_b, s_a, b_desc, row_b, slots_ptr, tok0, M, LORA_K, RANK,
+                             BLOCK_T)
     return acc_a, acc_b
 
 
@@ -51,11 +65,12 @@ def _pair_gemm(w_desc, x_desc, row_a, row_b, tok0, K, BLOCK_T: tl.constexpr,
 @triton.jit(do_not_specialize=["M"])
 def _qkv_rope_store_kernel(w_desc, x_desc, bias_ptr, q_out_ptr, qn_w_ptr, kn_w_ptr, pos_ptr,
                            cs_ptr, stride_cs, k_cache_ptr, v_cache_ptr, slot_ptr, M, K, eps,
-                           k_inv_scale, v_inv_scale, b_desc, s_desc, NUM_Q_HEADS: tl.constexpr,
+                           k_inv_scale, v_inv_scale, a_desc, b_desc, lora_slots_ptr,
+                           NUM_Q_HEADS: tl.constexpr,
                            NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                            HAS_BIAS: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                           LORA_K: tl.constexpr, BLOCK_L: tl.constexpr, USE_PDL: tl.constexpr):
+                           LORA_K: tl.constexpr, RANK: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (q + k + v heads, token tiles): one head's projection for BLOCK_T tokens; q heads
     normed, rotated and stored to q_out, k heads normed, rotated and written to the cache, v
     heads written to the cache (slot < 0: a padding row, not written)."""
@@ -86,13 +101,13 @@ def _qkv_rope_store_kernel(w_desc, x_desc, bias_ptr, q_out_ptr, qn_w_ptr, kn_w_p
     if HAS_BIAS:
         b1 = tl.load(bias_ptr + head * HEAD_DIM + lo).to(tl.float32)
         b2 = tl.load(bias_ptr + head * HEAD_DIM + HALF + lo).to(tl.float32)
-    # the head's LoRA slice: q, k or v
-    lora_col = tl.where(head < NUM_Q_HEADS, 0, tl.where(head < NUM_Q_HEADS + NUM_KV_HEADS,
+    # the first A row of the head's LoRA slice: q, k or v
+    lora_row = tl.where(head < NUM_Q_HEADS, 0, tl.where(head < NUM_Q_HEADS + NUM_KV_HEADS,
                                                         LORA_K, 2 * LORA_K))
     # [D/2, tokens]: neox RoPE pairs dim i with i + D/2, the two accumulators
     x1, x2 = _pair_gemm(w_desc, x_desc, head * HEAD_DIM, head * HEAD_DIM + HALF, tok0, K,
-                        BLOCK_T, BLOCK_K, STAGES, b_desc, s_desc, lora_col, lora_col, LORA_K,
-                        BLOCK_L)
+                        BLOCK_T, BLOCK_K, STAGES, a_desc, b_desc, lora_slots_ptr, M, lora_row,
+                        lora_row, LORA_K, RANK, False)
     if HAS_BIAS:
         x1 += b1
         x2 += b2
@@ -119,10 +134,10 @@ def _qkv_rope_store_kernel(w_desc, x_desc, bias_ptr, q_out_ptr, qn_w_ptr, kn_w_p
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gate_up_silu_kernel(w_desc, x_desc, bias_ptr, out_ptr, M, K, inter, b_desc, s_desc,
-                         HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                         STAGES: tl.constexpr, LORA_K: tl.constexpr, BLOCK_L: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+def _gate_up_silu_kernel(w_desc, x_desc, bias_ptr, out_ptr, M, K, inter, a_desc, b_desc,
+                         lora_slots_ptr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_K: tl.constexpr, STAGES: tl.constexpr, LORA_K: tl.constexpr,
+                         RANK: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (inter / 64, token tiles): silu(gate) * up for 64 columns of BLOCK_T tokens; gate
     rows are W[:inter], up rows W[inter:]."""
     wait_then_release(USE_PDL)
@@ -133,7 +148,7 @@ def _gate_up_silu_kernel(w_desc, x_desc, bias_ptr, out_ptr, M, K, inter, b_desc,
         gate_bias = tl.load(bias_ptr + cols).to(tl.float32)
         up_bias = tl.load(bias_ptr + inter + cols).to(tl.float32)
     gate, up = _pair_gemm(w_desc, x_desc, col0, inter + col0, tok0, K, BLOCK_T, BLOCK_K, STAGES,
-                          b_desc, s_desc, 0, LORA_K, LORA_K, BLOCK_L)
+                          a_desc, b_desc, lora_slots_ptr, M, 0, LORA_K, LORA_K, RANK, True)
     if HAS_BIAS:
         gate += gate_bias
         up += up_bias
@@ -146,38 +161,27 @@ def _gate_up_silu_kernel(w_desc, x_desc, bias_ptr, out_ptr, M, K, inter, b_desc,
     tl.store(out_ptr + toks.to(tl.int64) * inter + cols, (silu * up).to(dtype), mask=toks < M)
 
 
-@triton.jit
-def _split_tile(wt_desc, x_desc, n0, tok0, k0, K_SPLIT, BLOCK_T: tl.constexpr,
-                BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    """float32 [64, BLOCK_T]: W[k0:+K_SPLIT, n0:+64].T @ x[tok0:+BLOCK_T, k0:+K_SPLIT].T."""
-    acc = tl.zeros([64, BLOCK_T], tl.float32)  # ROWS
-    for k in tl.range(k0, k0 + K_SPLIT, BLOCK_K, num_stages=STAGES):
-        w = wt_desc.load([k, n0]).T
-        acc = tl.dot(w, x_desc.load([tok0, k]).T, acc)
-    return acc
-
-
 @triton.jit(do_not_specialize=["M"])
-def _split_k_kernel(wt_desc, x_desc, part_ptr, M, N, K_SPLIT, b_desc, s_desc,
+def _split_k_kernel(wt_desc, x_desc, part_ptr, M, N, K_SPLIT, a_desc, b_desc, lora_slots_ptr,
                     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                    LORA_K: tl.constexpr, BLOCK_L: tl.constexpr, USE_PDL: tl.constexpr):
-    """Grid (N / 64, splits (+1 with LoRA), token tiles): part[split] = x[:, ks] @ W[:, ks].T
-    (ks: the split's K_SPLIT columns) for 64 output columns of BLOCK_T tokens; W stored k-major
-    ([K, N]). With LoRA the last split holds the expand: shrunk @ B.T (kernels.lora_torch)."""
+                    LORA_K: tl.constexpr, RANK: tl.constexpr, USE_PDL: tl.constexpr):
+    """Grid (N / 64, splits, token tiles): part[split] = x[:, ks] @ W[:, ks].T (ks: the split's
+    K_SPLIT columns) for 64 output columns of BLOCK_T tokens; W stored k-major ([K, N]). With
+    LoRA each split adds B @ its own part of the shrink: B and the slot mask are linear, so
+    the partials still sum to the delta (rounded per split, not once)."""
     wait_then_release(USE_PDL)
     pid_n, split, pid_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n0, tok0 = pid_n * 64, pid_t * BLOCK_T
+    acc = tl.zeros([64, BLOCK_T], tl.float32)  # ROWS
+    s = tl.zeros([64, BLOCK_T], tl.float32)
+    k0 = split * K_SPLIT
+    for k in tl.range(k0, k0 + K_SPLIT, BLOCK_K, num_stages=STAGES):
+        x = x_desc.load([tok0, k]).T
+        acc = tl.dot(wt_desc.load([k, n0]).T, x, acc)
+        if LORA_K > 0:
+            s = tl.dot(a_desc.load([0, k]), x, s)
     if LORA_K > 0:
-        if split == tl.num_programs(1) - 1:
-            acc = tl.zeros([64, BLOCK_T], tl.float32)
-            for k in tl.static_range(0, LORA_K, BLOCK_L):
-                acc = tl.dot(b_desc.load([n0, k]), s_desc.load([tok0, k]).T, acc)
-        else:
-            acc = _split_tile(wt_desc, x_desc, n0, tok0, split * K_SPLIT, K_SPLIT, BLOCK_T,
-                              BLOCK_K, STAGES)
-    else:
-        acc = _split_tile(wt_desc, x_desc, n0, tok0, split * K_SPLIT, K_SPLIT, BLOCK_T,
-                          BLOCK_K, STAGES)
+        acc = add_lora(acc, s, b_desc, n0, lora_slots_ptr, tok0, M, LORA_K, RANK, BLOCK_T)
     cols = n0 + tl.arange(0, 64)[:, None]
     toks = tok0 + tl.arange(0, BLOCK_T)[None, :]
     tl.store(part_ptr + (split * M + toks).to(tl.int64) * N + cols, acc, mask=toks < M)
@@ -202,26 +206,6 @@ def fits_split_k(input_size: int, output_size: int, dtype: torch.dtype) -> bool:
         and input_size % 128 == 0
 
 
-def fits_lora(lora_k: int) -> bool:
-    """Whether the kernels take LoRA slots of lora_k = max_loras x max_rank columns: whole
-    16-column MMA steps, and a bound on the unrolled steps."""
-    return lora_k % 16 == 0 and lora_k <= 512
-
-
-def _lora_args(lora: tuple[torch.Tensor, torch.Tensor] | None, block_t: int) -> dict:
-    """The LoRA arguments of a kernel: TMA descriptors of B [N, L*R] and the shrunk rows
-    [M, S*L*R] (kernels.lora_torch), and the expand's K columns and step."""
-    if lora is None:
-        return dict(b_desc=None, s_desc=None, LORA_K=0, BLOCK_L=16)
-    shrunk, lora_b = lora
-    lora_k = lora_b.shape[1]
-    assert fits_lora(lora_k) and shrunk.is_contiguous() and lora_b.is_contiguous()
-    block_l = 64 if lora_k % 64 == 0 else 32 if lora_k % 32 == 0 else 16
-    return dict(b_desc=TensorDescriptor.from_tensor(lora_b, [ROWS, block_l]),
-                s_desc=TensorDescriptor.from_tensor(shrunk, [block_t, block_l]),
-                LORA_K=lora_k, BLOCK_L=block_l)
-
-
 def _launch(num_tokens: int) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_K, STAGES, num_warps) for a batch (swept on the H200 by the probe
     fused_linear_probe, docs/benchmarks.md)."""
@@ -241,10 +225,10 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                    cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, kv_scales: tuple[float, float] = (1.0, 1.0),
-                   lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   lora: LoRASlots | None = None) -> torch.Tensor:
     """q [M, Hq, D] = RoPE(norm(x @ Wq.T + bq)); k and v (k normed and rotated) go to their
-    cache slots, as qkv_proj (with its LoRA delta: (shrunk, B)) followed by qk_norm_rope with
-    kv_store does."""
+    cache slots, as qkv_proj (with its LoRA delta) followed by qk_norm_rope with kv_store
+    does."""
     num_tokens, hidden = x.shape
     head_dim = weight.shape[0] // (num_q_heads + 2 * num_kv_heads)
     assert fits_qkv(hidden, head_dim, x.dtype) and weight.dtype == x.dtype
@@ -259,7 +243,7 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         w_desc, x_desc, bias if bias is not None else weight, q,
         q_norm if norm else cos_sin_cache, k_norm if norm else cos_sin_cache, positions,
         cos_sin_cache, cos_sin_cache.stride(0), k_cache, v_cache, slot_mapping, num_tokens,
-        hidden, eps, 1.0 / kv_scales[0], 1.0 / kv_scales[1], **_lora_args(lora, block_t),
+        hidden, eps, 1.0 / kv_scales[0], 1.0 / kv_scales[1], **fused_lora_args(lora, block_k),
         NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_BIAS=bias is not None, NORM=norm,
         FP8=k_cache.dtype == FP8_DTYPE, BLOCK_T=block_t, BLOCK_K=block_k, STAGES=stages,
@@ -268,9 +252,9 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 lora: LoRASlots | None = None) -> torch.Tensor:
     """silu(x @ Wg.T + bg) * (x @ Wu.T + bu), [M, I], for weight [2I, hidden] (gate rows
-    first), as gate_up_proj (with its LoRA delta: (shrunk, B)) followed by SiLU-and-mul."""
+    first), as gate_up_proj (with its LoRA delta) followed by SiLU-and-mul."""
     num_tokens, hidden = x.shape
     inter = weight.shape[0] // 2
     assert fits_gate_up(hidden, inter, x.dtype) and weight.dtype == x.dtype
@@ -279,7 +263,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     w_desc, x_desc = _descriptors(x, weight, block_t, block_k)
     _gate_up_silu_kernel[(inter // ROWS, triton.cdiv(num_tokens, block_t))](
         w_desc, x_desc, bias if bias is not None else weight, out, num_tokens, hidden, inter,
-        **_lora_args(lora, block_t), HAS_BIAS=bias is not None, BLOCK_T=block_t,
+        **fused_lora_args(lora, block_k), HAS_BIAS=bias is not None, BLOCK_T=block_t,
         BLOCK_K=block_k, STAGES=stages,
         num_warps=warps, **launch_options())
     return out
@@ -296,11 +280,11 @@ def _num_splits(output_size: int, input_size: int, token_tiles: int, num_tokens:
 
 
 def split_k_linear(x: torch.Tensor, weight: torch.Tensor,
-                   lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """float32 partials [S, M, N] whose sum over S is x @ weight.T (plus the LoRA delta of
-    (shrunk, B), as one more partial), for a weight [N, K] stored k-major (weight.t()
-    contiguous, as RowParallelLinear keeps it): a decode step's o_proj or down_proj, whose
-    splits the add + RMSNorm after it sums in a fixed order."""
+                   lora: LoRASlots | None = None) -> torch.Tensor:
+    """float32 partials [S, M, N] whose sum over S is x @ weight.T (plus its LoRA delta), for
+    a weight [N, K] stored k-major (weight.t() contiguous, as RowParallelLinear keeps it): a
+    decode step's o_proj or down_proj, whose splits the add + RMSNorm after it sums in a fixed
+    order."""
     num_tokens, input_size = x.shape
     output_size = weight.shape[0]
     w_kn = weight.t()
@@ -309,12 +293,11 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor,
     block_t = 16 if num_tokens <= 16 else 64 if num_tokens <= 128 else 128
     tiles = triton.cdiv(num_tokens, block_t)
     splits = _num_splits(output_size, input_size, tiles, num_tokens)
-    parts = splits + (lora is not None)
-    part = torch.empty(parts, num_tokens, output_size, dtype=torch.float32, device=x.device)
-    _split_k_kernel[(output_size // ROWS, parts, tiles)](
+    part = torch.empty(splits, num_tokens, output_size, dtype=torch.float32, device=x.device)
+    _split_k_kernel[(output_size // ROWS, splits, tiles)](
         TensorDescriptor.from_tensor(w_kn, [128, ROWS]),
         TensorDescriptor.from_tensor(x, [block_t, 128]), part, num_tokens, output_size,
-        input_size // splits, **_lora_args(lora, block_t), BLOCK_T=block_t, BLOCK_K=128,
+        input_size // splits, **fused_lora_args(lora, 128), BLOCK_T=block_t, BLOCK_K=128,
         STAGES=4, num_warps=4,
         **launch_options())
     return part

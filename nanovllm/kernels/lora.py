@@ -1,27 +1,32 @@
-"""The LoRA shrink for a batch of rows, each row through its own adapter slot, as one Triton
-kernel (the torch reference and the layouts: kernels.lora_torch).
+"""LoRA on the GPU, each row through its own adapter slot (the torch reference and the
+layouts: kernels.lora_torch). Every slot's A is multiplied in and each row keeps its own slot's
+columns (the others are zeros): for max_loras x max_rank of a few dozen columns that costs less
+than grouping rows by slot, and it leaves dense products.
 
-Every adapter slot's A is multiplied in, and each row keeps the columns of its own slot (others
-are zeros): for max_loras x max_rank of a few dozen columns that costs less than grouping rows
-by slot, and it leaves one dense product for the expand, which the fused decode projections run
-as one more K step (kernels.fused_linear) and the other steps as a GEMM.
-
-A program owns BLOCK_N columns of BLOCK_T rows; when none of its rows runs through the slots of
-its columns it writes zeros without reading A (a prefill of base-model rows reads nothing).
+- Decode steps that run the fused projections (kernels.fused_linear) carry LoRA inside them:
+  the shrink is 64 more MMA rows in their K loop (every slot's A rows of the slice), and
+  add_lora masks it by slot and adds B @ it to the accumulator. No launch of its own.
+- Other steps: lora_shrink below, then the expand as one GEMM per slice (lora_torch).
 """
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanovllm.kernels.attention_triton import dot_precision
+from nanovllm.kernels.pdl import launch_options, wait_then_release
 
 
 @triton.jit(do_not_specialize=["T"])
 def _shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, stride_x, stride_out,
                    RANK: tl.constexpr, NUM_SLOTS: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                   PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (cdiv(T, BLOCK_T), cdiv(N, BLOCK_N)): out[t, c] = x[t] . A[c] if row t's slot is
     column c's slot ((c // RANK) % NUM_SLOTS), else 0; rounded to out's dtype."""
+    wait_then_release(USE_PDL)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_t, mask_n = offs_t < T, offs_n < N
@@ -29,15 +34,14 @@ def _shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, stride_x, stride_o
     keep = (slot[:, None] == (offs_n // RANK % NUM_SLOTS)[None, :]) & mask_n[None, :]
     acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     if tl.max(keep.to(tl.int32)) > 0:
-        rows = offs_t.to(tl.int64)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
-            x = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :],
-                        mask=mask_t[:, None] & mask_k[None, :], other=0.0)
-            a = tl.load(a_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None],
-                        mask=mask_n[None, :] & mask_k[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
-            acc = tl.dot(x, a, acc, input_precision=PRECISION)
+        x_rows = x_ptr + offs_t[:, None].to(tl.int64) * stride_x
+        a_rows = a_ptr + offs_n[:, None].to(tl.int64) * K
+        # pipelined: a decode step's one active program streams its slot's A rows alone
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            offs_k = k0 + tl.arange(0, BLOCK_K)[None, :]
+            x = tl.load(x_rows + offs_k, mask=mask_t[:, None] & (offs_k < K), other=0.0)
+            a = tl.load(a_rows + offs_k, mask=mask_n[:, None] & (offs_k < K), other=0.0)
+            acc = tl.dot(x, tl.trans(a), acc, input_precision=PRECISION)
     acc = tl.where(keep, acc, 0.0)
     out = out_ptr + offs_t[:, None].to(tl.int64) * stride_out + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_n[None, :])
@@ -51,11 +55,53 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor) -> t
     assert x.stride(1) == 1 and lora_a.is_contiguous() and lora_a.shape[3] == k
     n = num_slices * num_slots * rank
     out = torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
-    block_t = 16 if num_tokens <= 16 else 64
-    # decode: narrow column tiles, so a row's slot reads only its own A rows
-    block_n = 16 if num_tokens <= 16 else 64
+    # Up to a few hundred rows, small tiles: the programs a slot's columns have stream its A
+    # rows, and only a few dozen columns exist; then long K steps keep their loops short
+    block_t, block_n, block_k = (16, 16, 256) if num_tokens <= 512 else (64, 64, 64)
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(n, block_n))
     _shrink_kernel[grid](x, lora_a, slots, out, num_tokens, k, n, x.stride(0), out.stride(0),
                          RANK=rank, NUM_SLOTS=num_slots, BLOCK_T=block_t, BLOCK_N=block_n,
-                         BLOCK_K=128, PRECISION=dot_precision(x.dtype))
+                         BLOCK_K=block_k, STAGES=3, PRECISION=dot_precision(x.dtype),
+                         **launch_options())
     return out
+
+
+class LoRASlots(NamedTuple):
+    """A layer's slots and a step's rows, for the fused decode projections."""
+
+    lora_a: torch.Tensor  # [S, L, R, K]
+    lora_b: torch.Tensor  # [OUT, L, R]
+    slots: torch.Tensor  # [T] int32, -1: no adapter
+
+
+def fits_lora(max_loras: int, max_rank: int) -> bool:
+    """Whether the fused decode projections take these slots: every slot's rank columns in one
+    64-row MMA tile, B's rows 16-byte aligned (TMA)."""
+    return max_loras * max_rank <= 64 and max_loras * max_rank % 8 == 0
+
+
+def fused_lora_args(lora: LoRASlots | None, block_k: int) -> dict:
+    """A fused projection kernel's LoRA arguments (add_lora's): TMA descriptors of A's rows
+    [S*L*R, K] in the kernel's K steps and of B [OUT, L*R], the slots, L*R and R."""
+    if lora is None:
+        return dict(a_desc=None, b_desc=None, lora_slots_ptr=None, LORA_K=0, RANK=1)
+    a, b, slots = lora
+    _, num_slots, rank, k = a.shape
+    assert fits_lora(num_slots, rank) and a.is_contiguous() and b.is_contiguous()
+    return dict(a_desc=TensorDescriptor.from_tensor(a.view(-1, k), [64, block_k]),
+                b_desc=TensorDescriptor.from_tensor(b.view(b.shape[0], -1), [64, 64]),
+                lora_slots_ptr=slots, LORA_K=num_slots * rank, RANK=rank)
+
+
+@triton.jit
+def add_lora(acc, s, b_desc, row, slots_ptr, tok0, M, LORA_K: tl.constexpr,
+             RANK: tl.constexpr, BLOCK_T: tl.constexpr):
+    """acc [64, T] + B[row:+64] @ s', s' the shrink s [64, T] (rows: each slot's RANK rows in
+    turn; past LORA_K: none) with only each token's slot kept, rounded to B's dtype as PEFT's
+    lora_A output is."""
+    b = b_desc.load([row, 0])  # [64, 64]: every slot's rank columns, zeros past LORA_K
+    toks = tok0 + tl.arange(0, BLOCK_T)
+    slot = tl.load(slots_ptr + toks, mask=toks < M, other=-1)
+    r = tl.arange(0, 64)
+    keep = (r < LORA_K)[:, None] & ((r // RANK)[:, None] == slot[None, :])
+    return tl.dot(b, tl.where(keep, s, 0.0).to(b.dtype), acc)

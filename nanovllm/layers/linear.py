@@ -69,19 +69,20 @@ class LinearBase(nn.Module):
         self.lora_b = torch.zeros(out_features, max_loras, max_rank, dtype=self.weight.dtype,
                                   device=self.weight.device)
 
-    def lora_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(shrunk [T, S*L*R], B [out, L*R]) of this step's rows, for the expand; None when
-        no row of the step runs through an adapter."""
+    def lora_slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(A, B, each row's slot) for the step's kernels; None when no row of the step runs
+        through an adapter (kernels.lora.LoRASlots)."""
         slots = get_context().lora_slots
         if self.lora_shrink is None or slots is None:
             return None
-        return self.lora_shrink(x, self.lora_a, slots), self.lora_b.flatten(1)
+        return self.lora_a, self.lora_b, slots
 
     def apply_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y plus this step's adapter deltas (in place; rows without an adapter unchanged)."""
-        lora = self.lora_inputs(x)
+        lora = self.lora_slots()
         if lora is not None:
-            self.lora_expand(y, lora[0], self.lora_b, self.lora_slice_sizes())
+            shrunk = self.lora_shrink(x, self.lora_a, lora[2])
+            self.lora_expand(y, shrunk, self.lora_b, self.lora_slice_sizes())
         return y
 
     def local_output_sizes(self, output_size: int) -> list[int]:
@@ -94,8 +95,8 @@ class LinearBase(nn.Module):
 
     def lora_fits_fused(self) -> bool:
         """Whether the fused decode kernels take this layer's LoRA slots (or it has none)."""
-        from nanovllm.kernels.fused_linear import fits_lora
-        return self.lora_b is None or fits_lora(self.lora_b[0].numel())
+        from nanovllm.kernels.lora import fits_lora
+        return self.lora_b is None or fits_lora(*self.lora_b.shape[1:])
 
     def runs_fused_decode(self, x: torch.Tensor) -> bool:
         """Whether x's step runs the bound fused kernel: decode, writing the cache, few tokens."""
@@ -169,7 +170,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def gate_up_silu(self, x: torch.Tensor) -> torch.Tensor:
         """SiluAndMul()(self(x)) as one kernel, for the steps runs_fused_decode picks."""
         from nanovllm.kernels.fused_linear import gate_up_silu
-        return gate_up_silu(x, self.weight, self.bias, lora=self.lora_inputs(x))
+        return gate_up_silu(x, self.weight, self.bias, lora=self.lora_slots())
 
     def shard(self, shard_id: int) -> tuple[Rows, Cols]:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
@@ -246,4 +247,4 @@ class RowParallelLinear(LinearBase):
         # For the decode steps runs_fused_decode picks; RMSNorm.add_partials sums them. Split
         # over K: a decode step's few tokens and outputs alone give too few programs.
         from nanovllm.kernels.fused_linear import split_k_linear
-        return split_k_linear(x, self.weight, lora=self.lora_inputs(x))
+        return split_k_linear(x, self.weight, lora=self.lora_slots())
