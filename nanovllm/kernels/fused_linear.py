@@ -206,12 +206,13 @@ def fits_split_k(input_size: int, output_size: int, dtype: torch.dtype) -> bool:
         and input_size % 128 == 0
 
 
-def _launch(num_tokens: int) -> tuple[int, int, int, int]:
+def _launch(num_tokens: int, lora: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_K, STAGES, num_warps) for a batch (swept on the H200 by the probe
-    fused_linear_probe, docs/benchmarks.md)."""
+    fused_linear_probe, docs/benchmarks.md); with LoRA's A tiles fewer stages fit in shared
+    memory (gate_up_proj's two A tiles and 64-token x tiles: 80 KB a stage)."""
     if num_tokens <= 16:
-        return 16, 128, 4, 4
-    return (32 if num_tokens <= 128 else 64), 128, 4, 4
+        return 16, 128, 3 if lora else 4, 4
+    return (32 if num_tokens <= 128 else 64), 128, 2 if lora else 4, 4
 
 
 def _descriptors(x: torch.Tensor, weight: torch.Tensor, block_t: int, block_k: int):
@@ -235,7 +236,7 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.stride(-1) == 1
     q = torch.empty(num_tokens, num_q_heads, head_dim, dtype=x.dtype, device=x.device)
-    block_t, block_k, stages, warps = _launch(num_tokens)
+    block_t, block_k, stages, warps = _launch(num_tokens, lora is not None)
     w_desc, x_desc = _descriptors(x, weight, block_t, block_k)
     norm = q_norm is not None
     grid = (num_q_heads + 2 * num_kv_heads, triton.cdiv(num_tokens, block_t))
@@ -259,7 +260,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     inter = weight.shape[0] // 2
     assert fits_gate_up(hidden, inter, x.dtype) and weight.dtype == x.dtype
     out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
-    block_t, block_k, stages, warps = _launch(num_tokens)
+    block_t, block_k, stages, warps = _launch(num_tokens, lora is not None)
     w_desc, x_desc = _descriptors(x, weight, block_t, block_k)
     _gate_up_silu_kernel[(inter // ROWS, triton.cdiv(num_tokens, block_t))](
         w_desc, x_desc, bias if bias is not None else weight, out, num_tokens, hidden, inter,
@@ -298,6 +299,6 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor,
         TensorDescriptor.from_tensor(w_kn, [128, ROWS]),
         TensorDescriptor.from_tensor(x, [block_t, 128]), part, num_tokens, output_size,
         input_size // splits, **fused_lora_args(lora, 128), BLOCK_T=block_t, BLOCK_K=128,
-        STAGES=4, num_warps=4,
+        STAGES=3 if lora is not None else 4, num_warps=4,
         **launch_options())
     return part

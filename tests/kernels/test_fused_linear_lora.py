@@ -50,7 +50,7 @@ def test_fits_lora():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_tokens,max_loras,rank", [(5, 4, 16), (37, 2, 8)])
+@pytest.mark.parametrize("num_tokens,max_loras,rank", [(5, 4, 16), (37, 2, 8), (130, 4, 16)])
 def test_gate_up_silu_with_lora(dtype, num_tokens, max_loras, rank):
     inter = 128
     weight = (torch.randn(2 * inter, HIDDEN, device=DEVICE) * HIDDEN ** -0.5).to(dtype)
@@ -67,7 +67,8 @@ def test_gate_up_silu_with_lora(dtype, num_tokens, max_loras, rank):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens,input_size,max_loras,rank", [(5, 1024, 4, 16),
-                                                                 (40, 512, 2, 8)])
+                                                                 (40, 512, 2, 8),
+                                                                 (200, 1024, 4, 16)])
 def test_split_k_with_lora(dtype, num_tokens, input_size, max_loras, rank):
     output = 128
     w_kn = (torch.randn(input_size, output, device=DEVICE) * input_size ** -0.5).to(dtype)
@@ -85,7 +86,7 @@ def test_split_k_with_lora(dtype, num_tokens, input_size, max_loras, rank):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_tokens,max_loras,rank", [(3, 4, 16), (37, 2, 8)])
+@pytest.mark.parametrize("num_tokens,max_loras,rank", [(3, 4, 16), (37, 2, 8), (130, 4, 16)])
 def test_qkv_rope_store_with_lora(dtype, num_tokens, max_loras, rank):
     """q and the cached k, v equal the unfused qkv_proj + delta, then RoPE, for each slice."""
     heads, kv_heads, head_dim = 2, 1, 128
