@@ -18,7 +18,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanovllm.kernels.kv_quant import FP8_DTYPE
-from nanovllm.kernels.lora import LoRASlots, add_lora, fused_lora_args
+from nanovllm.kernels.lora import LoRASlots, add_lora, fused_lora_args, lora_keep
 from nanovllm.kernels.pdl import launch_options, wait_then_release
 from nanovllm.kernels.qk_norm_rope import _norm_rope
 from nanovllm.kernels.store_kvcache import quantize_kv
@@ -41,6 +41,10 @@ def _pair_gemm(w_desc, x_desc, row_a, row_b, tok0, K, BLOCK_T: tl.constexpr,
     acc_b = tl.zeros([64, BLOCK_T], tl.float32)
     s_a = tl.zeros([64, BLOCK_T], tl.float32)
     s_b = tl.zeros([64, BLOCK_T], tl.float32)
+    if LORA_K > 0:  # requested before the K loop, so that their latency hides behind it
+        keep = lora_keep(slots_ptr, tok0, M, LORA_K, RANK, BLOCK_T)
+        b_a = b_desc.load([row_a, 0])
+        b_b = b_desc.load([row_b, 0])
     for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         x = x_desc.load([tok0, k]).T
         acc_a = tl.dot(w_desc.load([row_a, k]), x, acc_a)
@@ -50,13 +54,11 @@ def _pair_gemm(w_desc, x_desc, row_a, row_b, tok0, K, BLOCK_T: tl.constexpr,
             if PAIR_SLICES:
                 s_b = tl.dot(a_desc.load([lora_row_b, k]), x, s_b)
     if LORA_K > 0:
-        acc_a = add_lora(acc_a, s_a, b_desc, row_a, slots_ptr, tok0, M, LORA_K, RANK, BLOCK_T)
+        acc_a = add_lora(acc_a, s_a, b_a, keep)
         if PAIR_SLICES:
-            acc_b = add_lora(acc_b, s_b, b_desc, row_b, slots_ptr, tok0, M, LORA_K, RANK,
-                             BLOCK_T)
+            acc_b = add_lora(acc_b, s_b, b_b, keep)
         else:
-            acc_b = add_lora(acc_b, s_a, b_desc, row_b, slots_ptr, tok0, M, LORA_K, RANK,
-                             BLOCK_T)
+            acc_b = add_lora(acc_b, s_a, b_b, keep)
     return acc_a, acc_b
 
 
@@ -174,6 +176,9 @@ def _split_k_kernel(wt_desc, x_desc, part_ptr, M, N, K_SPLIT, a_desc, b_desc, lo
     n0, tok0 = pid_n * 64, pid_t * BLOCK_T
     acc = tl.zeros([64, BLOCK_T], tl.float32)  # ROWS
     s = tl.zeros([64, BLOCK_T], tl.float32)
+    if LORA_K > 0:  # requested before the K loop, as in _pair_gemm
+        keep = lora_keep(lora_slots_ptr, tok0, M, LORA_K, RANK, BLOCK_T)
+        b = b_desc.load([n0, 0])
     k0 = split * K_SPLIT
     for k in tl.range(k0, k0 + K_SPLIT, BLOCK_K, num_stages=STAGES):
         x = x_desc.load([tok0, k]).T
@@ -181,7 +186,7 @@ def _split_k_kernel(wt_desc, x_desc, part_ptr, M, N, K_SPLIT, a_desc, b_desc, lo
         if LORA_K > 0:
             s = tl.dot(a_desc.load([0, k]), x, s)
     if LORA_K > 0:
-        acc = add_lora(acc, s, b_desc, n0, lora_slots_ptr, tok0, M, LORA_K, RANK, BLOCK_T)
+        acc = add_lora(acc, s, b, keep)
     cols = n0 + tl.arange(0, 64)[:, None]
     toks = tok0 + tl.arange(0, BLOCK_T)[None, :]
     tl.store(part_ptr + (split * M + toks).to(tl.int64) * N + cols, acc, mask=toks < M)
@@ -208,7 +213,7 @@ def fits_split_k(input_size: int, output_size: int, dtype: torch.dtype) -> bool:
 
 def _launch(num_tokens: int, lora: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_K, STAGES, num_warps) for a batch (swept on the H200 by the probe
-    fused_linear_probe, docs/benchmarks.md); with LoRA's A tiles fewer stages fit in shared
+    fused_linear_probe, docs/benchmarks.md); with LoRA's A tiles, fewer stages fit in shared
     memory (gate_up_proj's two A tiles and 64-token x tiles: 80 KB a stage)."""
     if num_tokens <= 16:
         return 16, 128, 3 if lora else 4, 4
@@ -299,6 +304,6 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor,
         TensorDescriptor.from_tensor(w_kn, [128, ROWS]),
         TensorDescriptor.from_tensor(x, [block_t, 128]), part, num_tokens, output_size,
         input_size // splits, **fused_lora_args(lora, 128), BLOCK_T=block_t, BLOCK_K=128,
-        STAGES=3 if lora is not None else 4, num_warps=4,
+        STAGES=4 if lora is None or num_tokens <= 16 else 2, num_warps=4,
         **launch_options())
     return part

@@ -94,14 +94,19 @@ def fused_lora_args(lora: LoRASlots | None, block_k: int) -> dict:
 
 
 @triton.jit
-def add_lora(acc, s, b_desc, row, slots_ptr, tok0, M, LORA_K: tl.constexpr,
-             RANK: tl.constexpr, BLOCK_T: tl.constexpr):
-    """acc [64, T] + B[row:+64] @ s', s' the shrink s [64, T] (rows: each slot's RANK rows in
-    turn; past LORA_K: none) with only each token's slot kept, rounded to B's dtype as PEFT's
-    lora_A output is."""
-    b = b_desc.load([row, 0])  # [64, 64]: every slot's rank columns, zeros past LORA_K
+def lora_keep(slots_ptr, tok0, M, LORA_K: tl.constexpr, RANK: tl.constexpr,
+              BLOCK_T: tl.constexpr):
+    """[64, BLOCK_T]: whether shrink row r (each slot's RANK rows in turn; none past LORA_K)
+    belongs to token tok0 + t's slot."""
     toks = tok0 + tl.arange(0, BLOCK_T)
     slot = tl.load(slots_ptr + toks, mask=toks < M, other=-1)
     r = tl.arange(0, 64)
-    keep = (r < LORA_K)[:, None] & ((r // RANK)[:, None] == slot[None, :])
+    return (r < LORA_K)[:, None] & ((r // RANK)[:, None] == slot[None, :])
+
+
+@triton.jit
+def add_lora(acc, s, b, keep):
+    """acc [64, T] + b @ s', s' the shrink s [64, T] with only the rows `keep` says (each
+    token's slot), rounded to b's dtype as PEFT's lora_A output is; b: B's [64, 64] tile of
+    the accumulator's rows (every slot's rank columns, zeros past LORA_K)."""
     return tl.dot(b, tl.where(keep, s, 0.0).to(b.dtype), acc)
