@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.kernels.compile_ahead import compile_threads
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.backends import bind_backend, measures_fused_limits, select_backend
 from nanovllm.layers.fused_calibration import (
@@ -75,6 +76,8 @@ class ModelRunner:
         self.decode_inputs = DecodeInputs(config.max_num_seqs, self.max_num_blocks,
                                           self.block_size, pin=config.device == "cuda",
                                           max_loras=self.max_loras)
+        # > 0: each start-up phase compiles its kernels on threads first (kernels.compile_ahead)
+        self.compile_threads = compile_threads(config.device, self.world_size)
         calibrate = config.kv_cache_dtype == "fp8" and config.calculate_kv_scales
         if config.device == "cuda" or calibrate:
             t0 = perf_counter()
@@ -94,7 +97,8 @@ class ModelRunner:
             t0 = perf_counter()
             self.capture_cudagraph()
             self.startup_s["capture"] = perf_counter() - t0
-        logger.info("start-up: %s", ", ".join(f"{k} {v:.1f}s" for k, v in self.startup_s.items()))
+        logger.info("start-up: %s (compile-ahead threads: %d)", ", ".join(
+            f"{k} {v:.1f}s" for k, v in self.startup_s.items()), self.compile_threads)
 
     def build_shard(self) -> torch.nn.Module:
         """This rank's shard of the model, built in the model dtype on its device, loaded."""
@@ -282,7 +286,7 @@ class ModelRunner:
     def capture_cudagraph(self) -> None:
         """Capture the decode graphs (see cuda_graphs.capture_decode_graphs)."""
         self.graphs, self.graph_inputs, self.graph_outputs = capture_decode_graphs(
-            self.model, self.config, self.max_num_blocks, self.device)
+            self.model, self.config, self.max_num_blocks, self.device, self.compile_threads)
 
     def shutdown(self) -> None:
         """Free graphs, the KV pool and the weights."""
