@@ -1,6 +1,7 @@
 """Runs the model for one rank: weights, the KV pool, step inputs, CUDA graphs."""
 import logging
 import threading
+from functools import partial
 from time import perf_counter
 
 import torch
@@ -13,7 +14,7 @@ from nanovllm.layers.backends import bind_backend, measures_fused_limits, select
 from nanovllm.layers.fused_calibration import (
     CALIBRATION_MAX_TOKENS,
     calibrate,
-    cuda_graph_time,
+    cuda_graph_times,
 )
 from nanovllm.layers.linear import tp_rank_and_size
 from nanovllm.layers.penalties import TokenCounts
@@ -130,7 +131,7 @@ class ModelRunner:
         sizes = graph_batch_sizes(self.config.max_num_seqs) if self.use_cuda_graph else \
             sorted({1, *graph_batch_sizes(self.config.max_num_seqs)})
         limits = calibrate(self.model, [n for n in sizes if n <= CALIBRATION_MAX_TOKENS],
-                           cuda_graph_time)
+                           partial(cuda_graph_times, compile_threads=self.compile_threads))
         bind_backend(self.model, self.backend, limits)
         torch.cuda.empty_cache()  # the timing graphs' pools: the KV pool is sized already
         logger.info("fused decode projections up to (tokens, measured): %s",
