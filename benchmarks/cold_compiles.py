@@ -2,13 +2,20 @@
 compile inside the first timed generate(), and its throughput against a warm run.
 
 python -m benchmarks.cold_compiles [bench.py flags, e.g. --attention-backend triton, --shape]
+python -m benchmarks.cold_compiles --ab [ROUNDS] [bench.py flags]
 
 Sets TRITON_CACHE_DIR to a new empty directory unless one is given (it must then be empty).
 No untimed generate() runs first: the first timed run is what a user's first call gets. A
 variant is named by its kernel and the argument attributes of its specialisation (divisibility
 by 16, equal to 1, constants); every one listed is a compile start-up's warm-up missed.
+
+--ab: LLM()'s start-up phases alone, with start-up's kernels compiled ahead on threads
+(kernels.compile_ahead) and serially (NANOVLLM_PARALLEL_COMPILE=0), alternated for ROUNDS
+rounds (default 1), each in a fresh process on its own empty Triton cache.
 """
+import argparse
 import os
+import subprocess
 import sys
 import tempfile
 
@@ -50,11 +57,33 @@ def _timed_run(llm, prompts: list, params: list, cache: str, label: str) -> floa
     return run["output_tok_s"]
 
 
+def _ab(rounds: int, argv: list[str]) -> None:
+    """The start-up line of fresh processes, compiling ahead on threads and serially."""
+    for r in range(1, rounds + 1):
+        for label, flag in (("parallel", "1"), ("serial", "0")):
+            env = dict(os.environ, NANOVLLM_PARALLEL_COMPILE=flag,
+                       TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="nanovllm-triton-"))
+            proc = subprocess.run([sys.executable, "-m", "benchmarks.cold_compiles",
+                                   "--startup-only", *argv], env=env, text=True,
+                                  capture_output=True)
+            if proc.returncode:
+                raise SystemExit(f"the {label} run failed:\n{proc.stderr[-3000:]}")
+            line = next(line for line in proc.stdout.splitlines() if line.startswith("LLM()"))
+            print(f"round {r} {label}: {line}", flush=True)
+
+
 def main() -> None:
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # the rest is bench.py's
+    p.add_argument("--ab", type=int, nargs="?", const=1, default=0, metavar="ROUNDS")
+    p.add_argument("--startup-only", action="store_true")  # a child of --ab
+    own, rest = p.parse_known_args()
+    if own.ab:
+        _ab(own.ab, rest)
+        return
     cache = os.environ["TRITON_CACHE_DIR"]
     if _variants(cache):
         raise SystemExit(f"TRITON_CACHE_DIR={cache} is not empty: give an empty directory")
-    sys.argv = ["bench.py", "--random-weights", *sys.argv[1:]]
+    sys.argv = ["bench.py", "--random-weights", *rest]
     args = bench.parse_args()
     path = bench.resolve_model(args)
     from nanovllm import LLM
@@ -68,7 +97,11 @@ def main() -> None:
     startup_s = perf_counter() - t0
     parts = ", ".join(f"{k} {v:.1f} s" for k, v in llm.model_runner.startup_s.items())
     print(f"LLM() on an empty Triton cache: {startup_s:.1f} s ({parts}); "
-          f"{len(_variants(cache))} variants compiled; backend {llm.config.attention_backend}")
+          f"{len(_variants(cache))} variants compiled; backend {llm.config.attention_backend}; "
+          f"compile-ahead threads {llm.model_runner.compile_threads}")
+    if own.startup_only:
+        llm.shutdown()
+        return
     try:
         first = _timed_run(llm, prompts, params, cache, "first run")
         warm = _timed_run(llm, prompts, params, cache, "warm run")

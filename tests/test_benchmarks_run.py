@@ -43,6 +43,10 @@ def cold_compiles(tmp_path: Path) -> None:
                TRITON_CACHE_DIR=str(tmp_path / "triton"))
     ok(proc, "LLM() on an empty Triton cache:", "first run: ", "compiled inside it: 0",
        "first run / warm run:")
+    proc = run(sys.executable, "-m", "benchmarks.cold_compiles", "--ab", "--tiny",
+               tmp_path=tmp_path)
+    ok(proc, "round 1 parallel: LLM() on an empty Triton cache:",
+       "round 1 serial: LLM() on an empty Triton cache:", "compile-ahead threads 0")
 
 
 def shapes(tmp_path: Path) -> None:

@@ -3,13 +3,21 @@ layers (CUDA): fixed limits tuned on one shape cost another 5-9% (Llama-3.1-8B).
 
 For each projection class (its type and weight shape: qkv_proj, gate_up_proj, o_proj and
 down_proj each once) and each decode step size the engine runs (the CUDA-graph batch sizes up
-to 256), the fused kernel and the unfused path it replaces are each captured in a CUDA graph
-of a few calls (as decode replays them: no launch gaps) and timed by CUDA events. The limit
-bound is the step size up to which the fused kernel runs with the least summed time.
+to 256), the fused kernel and the unfused path it replaces each run a few calls in a row
+inside one CUDA graph (as decode replays them: no launch gaps), timed by CUDA events recorded
+in the graph between them. The limit bound is the step size up to which the fused kernel runs
+with the least summed time.
 
     qkv_proj:      qkv_rope_store                  vs  GEMM + q/k norm, RoPE, K/V write
     gate_up_proj:  gate_up_silu                    vs  GEMM + SiLU-and-mul
     o/down_proj:   split_k_linear + partials norm  vs  GEMM + add + RMSNorm
+
+All steps share one graph, so calibration costs one capture and a few replays whatever the
+number of sizes and classes (a graph per step would be 2 x sizes x classes captures, 120 for
+Qwen3-0.6B, each synchronising the device):
+
+    graph:  [e0] qkv fused n=2 x8 [e1] qkv unfused n=2 x8 [e2] qkv fused n=3 x8 ... [eN]
+    step i: (e(i+1) - e(i)) / 8, the median of _REPLAYS replays
 """
 from collections.abc import Callable
 
@@ -17,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.kernels.compile_ahead import compile_in_parallel
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import (
     LinearBase,
@@ -27,10 +36,13 @@ from nanovllm.layers.linear import (
 from nanovllm.utils.context import Context, forward_context
 
 CALIBRATION_MAX_TOKENS = 256  # beyond, the GEMMs' own tiles fill the GPU (never measured to win)
-_CALLS_PER_GRAPH, _REPLAYS = 8, 3
+_CALLS_PER_STEP, _REPLAYS = 8, 5
 
 LayerClass = tuple[str, tuple[int, ...]]
-StepTimer = Callable[[nn.Module, nn.Module | None, int, bool], float]
+Step = Callable[[], object]
+# (projection, its parent module, step size, fused) -> that decode step's work
+StepMaker = Callable[[LinearBase, nn.Module | None, int, bool], Step]
+StepTimer = Callable[[list[Step]], list[float]]  # steps -> seconds per call of each
 
 
 def layer_class(linear: LinearBase) -> LayerClass:
@@ -49,25 +61,40 @@ def choose_max_tokens(sizes: list[int], fused_s: list[float], unfused_s: list[fl
     return best
 
 
-def calibrate(model: nn.Module, sizes: list[int], time_step: StepTimer) -> dict[LayerClass, int]:
-    """{layer class: limit} for the projections bound to a fused kernel, the first of each
-    class timed by time_step(projection, its parent module, step size, fused)."""
+def representatives(model: nn.Module) -> dict[LayerClass, tuple[LinearBase, nn.Module | None]]:
+    """The first projection of each class bound to a fused kernel, and its parent module."""
     parents = {child: parent for parent in model.modules() for child in parent.children()}
-    limits: dict[LayerClass, int] = {}
+    found: dict[LayerClass, tuple[LinearBase, nn.Module | None]] = {}
     for module in model.modules():
-        if not isinstance(module, LinearBase) or not module.fused_decode_max_tokens:
-            continue
-        key = layer_class(module)
-        if key not in limits:
-            parent = parents.get(module)
-            fused = [time_step(module, parent, n, True) for n in sizes]
-            unfused = [time_step(module, parent, n, False) for n in sizes]
-            limits[key] = choose_max_tokens(sizes, fused, unfused)
+        if isinstance(module, LinearBase) and module.fused_decode_max_tokens:
+            found.setdefault(layer_class(module), (module, parents.get(module)))
+    return found
+
+
+def calibrate(model: nn.Module, sizes: list[int], time_steps: StepTimer,
+              make_step: StepMaker | None = None) -> dict[LayerClass, int]:
+    """{layer class: limit} for the projections bound to a fused kernel: for the first of each
+    class, each size's step fused and unfused (make_step, default decode_step), all timed by
+    one call of time_steps."""
+    make_step = make_step or decode_step
+    classes = representatives(model)
+    # class-major, then size, fused before unfused: [c0 n0 F, c0 n0 U, c0 n1 F, ...]
+    steps = [make_step(proj, parent, n, fused) for proj, parent in classes.values()
+             for n in sizes for fused in (True, False)]
+    if not steps:
+        return {}
+    times = time_steps(steps)
+    assert len(times) == len(steps), f"{len(times)} times for {len(steps)} steps"
+    per_class = 2 * len(sizes)
+    limits = {}
+    for i, key in enumerate(classes):
+        own = times[i * per_class:(i + 1) * per_class]
+        limits[key] = choose_max_tokens(sizes, own[0::2], own[1::2])
     return limits
 
 
 def _qkv_step(proj: QKVParallelLinear, parent: nn.Module, x: torch.Tensor, fused: bool
-              ) -> Callable[[], object]:
+              ) -> Step:
     """parent.attend's projection part: q, and K/V into parent.attn's cache."""
     from nanovllm.kernels.fused_linear import qkv_rope_store
     attn, n = parent.attn, x.shape[0]
@@ -91,8 +118,7 @@ def _qkv_step(proj: QKVParallelLinear, parent: nn.Module, x: torch.Tensor, fused
     return unfused
 
 
-def _step(proj: LinearBase, parent: nn.Module | None, n: int, fused: bool
-          ) -> Callable[[], object]:
+def decode_step(proj: LinearBase, parent: nn.Module | None, n: int, fused: bool) -> Step:
     """One decode step's work that the projection's fused kernel replaces, for n tokens."""
     weight = proj.weight
     x = torch.randn(n, weight.shape[1], dtype=weight.dtype, device=weight.device)
@@ -113,22 +139,32 @@ def _step(proj: LinearBase, parent: nn.Module | None, n: int, fused: bool
     return lambda: norm(F.linear(x, weight), residual)
 
 
-def cuda_graph_time(proj: LinearBase, parent: nn.Module | None, n: int, fused: bool) -> float:
-    """Seconds per call of _step, from CUDA graphs of _CALLS_PER_GRAPH calls (median replay)."""
-    fn = _step(proj, parent, n, fused)
-    fn()  # compiles its kernels, outside the graph
+def cuda_graph_times(steps: list[Step], compile_threads: int = 0) -> list[float]:
+    """Seconds per call of each step: all in one CUDA graph, each called _CALLS_PER_STEP times
+    between two timing events (the median of _REPLAYS replays)."""
+    if compile_threads:  # their kernels compile on threads first (kernels.compile_ahead)
+        compile_in_parallel(steps, compile_threads)
+    for step in steps:
+        step()  # loads (or compiles) its kernels, outside the graph
     torch.cuda.synchronize()
+    # external: each record is an event node of the graph, re-recorded at every replay
+    marks = [torch.cuda.Event(enable_timing=True, external=True) for _ in range(len(steps) + 1)]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(_CALLS_PER_GRAPH):
-            fn()
-    graph.replay()
-    times = []
+        marks[0].record()
+        for step, mark in zip(steps, marks[1:]):
+            for _ in range(_CALLS_PER_STEP):
+                step()
+            mark.record()
+    graph.replay()  # untimed: the first replay uploads the graph
+    replays_ms = []
     for _ in range(_REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
         graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / _CALLS_PER_GRAPH)
-    return sorted(times)[len(times) // 2]
+        torch.cuda.synchronize()
+        replays_ms.append([a.elapsed_time(b) for a, b in zip(marks, marks[1:])])
+    return seconds_per_call(replays_ms, _CALLS_PER_STEP)
+
+
+def seconds_per_call(replays_ms: list[list[float]], calls: int) -> list[float]:
+    """Per step, from each replay's milliseconds per step: the median, in seconds per call."""
+    return [sorted(step_ms)[len(step_ms) // 2] / 1e3 / calls for step_ms in zip(*replays_ms)]

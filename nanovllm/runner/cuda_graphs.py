@@ -1,10 +1,13 @@
 """CUDA graphs for decode: one captured forward per batch size, replayed by the ModelRunner."""
+from functools import partial
+
 import torch
 from torch import nn
 
 from nanovllm.config import Config
+from nanovllm.kernels.compile_ahead import compile_in_parallel
 from nanovllm.runner.step_inputs import DecodeInputs
-from nanovllm.utils.context import forward_context
+from nanovllm.utils.context import Context, forward_context
 
 # Powers of two and their midpoints: 1, 2, 3, 4, 6, 8, 12, ... 384, 512
 BATCH_LADDER = sorted({b * m // 2 for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) for m in (2, 3)})
@@ -19,29 +22,46 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return [b for b in BATCH_LADDER if 1 < b < max_bs] + [max_bs]
 
 
+def _decode_inputs(bs: int, max_num_blocks: int, max_loras: int, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Context]:
+    """(packed buffer, input ids, positions, context) of the graph of bs sequences."""
+    buf = torch.zeros(DecodeInputs.size(bs, max_num_blocks, max_loras), dtype=torch.int32,
+                      device=device)
+    input_ids, positions, _, context = DecodeInputs.unpack(buf, bs, max_num_blocks, max_loras)
+    context.slot_mapping.fill_(-1)  # capture runs write nothing into the KV cache
+    if context.lora_slots is not None:
+        context.lora_slots.fill_(-1)
+    return buf, input_ids, positions, context
+
+
+def _forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+             context: Context) -> torch.Tensor:
+    """The model's hidden states for a decode step's inputs (eager)."""
+    with forward_context(context):
+        return model(input_ids, positions)
+
+
 @torch.inference_mode()  # graph input buffers are inference tensors
 def capture_decode_graphs(model: nn.Module, config: Config, max_num_blocks: int,
-                          device: torch.device
+                          device: torch.device, compile_threads: int = 0
                           ) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor],
                                      torch.Tensor]:
-    """(graphs, input buffers, output buffer) for graph_batch_sizes, captured largest first."""
+    """(graphs, input buffers, output buffer) for graph_batch_sizes, captured largest first;
+    with compile_threads, every size's kernels compile on threads first."""
     # Each graph reads its own packed input buffer (DecodeInputs); all share one output buffer
-    # and memory pool.
+    # and memory pool. With LoRA, its kernels are captured too (rows of slot -1: their deltas
+    # are zeros).
     graph_bs = graph_batch_sizes(config.max_num_seqs)
-    max_bs = graph_bs[-1]
-    outputs = torch.zeros(max_bs, config.hf_config.hidden_size, dtype=config.torch_dtype,
+    max_loras = config.max_loras if config.enable_lora else 0
+    steps = {bs: _decode_inputs(bs, max_num_blocks, max_loras, device) for bs in graph_bs}
+    if compile_threads:  # kernels.compile_ahead
+        compile_in_parallel([partial(_forward, model, *steps[bs][1:]) for bs in graph_bs],
+                            compile_threads)
+    outputs = torch.zeros(graph_bs[-1], config.hf_config.hidden_size, dtype=config.torch_dtype,
                           device=device)
     graphs, inputs, pool = {}, {}, None
     for bs in reversed(graph_bs):
-        # with LoRA, its kernels are captured too (rows of slot -1: their deltas are zeros)
-        max_loras = config.max_loras if config.enable_lora else 0
-        buf = torch.zeros(DecodeInputs.size(bs, max_num_blocks, max_loras), dtype=torch.int32,
-                          device=device)
-        input_ids, positions, _, context = DecodeInputs.unpack(buf, bs, max_num_blocks,
-                                                               max_loras)
-        context.slot_mapping.fill_(-1)  # capture runs write nothing into the KV cache
-        if context.lora_slots is not None:
-            context.lora_slots.fill_(-1)
+        buf, input_ids, positions, context = steps[bs]
         graph = torch.cuda.CUDAGraph()
         with forward_context(context):
             outputs[:bs] = model(input_ids, positions)  # warm up

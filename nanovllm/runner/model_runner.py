@@ -1,18 +1,20 @@
 """Runs the model for one rank: weights, the KV pool, step inputs, CUDA graphs."""
 import logging
 import threading
+from functools import partial
 from time import perf_counter
 
 import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.kernels.compile_ahead import compile_threads
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.backends import bind_backend, measures_fused_limits, select_backend
 from nanovllm.layers.fused_calibration import (
     CALIBRATION_MAX_TOKENS,
     calibrate,
-    cuda_graph_time,
+    cuda_graph_times,
 )
 from nanovllm.layers.linear import tp_rank_and_size
 from nanovllm.layers.penalties import TokenCounts
@@ -75,6 +77,8 @@ class ModelRunner:
         self.decode_inputs = DecodeInputs(config.max_num_seqs, self.max_num_blocks,
                                           self.block_size, pin=config.device == "cuda",
                                           max_loras=self.max_loras)
+        # > 0: each start-up phase compiles its kernels on threads first (kernels.compile_ahead)
+        self.compile_threads = compile_threads(config.device, self.world_size)
         calibrate = config.kv_cache_dtype == "fp8" and config.calculate_kv_scales
         if config.device == "cuda" or calibrate:
             t0 = perf_counter()
@@ -94,7 +98,8 @@ class ModelRunner:
             t0 = perf_counter()
             self.capture_cudagraph()
             self.startup_s["capture"] = perf_counter() - t0
-        logger.info("start-up: %s", ", ".join(f"{k} {v:.1f}s" for k, v in self.startup_s.items()))
+        logger.info("start-up: %s (compile-ahead threads: %d)", ", ".join(
+            f"{k} {v:.1f}s" for k, v in self.startup_s.items()), self.compile_threads)
 
     def build_shard(self) -> torch.nn.Module:
         """This rank's shard of the model, built in the model dtype on its device, loaded."""
@@ -126,7 +131,7 @@ class ModelRunner:
         sizes = graph_batch_sizes(self.config.max_num_seqs) if self.use_cuda_graph else \
             sorted({1, *graph_batch_sizes(self.config.max_num_seqs)})
         limits = calibrate(self.model, [n for n in sizes if n <= CALIBRATION_MAX_TOKENS],
-                           cuda_graph_time)
+                           partial(cuda_graph_times, compile_threads=self.compile_threads))
         bind_backend(self.model, self.backend, limits)
         torch.cuda.empty_cache()  # the timing graphs' pools: the KV pool is sized already
         logger.info("fused decode projections up to (tokens, measured): %s",
@@ -282,7 +287,7 @@ class ModelRunner:
     def capture_cudagraph(self) -> None:
         """Capture the decode graphs (see cuda_graphs.capture_decode_graphs)."""
         self.graphs, self.graph_inputs, self.graph_outputs = capture_decode_graphs(
-            self.model, self.config, self.max_num_blocks, self.device)
+            self.model, self.config, self.max_num_blocks, self.device, self.compile_threads)
 
     def shutdown(self) -> None:
         """Free graphs, the KV pool and the weights."""

@@ -14,16 +14,22 @@ reaches them all:
               when they are captured;
     sampler:  the fused draw on logits in the model dtype and in float32 (after penalties).
 
+With compile threads (kernels.compile_ahead), the steps first run once with every launch only
+compiling its kernel, all on threads at once, then for real.
+
 The steps write K/V into blocks no sequence owns yet: the block manager hands them out later,
 and a sequence never reads a slot before writing it. tests/runner/test_warmup_variants.py
 checks that a varied workload launches no variant these steps did not.
 """
+from collections.abc import Callable
 from contextlib import nullcontext
+from functools import partial
 from typing import Protocol
 
 import torch
 
 from nanovllm.config import Config
+from nanovllm.kernels.compile_ahead import compile_in_parallel
 from nanovllm.layers.attention import Attention, kv_scale_calibration
 from nanovllm.layers.sampler import Sampler
 from nanovllm.runner.cuda_graphs import BATCH_LADDER
@@ -42,6 +48,7 @@ class ModelRunner(Protocol):
     num_kvcache_blocks: int
     attn_layers: list[Attention]
     sampler: Sampler
+    compile_threads: int
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> object: ...
 
@@ -59,9 +66,6 @@ def warm_up_peak(runner: ModelRunner, calibrate: bool = False) -> None:
     # LM head's rows peak too). Its random ids, the same on every rank, also calibrate FP8
     # KV scales (on CPU with a small batch). No KV pool yet: nothing is written or read back.
     config, cuda = runner.config, runner.device.type == "cuda"
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
     budget, num_seqs = config.max_num_batched_tokens, config.max_num_seqs
     if not cuda:
         budget, num_seqs = min(budget, CPU_PEAK_TOKENS), 4
@@ -72,6 +76,13 @@ def warm_up_peak(runner: ModelRunner, calibrate: bool = False) -> None:
     seqs = [Sequence(row, _PARAMS, runner.block_size) for row in ids]
     for seq in seqs:
         seq.num_scheduled_tokens = len(seq)
+    # kernels compile on threads first; before the peak is reset, outside FP8 calibration: in
+    # this pass no kernel runs (kernels.compile_ahead)
+    if runner.compile_threads:
+        compile_in_parallel([partial(runner.run, seqs, True)], runner.compile_threads)
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     with kv_scale_calibration(runner.attn_layers, runner.device) if calibrate else nullcontext():
         runner.run(seqs, True)
     if cuda:
@@ -124,24 +135,34 @@ def needs_kernel_warmup(device: str, runs_triton: bool) -> bool:
     return runs_triton and (device == "cuda" or WARM_UP_INTERPRETED)
 
 
-def warm_up_kernels(runner: ModelRunner, graph_sizes: list[int]) -> None:
-    """Run the steps of the module docstring on the allocated KV pool (every rank alike)."""
+def warm_up_steps(runner: ModelRunner, graph_sizes: list[int]) -> list[Callable[[], object]]:
+    """The steps of the module docstring on the allocated KV pool (every rank alike)."""
     config, block_size = runner.config, runner.block_size
     num_blocks = runner.num_kvcache_blocks
     fits = min(config.max_model_len, num_blocks * block_size)  # one sequence's tokens at most
     budget = config.max_num_batched_tokens
-    for new in prefill_lengths(min(budget, fits)):
-        _prefill(runner, 0, new)
+    steps = [partial(_prefill, runner, 0, new) for new in prefill_lengths(min(budget, fits))]
     if fits > block_size:  # else no prefix fits, and no step is paged
         longest = min(budget, fits - block_size)
-        for new in sorted({min(_SMALLEST_PREFILL, longest), longest}):
-            _prefill(runner, block_size, new)
+        steps += [partial(_prefill, runner, block_size, new)
+                  for new in sorted({min(_SMALLEST_PREFILL, longest), longest})]
     widths = [1, 2] if min(runner.max_num_blocks, num_blocks) >= 2 else [1]
-    for batch in eager_decode_sizes(config.max_num_seqs, graph_sizes):
-        for width in widths:
-            _decode(runner, batch, width)
+    steps += [partial(_decode, runner, batch, width)
+              for batch in eager_decode_sizes(config.max_num_seqs, graph_sizes)
+              for width in widths]
     if runner.rank == 0:
         vocab = config.hf_config.vocab_size
-        for dtype in {config.torch_dtype, torch.float32}:
-            runner.sampler.race(torch.zeros(2, vocab, dtype=dtype, device=runner.device),
-                                torch.ones(2, device=runner.device))
+        steps += [partial(runner.sampler.race,
+                          torch.zeros(2, vocab, dtype=dtype, device=runner.device),
+                          torch.ones(2, device=runner.device))
+                  for dtype in {config.torch_dtype, torch.float32}]
+    return steps
+
+
+def warm_up_kernels(runner: ModelRunner, graph_sizes: list[int]) -> None:
+    """Run warm_up_steps; with compile threads, once compiling only and then for real."""
+    steps = warm_up_steps(runner, graph_sizes)
+    if runner.compile_threads:
+        compile_in_parallel(steps, runner.compile_threads)
+    for step in steps:
+        step()

@@ -1,5 +1,6 @@
 """layers.fused_calibration: the limit chosen from timings, one per projection class, and its
-binding (timings injected: the CUDA timer is exercised by benchmarks.shapes on a GPU)."""
+binding (steps and timings injected: the CUDA timer is exercised by benchmarks.shapes on a
+GPU), and the reduction of the timing graph's replays to seconds per call."""
 import pytest
 import torch
 
@@ -12,7 +13,12 @@ from nanovllm.layers.backends import (
     bind_backend,
     measures_fused_limits,
 )
-from nanovllm.layers.fused_calibration import calibrate, choose_max_tokens, layer_class
+from nanovllm.layers.fused_calibration import (
+    calibrate,
+    choose_max_tokens,
+    layer_class,
+    seconds_per_call,
+)
 from nanovllm.layers.linear import (
     LinearBase,
     MergedColumnParallelLinear,
@@ -51,8 +57,9 @@ def _wins(proj: LinearBase) -> int:
 
 
 def test_calibrate_binds_one_limit_per_class(tmp_path) -> None:
-    """qkv_proj, gate_up_proj, o_proj and down_proj: each class timed once, its limit bound
-    to all its layers; o_proj and down_proj (one type, two shapes) get their own."""
+    """qkv_proj, gate_up_proj, o_proj and down_proj: each class's steps made once per size and
+    path and timed in one call, its limit bound to all its layers; o_proj and down_proj (one
+    type, two shapes) get their own."""
     path = build_checkpoint(str(tmp_path), hidden_size=128, head_dim=128, num_attention_heads=2,
                             num_key_value_heads=1, intermediate_size=384)
     llm = LLM(path, device="cpu", dtype="float16", num_kvcache_blocks=4, max_model_len=512)
@@ -60,18 +67,25 @@ def test_calibrate_binds_one_limit_per_class(tmp_path) -> None:
         model = llm.model_runner.model
         backend = TorchBackend(FastPath(fused_projections=True))
         bind_backend(model, backend)
-        calls = []
+        timed: list[list] = []
 
-        def timer(proj: LinearBase, parent, n: int, fused: bool) -> float:
-            calls.append((layer_class(proj), n, fused))
+        def make_step(proj: LinearBase, parent, n: int, fused: bool):
             assert parent is not None and proj in list(parent.children())
-            return (1.0 if n <= _wins(proj) else 3.0) if fused else 2.0
+            return proj, n, fused  # stands for the step: the fake timer reads it
 
-        limits = calibrate(model, SIZES, timer)
+        def time_steps(steps: list) -> list[float]:
+            timed.append(steps)
+            return [(1.0 if n <= _wins(proj) else 3.0) if fused else 2.0
+                    for proj, n, fused in steps]
+
+        limits = calibrate(model, SIZES, time_steps, make_step)
         bind_backend(model, backend, limits)
         kinds = (QKVParallelLinear, MergedColumnParallelLinear, RowParallelLinear)
         projections = [m for m in model.modules() if type(m) in kinds]
-        assert len(limits) == 4 and len(calls) == 2 * len(SIZES) * 4
+        assert len(limits) == 4 and len(timed) == 1
+        steps = timed[0]
+        assert len(steps) == 2 * len(SIZES) * 4
+        assert len({(layer_class(p), n, f) for p, n, f in steps}) == len(steps)
         assert all(m.fused_decode_max_tokens == _wins(m) for m in projections)
         bind_backend(model, backend)  # without measured limits the fixed ones come back
         assert all(m.fused_decode_max_tokens == FUSED_GATE_UP_MAX_TOKENS for m in projections
@@ -80,7 +94,35 @@ def test_calibrate_binds_one_limit_per_class(tmp_path) -> None:
         llm.shutdown()
 
 
+def test_calibrate_reads_each_class_slice() -> None:
+    """Times come back in the steps' order (class, then size, fused before unfused): each
+    class's limit comes from its own slice, whatever the classes before it measured."""
+    model = torch.nn.Sequential(RowParallelLinear(256, 128), RowParallelLinear(384, 128))
+    limits_by_shape = {(128, 256): 3, (128, 384): 64}
+    for module in model:
+        module.fused_decode_max_tokens = 1  # bound, as bind_backend would on a GPU
+    sizes = [2, 3, 64]
+
+    def time_steps(steps: list) -> list[float]:
+        return [(1.0 if n <= limits_by_shape[shape] else 3.0) if fused else 2.0
+                for shape, n, fused in steps]
+
+    limits = calibrate(model, sizes, time_steps,
+                       lambda proj, parent, n, fused: (tuple(proj.weight.shape), n, fused))
+    assert limits == {("RowParallelLinear", (128, 256)): 3, ("RowParallelLinear", (128, 384)): 64}
+
+
 def test_calibration_skips_unbound_layers() -> None:
     """Projections without a fused kernel bound (limit 0) are never timed."""
     model = torch.nn.Sequential(RowParallelLinear(256, 128).to(torch.float16))
-    assert calibrate(model, SIZES, lambda *a: pytest.fail("timed an unbound layer")) == {}
+    assert calibrate(model, SIZES, lambda steps: pytest.fail("timed an unbound layer"),
+                     lambda *a: pytest.fail("made a step of an unbound layer")) == {}
+
+
+def test_seconds_per_call_takes_each_steps_median() -> None:
+    """Milliseconds per step in each replay -> per step, the median replay over the calls:
+    an outlier replay of one step moves nothing."""
+    replays_ms = [[8.0, 16.0, 80.0],  # one slow replay of the third step
+                  [8.8, 16.0, 4.0],
+                  [7.2, 15.2, 4.8]]
+    assert seconds_per_call(replays_ms, 8) == pytest.approx([1e-3, 2e-3, 0.6e-3])

@@ -4,7 +4,10 @@ Each Triton launch is recorded, under the interpreter, by the specialisation key
 would compile it under: the kernel, its constexprs, its argument types, the alignment classes of
 its pointers and integers (multiple of 16, equal to 1) and its launch options. The keys a varied
 workload launches after LLM() must all have been launched by LLM()'s warm-up. Every fused path
-is forced on (on CPU the engine binds none), float16 so that the fused projections take it."""
+is forced on (on CPU the engine binds none), float16 so that the fused projections take it.
+
+The warm-up's steps under a compile-only pass (kernels.compile_ahead: no kernel runs, outputs
+stay garbage) must finish and launch the variants their real run does."""
 import inspect
 import os
 
@@ -20,6 +23,7 @@ from triton.runtime.jit import KernelParam, create_function_from_signature  # no
 
 from benchmarks.random_checkpoints import build_checkpoint  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.kernels.compile_ahead import launches_compile_only  # noqa: E402
 from nanovllm.layers import backends  # noqa: E402
 from nanovllm.layers.backends import FastPath  # noqa: E402
 from nanovllm.runner import warmup  # noqa: E402
@@ -37,6 +41,7 @@ class VariantRecorder:
 
     def __init__(self) -> None:
         self.keys: list[tuple] = []
+        self.runs = 0  # launches that ran (not warmup launches)
         self._binders: dict[InterpretedFunction, object] = {}
 
     def _binder(self, fn: InterpretedFunction):
@@ -63,6 +68,7 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> VariantRecorder:
 
     def recording_run(self, *args, grid, warmup, **kwargs):
         recorder.record(self, args, kwargs)
+        recorder.runs += not warmup
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     monkeypatch.setattr(InterpretedFunction, "run", recording_run)
@@ -89,11 +95,15 @@ def _workload(llm: LLM) -> None:
     assert llm.stats()["prefill_steps"] >= 4  # the 37-token prompt took 3 chunks
 
 
-def test_workload_launches_only_warmed_variants(recorder: VariantRecorder, tmp_path) -> None:
+def _llm(tmp_path) -> LLM:
     checkpoint = build_checkpoint(str(tmp_path / "ckpt"), **SHAPE)
-    llm = LLM(checkpoint, device="cpu", attention_backend="triton", dtype="float16",
-              num_kvcache_blocks=4, max_num_seqs=4, max_num_batched_tokens=16,
-              max_model_len=512)
+    return LLM(checkpoint, device="cpu", attention_backend="triton", dtype="float16",
+               num_kvcache_blocks=4, max_num_seqs=4, max_num_batched_tokens=16,
+               max_model_len=512)
+
+
+def test_workload_launches_only_warmed_variants(recorder: VariantRecorder, tmp_path) -> None:
+    llm = _llm(tmp_path)
     try:
         warmed = set(recorder.keys)
         start = len(recorder.keys)
@@ -109,3 +119,28 @@ def test_workload_launches_only_warmed_variants(recorder: VariantRecorder, tmp_p
             "_race_kernel"} <= kernels
     cold = sorted(set(launched) - warmed)
     assert not cold, "variants the warm-up never compiled:\n" + "\n".join(map(str, cold))
+
+
+def test_compile_only_pass_reaches_the_warm_up_variants(recorder: VariantRecorder,
+                                                        tmp_path) -> None:
+    """The warm-up's steps with every launch compile-only run no kernel, finish on the garbage
+    their kernels leave, and launch the same variants as the steps run for real."""
+    llm = _llm(tmp_path)
+    try:
+        steps = warmup.warm_up_steps(llm.model_runner, graph_sizes=[])
+        start, runs = len(recorder.keys), recorder.runs
+        with launches_compile_only(InterpretedFunction):
+            for step in steps:
+                step()
+        assert recorder.runs == runs, "a kernel ran in the compile-only pass"
+        middle = len(recorder.keys)
+        for step in steps:
+            step()
+        assert recorder.runs > runs
+        compiled, ran = recorder.keys[start:middle], recorder.keys[middle:]
+    finally:
+        llm.shutdown()
+    kernels = {key[0] for key in compiled}
+    assert {"_prefill_kernel", "_decode_split_kernel", "_qkv_rope_store_kernel",
+            "_race_kernel"} <= kernels
+    assert set(compiled) == set(ran)

@@ -1,0 +1,156 @@
+"""kernels.compile_ahead: launches that only compile (on this thread, while the context lasts),
+compiles that overlap on the pool under Triton's own AsyncCompileMode, and the guard.
+
+Triton's JITFunction needs a GPU driver to launch anything, so the kernels here are stand-ins
+that do what JITFunction.run does with `warmup` (Triton 3.6, runtime/jit.py): a warmup launch
+under AsyncCompileMode submits its compile and returns the future; any other launch runs.
+The warm-up's own steps under a compile-only pass are tested in
+tests/runner/test_warmup_variants.py."""
+import os
+import threading
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
+
+import pytest  # noqa: E402
+import triton  # noqa: E402
+from triton.runtime import _async_compile  # noqa: E402
+
+from nanovllm.kernels import compile_ahead  # noqa: E402
+from nanovllm.kernels.compile_ahead import (  # noqa: E402
+    compile_in_parallel,
+    compile_threads,
+    launches_compile_only,
+)
+
+
+class Kernel:
+    """Records each launch's `warmup`; a warmup launch under AsyncCompileMode submits
+    `compile_fn` and, once finalized, files its result in `compiled`."""
+
+    launches: list[bool] = []
+    compiled: dict[str, object] = {}
+
+    def __init__(self, name: str, compile_fn=lambda: "binary") -> None:
+        self.name, self.compile_fn = name, compile_fn
+
+    def run(self, *args, grid, warmup, **kwargs):
+        Kernel.launches.append(warmup)
+        mode = _async_compile.active_mode.get()
+        if warmup and mode is not None:
+            return mode.submit(self.name, self.compile_fn,
+                               lambda binary: Kernel.compiled.__setitem__(self.name, binary))
+        return None
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.run(*args, grid=grid, warmup=False, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_records() -> None:
+    Kernel.launches, Kernel.compiled = [], {}
+
+
+def test_launches_only_compile_inside_the_context() -> None:
+    run = Kernel.__dict__["run"]
+    kernel = Kernel("k")
+    with launches_compile_only(Kernel):
+        kernel[(1,)](1, 2)
+        kernel.run(grid=(1,), warmup=True)  # a launch that was a warmup stays one
+    kernel[(1,)](1, 2)
+    assert Kernel.launches == [True, True, False]
+    assert Kernel.__dict__["run"] is run
+
+
+def test_another_threads_launches_run() -> None:
+    """The switch is the entering thread's: a launch from another thread meanwhile runs."""
+    kernel = Kernel("k")
+    with launches_compile_only(Kernel):
+        other = threading.Thread(target=lambda: kernel[(1,)]())
+        other.start()
+        other.join()
+        kernel[(1,)]()
+    assert Kernel.launches == [False, True]
+
+
+def test_a_failing_step_restores_launches() -> None:
+    run = Kernel.__dict__["run"]
+    with pytest.raises(ZeroDivisionError), launches_compile_only(Kernel):
+        Kernel("k")[(1,)]()
+        _ = 1 / 0
+    assert Kernel.__dict__["run"] is run
+    Kernel("k")[(1,)]()
+    assert Kernel.launches == [True, False]
+
+
+def _meeting(parties: int):
+    """A compile that returns only once `parties` compiles run at the same time."""
+    barrier = threading.Barrier(parties, timeout=2)
+
+    def compile_fn() -> str:
+        barrier.wait()
+        return "binary"
+    return compile_fn
+
+
+def test_compiles_overlap_and_finish_before_return() -> None:
+    """Two kernels' compiles run at once on two threads (each waits for the other), and both
+    are finalized when compile_in_parallel returns; nothing ran."""
+    meet = _meeting(2)
+    kernels = [Kernel("a", meet), Kernel("b", meet)]
+    compile_in_parallel([lambda k=k: k[(1,)]() for k in kernels], 2, kernel_type=Kernel)
+    assert Kernel.compiled == {"a": "binary", "b": "binary"}
+    assert Kernel.launches == [True, True]
+
+
+def test_a_compile_error_raises_on_return() -> None:
+    """On one thread the two compiles cannot meet: the first one's error surfaces, and the
+    mode is off afterwards (Triton 3.6 leaves it on after a failed compile)."""
+    meet = _meeting(2)
+    kernels = [Kernel("a", meet), Kernel("b", meet)]
+    with pytest.raises(threading.BrokenBarrierError):
+        compile_in_parallel([lambda k=k: k[(1,)]() for k in kernels], 1, kernel_type=Kernel)
+    assert Kernel.compiled == {} and _async_compile.active_mode.get() is None
+
+
+def test_one_compile_per_variant() -> None:
+    """A variant launched twice in a pass compiles once (AsyncCompileMode keys by variant)."""
+    calls = []
+    kernel = Kernel("a", lambda: calls.append(1) or "binary")
+    compile_in_parallel([lambda: kernel[(1,)](), lambda: kernel[(2,)]()], 2, kernel_type=Kernel)
+    assert calls == [1] and Kernel.compiled == {"a": "binary"}
+
+
+def test_the_pass_leaves_the_rng_as_it_found_it() -> None:
+    """A step's draws from torch's generator (the sampler seeds its kernel from it) are undone:
+    start-up samples alike with and without the pass."""
+    torch.manual_seed(0)
+    expected = torch.randint(2**31 - 1, (1,))
+    torch.manual_seed(0)
+    compile_in_parallel([lambda: torch.randint(2**31 - 1, (4,))], 2, kernel_type=Kernel)
+    assert torch.equal(torch.randint(2**31 - 1, (1,)), expected)
+
+
+def test_compile_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Threads per rank on CUDA (at most MAX_THREADS; 0 below 2); 0 off CUDA, under the
+    interpreter, with NANOVLLM_PARALLEL_COMPILE=0, and without AsyncCompileMode."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(compile_ahead.ENV, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert compile_threads("cuda", 1) == 16
+    assert compile_threads("cuda", 4) == 4
+    assert compile_threads("cuda", 8) == 2
+    assert compile_threads("cuda", 16) == 0  # one thread a rank: no pool
+    assert compile_threads("cpu", 1) == 0
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(128)), raising=False)
+    assert compile_threads("cuda", 1) == compile_ahead.MAX_THREADS
+    monkeypatch.setenv(compile_ahead.ENV, "0")
+    assert compile_threads("cuda", 1) == 0
+    monkeypatch.setenv(compile_ahead.ENV, "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert compile_threads("cuda", 1) == 0
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delattr(triton, "AsyncCompileMode")
+    assert compile_threads("cuda", 1) == 0
