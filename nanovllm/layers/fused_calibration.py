@@ -3,21 +3,15 @@ layers (CUDA): fixed limits tuned on one shape cost another 5-9% (Llama-3.1-8B).
 
 For each projection class (its type and weight shape: qkv_proj, gate_up_proj, o_proj and
 down_proj each once) and each decode step size the engine runs (the CUDA-graph batch sizes up
-to 256), the fused kernel and the unfused path it replaces each run a few calls in a row
-inside one CUDA graph (as decode replays them: no launch gaps), timed by CUDA events recorded
-in the graph between them. The limit bound is the step size up to which the fused kernel runs
-with the least summed time.
+to 256), the fused kernel and the unfused path it replaces are each captured in a CUDA graph
+of a few calls (as decode replays them: no launch gaps) and timed by CUDA events. The limit
+bound is the step size up to which the fused kernel runs with the least summed time.
 
     qkv_proj:      qkv_rope_store                  vs  GEMM + q/k norm, RoPE, K/V write
     gate_up_proj:  gate_up_silu                    vs  GEMM + SiLU-and-mul
     o/down_proj:   split_k_linear + partials norm  vs  GEMM + add + RMSNorm
 
-All steps share one graph, so calibration costs one capture and a few replays whatever the
-number of sizes and classes (a graph per step would be 2 x sizes x classes captures, 120 for
-Qwen3-0.6B, each synchronising the device):
-
-    graph:  [e0] qkv fused n=2 x8 [e1] qkv unfused n=2 x8 [e2] qkv fused n=3 x8 ... [eN]
-    step i: (e(i+1) - e(i)) / 8, the median of _REPLAYS replays
+Their kernels compile on threads first; the captures are what is left (~120 for Qwen3-0.6B).
 """
 from collections.abc import Callable
 
@@ -36,7 +30,7 @@ from nanovllm.layers.linear import (
 from nanovllm.utils.context import Context, forward_context
 
 CALIBRATION_MAX_TOKENS = 256  # beyond, the GEMMs' own tiles fill the GPU (never measured to win)
-_CALLS_PER_STEP, _REPLAYS = 8, 5
+_CALLS_PER_STEP, _REPLAYS = 8, 3
 
 LayerClass = tuple[str, tuple[int, ...]]
 Step = Callable[[], object]
@@ -140,31 +134,31 @@ def decode_step(proj: LinearBase, parent: nn.Module | None, n: int, fused: bool)
 
 
 def cuda_graph_times(steps: list[Step], compile_threads: int = 0) -> list[float]:
-    """Seconds per call of each step: all in one CUDA graph, each called _CALLS_PER_STEP times
-    between two timing events (the median of _REPLAYS replays)."""
-    if compile_threads:  # their kernels compile on threads first (kernels.compile_ahead)
+    """Seconds per call of each step, each from its own CUDA graph of _CALLS_PER_STEP calls
+    (the median of _REPLAYS replays); with compile_threads, their kernels compile on threads
+    first (kernels.compile_ahead)."""
+    # One graph per step: timing events recorded between the steps inside one shared graph
+    # chose limits that slowed batch-1 decode by 19% on the H200 (2026-12-02).
+    if compile_threads:
         compile_in_parallel(steps, compile_threads)
-    for step in steps:
-        step()  # loads (or compiles) its kernels, outside the graph
+    return [_graph_time(step) for step in steps]
+
+
+def _graph_time(step: Step) -> float:
+    """Seconds per call of step, from a CUDA graph of _CALLS_PER_STEP calls."""
+    step()  # loads (or compiles) its kernels, outside the graph
     torch.cuda.synchronize()
-    # external: each record is an event node of the graph, re-recorded at every replay
-    marks = [torch.cuda.Event(enable_timing=True, external=True) for _ in range(len(steps) + 1)]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        marks[0].record()
-        for step, mark in zip(steps, marks[1:]):
-            for _ in range(_CALLS_PER_STEP):
-                step()
-            mark.record()
+        for _ in range(_CALLS_PER_STEP):
+            step()
     graph.replay()  # untimed: the first replay uploads the graph
-    replays_ms = []
+    times = []
     for _ in range(_REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         graph.replay()
-        torch.cuda.synchronize()
-        replays_ms.append([a.elapsed_time(b) for a, b in zip(marks, marks[1:])])
-    return seconds_per_call(replays_ms, _CALLS_PER_STEP)
-
-
-def seconds_per_call(replays_ms: list[list[float]], calls: int) -> list[float]:
-    """Per step, from each replay's milliseconds per step: the median, in seconds per call."""
-    return [sorted(step_ms)[len(step_ms) // 2] / 1e3 / calls for step_ms in zip(*replays_ms)]
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / _CALLS_PER_STEP)
+    return sorted(times)[len(times) // 2]

@@ -17,7 +17,6 @@ from nanovllm.layers.fused_calibration import (
     calibrate,
     choose_max_tokens,
     layer_class,
-    seconds_per_call,
 )
 from nanovllm.layers.linear import (
     LinearBase,
@@ -117,12 +116,3 @@ def test_calibration_skips_unbound_layers() -> None:
     model = torch.nn.Sequential(RowParallelLinear(256, 128).to(torch.float16))
     assert calibrate(model, SIZES, lambda steps: pytest.fail("timed an unbound layer"),
                      lambda *a: pytest.fail("made a step of an unbound layer")) == {}
-
-
-def test_seconds_per_call_takes_each_steps_median() -> None:
-    """Milliseconds per step in each replay -> per step, the median replay over the calls:
-    an outlier replay of one step moves nothing."""
-    replays_ms = [[8.0, 16.0, 80.0],  # one slow replay of the third step
-                  [8.8, 16.0, 4.0],
-                  [7.2, 15.2, 4.8]]
-    assert seconds_per_call(replays_ms, 8) == pytest.approx([1e-3, 2e-3, 0.6e-3])
