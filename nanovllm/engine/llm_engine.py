@@ -168,30 +168,14 @@ class LLMEngine:
         """Read an advanced step's ids (the one host sync per step); returns the finished."""
         finished = self.scheduler.commit(step.advanced, step.sampled.tolist())
         record_logprobs(step.seqs, step.advanced, step.sampled)
-        return finished + self._check_stop_strings([seq for _, seq in step.advanced])
+        advanced = [seq for _, seq in step.advanced]
+        return finished + self.stop_checker.finish_stopped(advanced, self.scheduler.finish)
 
     def _schedule(self) -> tuple[list[Sequence], bool, int, int]:
         """(batch, is_prefill, tokens: + prefill, - decode, KV blocks in use: the step's peak)."""
         seqs, is_prefill = self.scheduler.schedule()
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
         return seqs, is_prefill, num_tokens, self.scheduler.num_used_blocks
-
-    def _check_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Finish sequences whose text now holds a stop string; returns the newly finished."""
-        # "stop" wins over EOS or length on the same step.
-        newly_finished = []
-        for seq in seqs:
-            if not seq.sampling_params.stop:  # the common path decodes nothing
-                continue
-            text = self.stop_checker.check(seq)
-            if text is not None:
-                seq.text = text
-                if not seq.is_finished:
-                    newly_finished.append(seq)
-                self.scheduler.finish(seq, "stop")
-            if seq.is_finished:
-                self.stop_checker.forget(seq)
-        return newly_finished
 
     def stats(self) -> dict:
         """Counters since the last reset_stats(): see docs/api.md, "Engine counters"."""

@@ -34,3 +34,20 @@ class StopStringChecker:
 
     def forget(self, seq: Sequence) -> None:
         self.states.pop(seq.seq_id, None)
+
+    def finish_stopped(self, seqs: list[Sequence], finish) -> list[Sequence]:
+        """Finish (finish(seq, "stop")) the sequences whose text now holds a stop string;
+        returns those newly finished. "stop" wins over EOS or length on the same step."""
+        newly_finished = []
+        for seq in seqs:
+            if not seq.sampling_params.stop:  # the common path decodes nothing
+                continue
+            text = self.check(seq)
+            if text is not None:
+                seq.text = text
+                if not seq.is_finished:
+                    newly_finished.append(seq)
+                finish(seq, "stop")
+            if seq.is_finished:
+                self.forget(seq)
+        return newly_finished
