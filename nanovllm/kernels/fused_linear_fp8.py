@@ -1,12 +1,12 @@
 """FP8 weights in kernels.fused_linear's decode projections: the scale layouts the kernels take,
-their launch arguments, and the Triton helper that applies a scale inside the K loop.
+their launch arguments, and the Triton helpers that apply the scales.
 
 Decode runs FP8 weights as W8A16, not as the W8A8 of kernels.fp8_gemm: each FP8 weight tile
 arrives by TMA as a 16-bit one does, is converted to the activations' dtype in registers (every
 e4m3 value is exact in bf16 and fp16) and multiplied with the unquantized activations; the
 float32 accumulator takes the weight's scale. Why at decode:
-- no activation-quantization kernel: one launch fewer per projection, and no launch at all
-  beside the fused epilogues;
+- no activation-quantization kernel: W8A8 would need one before every projection, a launch
+  the fused epilogues exist to save;
 - more accurate than W8A8: the activations keep their 16 bits instead of e4m3's 3 mantissa bits;
 - no slower: a decode step's few tokens make the GEMM bound by the weight's bytes, which FP8
   halves either way; the MMA's input dtype does not matter there.
@@ -88,10 +88,12 @@ def scaled_dot(w, x, acc, s_row, k, BLOCK_K: tl.constexpr, W_SCALE: tl.constexpr
 @triton.jit
 def channel_scales(s_row, W_SCALE: tl.constexpr):
     """Per channel: the scales [64, 1] of the 64 rows from s_row (requested before the K loop,
-    so that their latency hides behind it); any other weight: 1.0, never used."""
-    scales = 1.0
+    so that their latency hides behind it); any other weight: ones that are never used (a
+    tensor either way, which every Triton version returns; the compiler drops it)."""
     if W_SCALE == PER_CHANNEL:
         scales = tl.load(s_row + tl.arange(0, 64))[:, None]
+    else:
+        scales = tl.full([64, 1], 1.0, tl.float32)
     return scales
 
 
