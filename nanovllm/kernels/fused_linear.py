@@ -10,13 +10,27 @@ side; weight and token tiles arrive by TMA through a multi-stage pipeline. Each 
 one head (two 64-row halves, the pair neox RoPE rotates together) or 64 gate rows with their
 64 up rows, for BLOCK_T tokens. On the H200 the fused qkv_proj beats cuBLAS + the q/k kernel at
 every decode size up to 256 (by 0.4-0.9 us), the fused gate_up_proj beats cuBLAS + SiLU-and-mul
-up to 64 (by 0.4-0.9 us) and loses from 96 (docs/benchmarks.md)."""
+up to 64 (by 0.4-0.9 us) and loses from 96 (docs/benchmarks.md).
+
+FP8 weights (e4m3 codes, float32 scales per output channel or block) run as W8A16, a constexpr
+branch (W_SCALE) beside the 16-bit path: tiles converted to the activations' dtype in registers,
+scales applied to the float32 accumulator (kernels.fused_linear_fp8 says how, and why).
+LoRA slots (16-bit weights) add their delta inside the same K loop (kernels.lora.add_lora)."""
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from nanovllm.kernels.fused_linear_fp8 import (
+    K_STEP,
+    Block,
+    channel_scaled,
+    channel_scales,
+    fits_weight,
+    scale_args,
+    scaled_dot,
+)
 from nanovllm.kernels.kv_quant import FP8_DTYPE
 from nanovllm.kernels.lora import LoRASlots, add_lora, fused_lora_args, lora_keep
 from nanovllm.kernels.pdl import launch_options, wait_then_release
@@ -27,38 +41,43 @@ ROWS = 64  # weight rows per MMA tile: a half head, or a gate or up slice
 
 
 @triton.jit
-def _pair_gemm(w_desc, x_desc, row_a, row_b, tok0, K, BLOCK_T: tl.constexpr,
-               BLOCK_K: tl.constexpr, STAGES: tl.constexpr, a_desc, b_desc, slots_ptr, M,
-               lora_row_a, lora_row_b, LORA_K: tl.constexpr, RANK: tl.constexpr,
-               PAIR_SLICES: tl.constexpr):
+def _pair_gemm(w_desc, x_desc, row_a, row_b, tok0, K, s_ptr, stride_s, scale_rows, a_desc,
+               b_desc, slots_ptr, M, lora_row_a, lora_row_b, BLOCK_T: tl.constexpr,
+               BLOCK_K: tl.constexpr, STAGES: tl.constexpr, W_SCALE: tl.constexpr,
+               LORA_K: tl.constexpr, RANK: tl.constexpr, PAIR_SLICES: tl.constexpr):
     """(W[row_a:+64] @ x.T, W[row_b:+64] @ x.T) for tokens tok0:+BLOCK_T, float32 [64, T]
-    each (token rows past the batch load as zeros). The epilogues work in this orientation:
-    transposing the accumulators costs more than the stores' poorer coalescing. With LoRA
-    (LORA_K = slots x rank > 0) each adds its LoRA delta (kernels.lora.add_lora): the shrink
-    is 64 more rows in the K loop (A rows lora_row_a onward; PAIR_SLICES: the second
-    accumulator's slice from lora_row_b, else the first's)."""
+    each (token rows past the batch load as zeros); FP8 codes times their scales (W_SCALE). The
+    epilogues work in this orientation: transposing the accumulators costs more than the
+    stores' poorer coalescing. With LoRA (LORA_K = slots x rank > 0) each adds its delta
+    (kernels.lora.add_lora): the shrink is 64 more MMA rows in the K loop (A's rows from
+    lora_row_a; PAIR_SLICES: the second accumulator's slice from lora_row_b, else the first's)."""
+    s_a = s_ptr + row_a // scale_rows * stride_s  # the tiles' rows of scales
+    s_b = s_ptr + row_b // scale_rows * stride_s
+    scale_a, scale_b = channel_scales(s_a, W_SCALE), channel_scales(s_b, W_SCALE)
     acc_a = tl.zeros([64, BLOCK_T], tl.float32)
     acc_b = tl.zeros([64, BLOCK_T], tl.float32)
-    s_a = tl.zeros([64, BLOCK_T], tl.float32)
-    s_b = tl.zeros([64, BLOCK_T], tl.float32)
+    shrunk_a = tl.zeros([64, BLOCK_T], tl.float32)
+    shrunk_b = tl.zeros([64, BLOCK_T], tl.float32)
     if LORA_K > 0:  # requested before the K loop, so that their latency hides behind it
         keep = lora_keep(slots_ptr, tok0, M, LORA_K, RANK, BLOCK_T)
         b_a = b_desc.load([row_a, 0])
         b_b = b_desc.load([row_b, 0])
     for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         x = x_desc.load([tok0, k]).T
-        acc_a = tl.dot(w_desc.load([row_a, k]), x, acc_a)
-        acc_b = tl.dot(w_desc.load([row_b, k]), x, acc_b)
+        acc_a = scaled_dot(w_desc.load([row_a, k]), x, acc_a, s_a, k, BLOCK_K, W_SCALE)
+        acc_b = scaled_dot(w_desc.load([row_b, k]), x, acc_b, s_b, k, BLOCK_K, W_SCALE)
         if LORA_K > 0:
-            s_a = tl.dot(a_desc.load([lora_row_a, k]), x, s_a)
+            shrunk_a = tl.dot(a_desc.load([lora_row_a, k]), x, shrunk_a)
             if PAIR_SLICES:
-                s_b = tl.dot(a_desc.load([lora_row_b, k]), x, s_b)
+                shrunk_b = tl.dot(a_desc.load([lora_row_b, k]), x, shrunk_b)
+    acc_a = channel_scaled(acc_a, scale_a, W_SCALE)
+    acc_b = channel_scaled(acc_b, scale_b, W_SCALE)
     if LORA_K > 0:
-        acc_a = add_lora(acc_a, s_a, b_a, keep)
+        acc_a = add_lora(acc_a, shrunk_a, b_a, keep)
         if PAIR_SLICES:
-            acc_b = add_lora(acc_b, s_b, b_b, keep)
+            acc_b = add_lora(acc_b, shrunk_b, b_b, keep)
         else:
-            acc_b = add_lora(acc_b, s_a, b_b, keep)
+            acc_b = add_lora(acc_b, shrunk_a, b_b, keep)
     return acc_a, acc_b
 
 
@@ -67,12 +86,13 @@ def _pair_gemm(w_desc, x_desc, row_a, row_b, tok0, K, BLOCK_T: tl.constexpr,
 @triton.jit(do_not_specialize=["M"])
 def _qkv_rope_store_kernel(w_desc, x_desc, bias_ptr, q_out_ptr, qn_w_ptr, kn_w_ptr, pos_ptr,
                            cs_ptr, stride_cs, k_cache_ptr, v_cache_ptr, slot_ptr, M, K, eps,
-                           k_inv_scale, v_inv_scale, a_desc, b_desc, lora_slots_ptr,
-                           NUM_Q_HEADS: tl.constexpr,
+                           k_inv_scale, v_inv_scale, s_ptr, stride_s, scale_rows, a_desc,
+                           b_desc, lora_slots_ptr, NUM_Q_HEADS: tl.constexpr,
                            NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                            HAS_BIAS: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                           LORA_K: tl.constexpr, RANK: tl.constexpr, USE_PDL: tl.constexpr):
+                           USE_PDL: tl.constexpr, W_SCALE: tl.constexpr, LORA_K: tl.constexpr,
+                           RANK: tl.constexpr):
     """Grid (q + k + v heads, token tiles): one head's projection for BLOCK_T tokens; q heads
     normed, rotated and stored to q_out, k heads normed, rotated and written to the cache, v
     heads written to the cache (slot < 0: a padding row, not written)."""
@@ -108,8 +128,9 @@ def _qkv_rope_store_kernel(w_desc, x_desc, bias_ptr, q_out_ptr, qn_w_ptr, kn_w_p
                                                         LORA_K, 2 * LORA_K))
     # [D/2, tokens]: neox RoPE pairs dim i with i + D/2, the two accumulators
     x1, x2 = _pair_gemm(w_desc, x_desc, head * HEAD_DIM, head * HEAD_DIM + HALF, tok0, K,
-                        BLOCK_T, BLOCK_K, STAGES, a_desc, b_desc, lora_slots_ptr, M, lora_row,
-                        lora_row, LORA_K, RANK, False)
+                        s_ptr, stride_s, scale_rows, a_desc, b_desc, lora_slots_ptr, M,
+                        lora_row, lora_row, BLOCK_T, BLOCK_K, STAGES, W_SCALE, LORA_K, RANK,
+                        False)
     if HAS_BIAS:
         x1 += b1
         x2 += b2
@@ -136,10 +157,11 @@ def _qkv_rope_store_kernel(w_desc, x_desc, bias_ptr, q_out_ptr, qn_w_ptr, kn_w_p
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gate_up_silu_kernel(w_desc, x_desc, bias_ptr, out_ptr, M, K, inter, a_desc, b_desc,
-                         lora_slots_ptr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BLOCK_K: tl.constexpr, STAGES: tl.constexpr, LORA_K: tl.constexpr,
-                         RANK: tl.constexpr, USE_PDL: tl.constexpr):
+def _gate_up_silu_kernel(w_desc, x_desc, bias_ptr, out_ptr, M, K, inter, s_ptr, stride_s,
+                         scale_rows, a_desc, b_desc, lora_slots_ptr, HAS_BIAS: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                         USE_PDL: tl.constexpr, W_SCALE: tl.constexpr, LORA_K: tl.constexpr,
+                         RANK: tl.constexpr):
     """Grid (inter / 64, token tiles): silu(gate) * up for 64 columns of BLOCK_T tokens; gate
     rows are W[:inter], up rows W[inter:]."""
     wait_then_release(USE_PDL)
@@ -149,8 +171,9 @@ def _gate_up_silu_kernel(w_desc, x_desc, bias_ptr, out_ptr, M, K, inter, a_desc,
     if HAS_BIAS:  # requested before the K loop, as in the qkv kernel
         gate_bias = tl.load(bias_ptr + cols).to(tl.float32)
         up_bias = tl.load(bias_ptr + inter + cols).to(tl.float32)
-    gate, up = _pair_gemm(w_desc, x_desc, col0, inter + col0, tok0, K, BLOCK_T, BLOCK_K, STAGES,
-                          a_desc, b_desc, lora_slots_ptr, M, 0, LORA_K, LORA_K, RANK, True)
+    gate, up = _pair_gemm(w_desc, x_desc, col0, inter + col0, tok0, K, s_ptr, stride_s,
+                          scale_rows, a_desc, b_desc, lora_slots_ptr, M, 0, LORA_K, BLOCK_T,
+                          BLOCK_K, STAGES, W_SCALE, LORA_K, RANK, True)
     if HAS_BIAS:
         gate += gate_bias
         up += up_bias
@@ -164,51 +187,65 @@ def _gate_up_silu_kernel(w_desc, x_desc, bias_ptr, out_ptr, M, K, inter, a_desc,
 
 
 @triton.jit(do_not_specialize=["M"])
-def _split_k_kernel(wt_desc, x_desc, part_ptr, M, N, K_SPLIT, a_desc, b_desc, lora_slots_ptr,
-                    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                    LORA_K: tl.constexpr, RANK: tl.constexpr, USE_PDL: tl.constexpr):
+def _split_k_kernel(w_desc, x_desc, part_ptr, M, N, K_SPLIT, s_ptr, stride_s, scale_rows,
+                    a_desc, b_desc, lora_slots_ptr, BLOCK_T: tl.constexpr,
+                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+                    K_MAJOR: tl.constexpr, W_SCALE: tl.constexpr, LORA_K: tl.constexpr,
+                    RANK: tl.constexpr):
     """Grid (N / 64, splits, token tiles): part[split] = x[:, ks] @ W[:, ks].T (ks: the split's
-    K_SPLIT columns) for 64 output columns of BLOCK_T tokens; W stored k-major ([K, N]). With
-    LoRA each split adds B @ its own part of the shrink: B and the slot mask are linear, so
-    the partials still sum to the delta (rounded per split, not once)."""
+    K_SPLIT columns) for 64 output columns of BLOCK_T tokens; W stored k-major ([K, N]) when
+    K_MAJOR (16-bit weights), else [N, K] (FP8 codes, scaled as _pair_gemm's). With LoRA each
+    split adds B @ its own part of the shrink: B and the slot mask are linear, so the partials
+    still sum to the delta (rounded per split, not once)."""
     wait_then_release(USE_PDL)
     pid_n, split, pid_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n0, tok0 = pid_n * 64, pid_t * BLOCK_T
+    s_row = s_ptr + n0 // scale_rows * stride_s
+    scale = channel_scales(s_row, W_SCALE)
     acc = tl.zeros([64, BLOCK_T], tl.float32)  # ROWS
-    s = tl.zeros([64, BLOCK_T], tl.float32)
+    shrunk = tl.zeros([64, BLOCK_T], tl.float32)
     if LORA_K > 0:  # requested before the K loop, as in _pair_gemm
         keep = lora_keep(lora_slots_ptr, tok0, M, LORA_K, RANK, BLOCK_T)
         b = b_desc.load([n0, 0])
     k0 = split * K_SPLIT
     for k in tl.range(k0, k0 + K_SPLIT, BLOCK_K, num_stages=STAGES):
+        if K_MAJOR:
+            w = w_desc.load([k, n0]).T
+        else:
+            w = w_desc.load([n0, k])
         x = x_desc.load([tok0, k]).T
-        acc = tl.dot(wt_desc.load([k, n0]).T, x, acc)
+        acc = scaled_dot(w, x, acc, s_row, k, BLOCK_K, W_SCALE)
         if LORA_K > 0:
-            s = tl.dot(a_desc.load([0, k]), x, s)
+            shrunk = tl.dot(a_desc.load([0, k]), x, shrunk)
+    acc = channel_scaled(acc, scale, W_SCALE)
     if LORA_K > 0:
-        acc = add_lora(acc, s, b, keep)
+        acc = add_lora(acc, shrunk, b, keep)
     cols = n0 + tl.arange(0, 64)[:, None]
     toks = tok0 + tl.arange(0, BLOCK_T)[None, :]
     tl.store(part_ptr + (split * M + toks).to(tl.int64) * N + cols, acc, mask=toks < M)
 
 
-def fits_qkv(hidden_size: int, head_dim: int, dtype: torch.dtype) -> bool:
-    """Whether qkv_rope_store takes these sizes: 16-bit, half heads of exactly one 64-row MMA
-    tile, rows of a 16-byte multiple (TMA)."""
-    return dtype in (torch.float16, torch.bfloat16) and head_dim == 2 * ROWS \
+# fits_*: dtype is the activations', weight_dtype (None: the same) and w_block as fits_weight's
+def fits_qkv(hidden_size: int, head_dim: int, dtype: torch.dtype,
+             weight_dtype: torch.dtype | None = None, w_block: Block = None) -> bool:
+    """Whether qkv_rope_store takes these sizes: 16-bit activations, half heads of exactly one
+    64-row MMA tile, rows of a 16-byte multiple (TMA)."""
+    return fits_weight(dtype, weight_dtype or dtype, w_block) and head_dim == 2 * ROWS \
         and hidden_size % 64 == 0
 
 
-def fits_gate_up(hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> bool:
+def fits_gate_up(hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+                 weight_dtype: torch.dtype | None = None, w_block: Block = None) -> bool:
     """Whether gate_up_silu takes these sizes (intermediate_size: this rank's)."""
-    return dtype in (torch.float16, torch.bfloat16) and intermediate_size % ROWS == 0 \
-        and hidden_size % 64 == 0
+    return fits_weight(dtype, weight_dtype or dtype, w_block) \
+        and intermediate_size % ROWS == 0 and hidden_size % 64 == 0
 
 
-def fits_split_k(input_size: int, output_size: int, dtype: torch.dtype) -> bool:
+def fits_split_k(input_size: int, output_size: int, dtype: torch.dtype,
+                 weight_dtype: torch.dtype | None = None, w_block: Block = None) -> bool:
     """Whether split_k_linear takes these sizes."""
-    return dtype in (torch.float16, torch.bfloat16) and output_size % ROWS == 0 \
-        and input_size % 128 == 0
+    return fits_weight(dtype, weight_dtype or dtype, w_block) and output_size % ROWS == 0 \
+        and input_size % K_STEP == 0
 
 
 def _launch(num_tokens: int, lora: bool = False) -> tuple[int, int, int, int]:
@@ -216,8 +253,8 @@ def _launch(num_tokens: int, lora: bool = False) -> tuple[int, int, int, int]:
     fused_linear_probe, docs/benchmarks.md); with LoRA's A tiles, fewer stages fit in shared
     memory (gate_up_proj's two A tiles and 64-token x tiles: 80 KB a stage)."""
     if num_tokens <= 16:
-        return 16, 128, 3 if lora else 4, 4
-    return (32 if num_tokens <= 128 else 64), 128, 2 if lora else 4, 4
+        return 16, K_STEP, 3 if lora else 4, 4
+    return (32 if num_tokens <= 128 else 64), K_STEP, 2 if lora else 4, 4
 
 
 def _descriptors(x: torch.Tensor, weight: torch.Tensor, block_t: int, block_k: int):
@@ -230,18 +267,21 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    num_q_heads: int, num_kv_heads: int, positions: torch.Tensor,
                    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                    cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor, kv_scales: tuple[float, float] = (1.0, 1.0),
+                   slot_mapping: torch.Tensor, kv_scales: tuple[float, float] = (1.0, 1.0), *,
+                   w_scale: torch.Tensor | None = None, w_block: Block = None,
                    lora: LoRASlots | None = None) -> torch.Tensor:
     """q [M, Hq, D] = RoPE(norm(x @ Wq.T + bq)); k and v (k normed and rotated) go to their
-    cache slots, as qkv_proj (with its LoRA delta) followed by qk_norm_rope with kv_store
-    does."""
+    cache slots, as qkv_proj (with its LoRA delta) followed by qk_norm_rope with kv_store does.
+    An FP8 weight comes with w_scale (per channel, or per w_block block:
+    kernels.fused_linear_fp8)."""
     num_tokens, hidden = x.shape
     head_dim = weight.shape[0] // (num_q_heads + 2 * num_kv_heads)
-    assert fits_qkv(hidden, head_dim, x.dtype) and weight.dtype == x.dtype
+    assert fits_qkv(hidden, head_dim, x.dtype, weight.dtype, w_block)
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.stride(-1) == 1
     q = torch.empty(num_tokens, num_q_heads, head_dim, dtype=x.dtype, device=x.device)
     block_t, block_k, stages, warps = _launch(num_tokens, lora is not None)
+    scales = scale_args(weight, w_scale, w_block)
     w_desc, x_desc = _descriptors(x, weight, block_t, block_k)
     norm = q_norm is not None
     grid = (num_q_heads + 2 * num_kv_heads, triton.cdiv(num_tokens, block_t))
@@ -249,29 +289,32 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         w_desc, x_desc, bias if bias is not None else weight, q,
         q_norm if norm else cos_sin_cache, k_norm if norm else cos_sin_cache, positions,
         cos_sin_cache, cos_sin_cache.stride(0), k_cache, v_cache, slot_mapping, num_tokens,
-        hidden, eps, 1.0 / kv_scales[0], 1.0 / kv_scales[1], **fused_lora_args(lora, block_k),
-        NUM_Q_HEADS=num_q_heads,
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_BIAS=bias is not None, NORM=norm,
-        FP8=k_cache.dtype == FP8_DTYPE, BLOCK_T=block_t, BLOCK_K=block_k, STAGES=stages,
-        num_warps=warps, **launch_options())
+        hidden, eps, 1.0 / kv_scales[0], 1.0 / kv_scales[1], *scales[:3],
+        **fused_lora_args(lora, block_k), NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim, HAS_BIAS=bias is not None, NORM=norm, FP8=k_cache.dtype == FP8_DTYPE,
+        BLOCK_T=block_t, BLOCK_K=block_k, STAGES=stages, W_SCALE=scales[3], num_warps=warps,
+        **launch_options())
     return q
 
 
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
+                 w_scale: torch.Tensor | None = None, w_block: Block = None,
                  lora: LoRASlots | None = None) -> torch.Tensor:
     """silu(x @ Wg.T + bg) * (x @ Wu.T + bu), [M, I], for weight [2I, hidden] (gate rows
-    first), as gate_up_proj (with its LoRA delta) followed by SiLU-and-mul."""
+    first), as gate_up_proj (with its LoRA delta) followed by SiLU-and-mul; FP8 weights as in
+    qkv_rope_store."""
     num_tokens, hidden = x.shape
     inter = weight.shape[0] // 2
-    assert fits_gate_up(hidden, inter, x.dtype) and weight.dtype == x.dtype
+    assert fits_gate_up(hidden, inter, x.dtype, weight.dtype, w_block)
     out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
     block_t, block_k, stages, warps = _launch(num_tokens, lora is not None)
     w_desc, x_desc = _descriptors(x, weight, block_t, block_k)
+    scales = scale_args(weight, w_scale, w_block)
     _gate_up_silu_kernel[(inter // ROWS, triton.cdiv(num_tokens, block_t))](
         w_desc, x_desc, bias if bias is not None else weight, out, num_tokens, hidden, inter,
-        **fused_lora_args(lora, block_k), HAS_BIAS=bias is not None, BLOCK_T=block_t,
-        BLOCK_K=block_k, STAGES=stages,
-        num_warps=warps, **launch_options())
+        *scales[:3], **fused_lora_args(lora, block_k), HAS_BIAS=bias is not None,
+        BLOCK_T=block_t, BLOCK_K=block_k, STAGES=stages, W_SCALE=scales[3], num_warps=warps,
+        **launch_options())
     return out
 
 
@@ -280,30 +323,32 @@ def _num_splits(output_size: int, input_size: int, token_tiles: int, num_tokens:
     a whole number of 128-wide K tiles (the split_k_gemm probe's sweep, docs/benchmarks.md)."""
     target = 256 if num_tokens <= 16 else 128
     splits = min(16, triton.next_power_of_2(triton.cdiv(target, output_size // ROWS * token_tiles)))
-    while input_size % (splits * 128):
+    while input_size % (splits * K_STEP):
         splits //= 2
     return splits
 
 
-def split_k_linear(x: torch.Tensor, weight: torch.Tensor,
-                   lora: LoRASlots | None = None) -> torch.Tensor:
-    """float32 partials [S, M, N] whose sum over S is x @ weight.T (plus its LoRA delta), for
-    a weight [N, K] stored k-major (weight.t() contiguous, as RowParallelLinear keeps it): a
-    decode step's o_proj or down_proj, whose splits the add + RMSNorm after it sums in a fixed
-    order."""
+def split_k_linear(x: torch.Tensor, weight: torch.Tensor, *, w_scale: torch.Tensor | None = None,
+                   w_block: Block = None, lora: LoRASlots | None = None) -> torch.Tensor:
+    """float32 partials [S, M, N] whose sum over S is x @ weight.T (plus its LoRA delta), for a
+    16-bit weight [N, K] stored k-major (weight.t() contiguous, as RowParallelLinear keeps it)
+    or FP8 codes [N, K] row-major with w_scale (as in qkv_rope_store): a decode step's o_proj
+    or down_proj, whose splits the add + RMSNorm after it sums in a fixed order."""
     num_tokens, input_size = x.shape
     output_size = weight.shape[0]
-    w_kn = weight.t()
-    assert fits_split_k(input_size, output_size, x.dtype) and weight.dtype == x.dtype
-    assert w_kn.is_contiguous() and x.stride(1) == 1 and w_kn.shape[0] == input_size
+    k_major = weight.dtype != FP8_DTYPE
+    assert fits_split_k(input_size, output_size, x.dtype, weight.dtype, w_block)
+    stored = weight.t() if k_major else weight
+    assert stored.is_contiguous() and x.stride(1) == 1 and weight.shape[1] == input_size
     block_t = 16 if num_tokens <= 16 else 64 if num_tokens <= 128 else 128
     tiles = triton.cdiv(num_tokens, block_t)
     splits = _num_splits(output_size, input_size, tiles, num_tokens)
     part = torch.empty(splits, num_tokens, output_size, dtype=torch.float32, device=x.device)
+    scales = scale_args(weight, w_scale, w_block)
     _split_k_kernel[(output_size // ROWS, splits, tiles)](
-        TensorDescriptor.from_tensor(w_kn, [128, ROWS]),
-        TensorDescriptor.from_tensor(x, [block_t, 128]), part, num_tokens, output_size,
-        input_size // splits, **fused_lora_args(lora, 128), BLOCK_T=block_t, BLOCK_K=128,
-        STAGES=4 if lora is None or num_tokens <= 16 else 2, num_warps=4,
-        **launch_options())
+        TensorDescriptor.from_tensor(stored, [K_STEP, ROWS] if k_major else [ROWS, K_STEP]),
+        TensorDescriptor.from_tensor(x, [block_t, K_STEP]), part, num_tokens, output_size,
+        input_size // splits, *scales[:3], **fused_lora_args(lora, K_STEP), BLOCK_T=block_t,
+        BLOCK_K=K_STEP, STAGES=4 if lora is None or num_tokens <= 16 else 2,
+        K_MAJOR=k_major, W_SCALE=scales[3], num_warps=4, **launch_options())
     return part

@@ -6,7 +6,8 @@
 3. bind_backend: each layer gets what it runs; layers and models never choose kernels.
 
 A backend has one interface: `rope_and_store` (q/k norm, RoPE, the K/V write), `prefill`,
-`decode`, `fused_moe` and `fp8_linear` (FP8 weights, W8A8: layers.quantization). "torch" runs
+`decode`, `fused_moe` and `fp8_linear` (FP8 weights, W8A8: layers.quantization; the fused decode
+projections take FP8 weights as W8A16, kernels.fused_linear_fp8). "torch" runs
 anywhere and is the reference; the others run the Triton kernels on CUDA. Kernel modules are
 imported lazily: CPU runs never import Triton.
 
@@ -237,8 +238,8 @@ def select_backend(name: str, device: str, kv_cache_dtype: str = "auto") -> Torc
                 "experts (MoE) and FP8 GEMMs: %s%s", name,
                 "fused Triton kernels" if fast_path.fused_ops else "torch",
                 " (in decode, q/k norm + RoPE + K/V write and SiLU-and-mul inside qkv_proj and "
-                "gate_up_proj, o_proj and down_proj split over K)" if fast_path.fused_projections
-                else "",
+                "gate_up_proj, o_proj and down_proj split over K; FP8 weights there as W8A16)"
+                if fast_path.fused_projections else "",
                 "torch" if name == "torch" else "Triton (per-channel FP8: torch._scaled_mm)",
                 "; no CUDA graphs (eager decode)" if device == "cuda" and not backend.cuda_graphs
                 else "")
@@ -274,7 +275,8 @@ def bind_backend(model: nn.Module, backend: TorchBackend,
         elif isinstance(module, (RMSNorm, SiluAndMul)):
             module.fused = fast_path.fused_ops
         elif isinstance(module, LinearBase):
-            # FP8 layers (fits_fused_decode says no): never a fused decode kernel
+            # FP8 layers too, in the formats the kernels take (per channel, 128-wide blocks),
+            # and LoRA layers (the delta inside the kernels)
             lora = module.lora_a is not None
             fits = fast_path.fused_projections and module.fits_fused_decode()
             limit = _fused_decode_max_tokens(module)

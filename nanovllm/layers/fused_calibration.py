@@ -11,12 +11,14 @@ bound is the step size up to which the fused kernel runs with the least summed t
     gate_up_proj:  gate_up_silu                    vs  GEMM + SiLU-and-mul
     o/down_proj:   split_k_linear + partials norm  vs  GEMM + add + RMSNorm
 
+The GEMM is the layer's own (LinearBase.linear): for FP8 weights the W8A8 path (activation
+quantization + FP8 GEMM) against the fused kernels' W8A16, so FP8 models get their own limits.
+
 Their kernels compile on threads first; the captures are what is left (~120 for Qwen3-0.6B).
 """
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels.compile_ahead import compile_in_parallel
@@ -101,11 +103,11 @@ def _qkv_step(proj: QKVParallelLinear, parent: nn.Module, x: torch.Tensor, fused
             x, proj.weight, proj.bias, attn.num_heads, attn.num_kv_heads, positions,
             attn.q_norm.weight if norm else None, attn.k_norm.weight if norm else None,
             attn.q_norm.eps if norm else 0.0, attn.rotary_emb.cos_sin_cache, attn.k_cache,
-            attn.v_cache, slots, (attn.k_scale, attn.v_scale))
+            attn.v_cache, slots, (attn.k_scale, attn.v_scale), **proj.fused_scales())
     sizes = [attn.num_heads * attn.head_dim] + 2 * [attn.num_kv_heads * attn.head_dim]
 
     def unfused() -> object:
-        q, k, v = F.linear(x, proj.weight, proj.bias).split(sizes, dim=-1)
+        q, k, v = proj.linear(x, proj.bias).split(sizes, dim=-1)
         q, k, v = (t.view(n, -1, attn.head_dim) for t in (q, k, v))
         with forward_context(Context(is_prefill=False, slot_mapping=slots)):
             return attn.backend.rope_and_store(attn, positions, q, k, v)
@@ -114,23 +116,24 @@ def _qkv_step(proj: QKVParallelLinear, parent: nn.Module, x: torch.Tensor, fused
 
 def decode_step(proj: LinearBase, parent: nn.Module | None, n: int, fused: bool) -> Step:
     """One decode step's work that the projection's fused kernel replaces, for n tokens."""
-    weight = proj.weight
-    x = torch.randn(n, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    (out_features, in_features), device = proj.weight.shape, proj.weight.device
+    dtype = proj.fused_format()[0]  # the activations' (FP8 weights hold codes)
+    x = torch.randn(n, in_features, dtype=dtype, device=device)
     if isinstance(proj, QKVParallelLinear):
         return _qkv_step(proj, parent, x, fused)
     if isinstance(proj, MergedColumnParallelLinear):
         act = parent.act_fn
         if fused:
             return lambda: proj.gate_up_silu(x)
-        return lambda: act(F.linear(x, weight, proj.bias))
+        return lambda: act(proj.linear(x, proj.bias))
     assert isinstance(proj, RowParallelLinear)
     # the add + RMSNorm after it: the next norm's shape, its weight's values do not matter
-    norm = RMSNorm(weight.shape[0]).to(weight.device, weight.dtype)
+    norm = RMSNorm(out_features).to(device, dtype)
     norm.fused = True
-    residual = torch.randn(n, weight.shape[0], dtype=weight.dtype, device=weight.device)
+    residual = torch.randn(n, out_features, dtype=dtype, device=device)
     if fused:
         return lambda: norm.add_partials(proj.split_k_partials(x), residual)
-    return lambda: norm(F.linear(x, weight), residual)
+    return lambda: norm(proj.linear(x, proj.bias), residual)
 
 
 def cuda_graph_times(steps: list[Step], compile_threads: int = 0) -> list[float]:

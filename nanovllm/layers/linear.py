@@ -25,7 +25,7 @@ class LinearBase(nn.Module):
     W has nn.Linear's shape [output, input]; with k_major it is stored [input, output] and seen
     through a transposed view (loaders and F.linear are unchanged). With a weight format `quant`
     W holds FP8 codes beside their scales (layers.quantization) and `fp8_linear`, bound by
-    layers.backends.bind_backend, computes y."""
+    layers.backends.bind_backend, computes y; the fused decode kernels take the codes too."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None,
                  k_major: bool = False, quant: Fp8Format | None = None):
@@ -34,6 +34,8 @@ class LinearBase(nn.Module):
         self.tp_rank, self.tp_size = tp_rank_and_size()
         self.quant = quant
         self.fp8_linear = None  # bind_backend's, for a quantized layer
+        # the model dtype it is built in: an FP8 layer's activations (its weight holds codes)
+        self.act_dtype = torch.get_default_dtype()
         if quant is not None:
             quant.check_shards(type(self).__name__, self.local_output_sizes(output_size),
                                input_size, self.tp_size)
@@ -97,6 +99,20 @@ class LinearBase(nn.Module):
         """Whether the fused decode kernels take this layer's LoRA slots (or it has none)."""
         from nanovllm.kernels.lora import fits_lora
         return self.lora_b is None or fits_lora(*self.lora_b.shape[1:])
+
+    def fused_format(self) -> tuple[torch.dtype, torch.dtype, tuple[int, int] | None]:
+        """(activation dtype, weight dtype, FP8 scale block) as kernels.fused_linear's fits_*
+        take them; a 16-bit layer's activations are in its weight's dtype."""
+        if self.quant is None:
+            return self.weight.dtype, self.weight.dtype, None
+        return self.act_dtype, self.weight.dtype, self.quant.block
+
+    def fused_scales(self) -> dict:
+        """The fused decode kernels' FP8 keywords: the weight's scales and their block (none
+        for a 16-bit weight)."""
+        if self.quant is None:
+            return {}
+        return {"w_scale": getattr(self, self.quant.scale_name), "w_block": self.quant.block}
 
     def runs_fused_decode(self, x: torch.Tensor) -> bool:
         """Whether x's step runs the bound fused kernel: decode, writing the cache, few tokens."""
@@ -163,14 +179,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         """Whether gate_up_silu takes this layer: a gate and an up projection of one size."""
         from nanovllm.kernels.fused_linear import fits_gate_up
         weight, sizes = self.weight, self.output_sizes
-        return self.quant is None and len(sizes) == 2 and sizes[0] == sizes[1] \
-            and weight.is_contiguous() and self.lora_fits_fused() \
-            and fits_gate_up(weight.shape[1], weight.shape[0] // 2, weight.dtype)
+        return len(sizes) == 2 and sizes[0] == sizes[1] and weight.is_contiguous() \
+            and self.lora_fits_fused() \
+            and fits_gate_up(weight.shape[1], weight.shape[0] // 2, *self.fused_format())
 
     def gate_up_silu(self, x: torch.Tensor) -> torch.Tensor:
         """SiluAndMul()(self(x)) as one kernel, for the steps runs_fused_decode picks."""
         from nanovllm.kernels.fused_linear import gate_up_silu
-        return gate_up_silu(x, self.weight, self.bias, lora=self.lora_slots())
+        return gate_up_silu(x, self.weight, self.bias, lora=self.lora_slots(),
+                            **self.fused_scales())
 
     def shard(self, shard_id: int) -> tuple[Rows, Cols]:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
@@ -198,8 +215,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         """Whether qkv_rope_store (Attention.decode_projected) takes this layer's sizes."""
         from nanovllm.kernels.fused_linear import fits_qkv
         weight = self.weight
-        return self.quant is None and weight.is_contiguous() and self.lora_fits_fused() \
-            and fits_qkv(weight.shape[1], self.head_dim, weight.dtype)
+        return weight.is_contiguous() and self.lora_fits_fused() \
+            and fits_qkv(weight.shape[1], self.head_dim, *self.fused_format())
 
     def shard(self, shard_id: str) -> tuple[Rows, Cols]:
         q_size, kv_size, _ = self.local_output_sizes(0)
@@ -221,12 +238,14 @@ class RowParallelLinear(LinearBase):
                          k_major=quant is None, quant=quant)
 
     def fits_fused_decode(self) -> bool:
-        """Whether split_k_linear takes this layer: one rank, no bias, the k-major weight."""
+        """Whether split_k_linear takes this layer: one rank, no bias, the weight as stored
+        (16-bit: k-major; FP8 codes: [output, input])."""
         from nanovllm.kernels.fused_linear import fits_split_k
         weight = self.weight
-        return self.quant is None and self.tp_size == 1 and self.bias is None \
-            and weight.t().is_contiguous() and self.lora_fits_fused() \
-            and fits_split_k(weight.shape[1], weight.shape[0], weight.dtype)
+        stored = weight.t() if self.quant is None else weight
+        return self.tp_size == 1 and self.bias is None and stored.is_contiguous() \
+            and self.lora_fits_fused() \
+            and fits_split_k(weight.shape[1], weight.shape[0], *self.fused_format())
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         if param is self.bias:  # the bias is added once, on rank 0 only
@@ -247,4 +266,4 @@ class RowParallelLinear(LinearBase):
         # For the decode steps runs_fused_decode picks; RMSNorm.add_partials sums them. Split
         # over K: a decode step's few tokens and outputs alone give too few programs.
         from nanovllm.kernels.fused_linear import split_k_linear
-        return split_k_linear(x, self.weight, lora=self.lora_slots())
+        return split_k_linear(x, self.weight, lora=self.lora_slots(), **self.fused_scales())

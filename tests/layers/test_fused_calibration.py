@@ -6,6 +6,7 @@ import torch
 
 from benchmarks.random_checkpoints import build_checkpoint
 from nanovllm import LLM
+from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.backends import (
     FUSED_GATE_UP_MAX_TOKENS,
     FastPath,
@@ -16,6 +17,7 @@ from nanovllm.layers.backends import (
 from nanovllm.layers.fused_calibration import (
     calibrate,
     choose_max_tokens,
+    decode_step,
     layer_class,
 )
 from nanovllm.layers.linear import (
@@ -24,6 +26,7 @@ from nanovllm.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from tests.layers.test_quantization import fp8_projections
 
 SIZES = [2, 3, 4, 6, 8, 16, 64, 128, 256]
 
@@ -116,3 +119,38 @@ def test_calibration_skips_unbound_layers() -> None:
     model = torch.nn.Sequential(RowParallelLinear(256, 128).to(torch.float16))
     assert calibrate(model, SIZES, lambda steps: pytest.fail("timed an unbound layer"),
                      lambda *a: pytest.fail("made a step of an unbound layer")) == {}
+
+
+@pytest.mark.parametrize("block", [None, (128, 128)])
+@torch.no_grad()
+def test_fp8_steps_time_the_layers_own_gemm(block) -> None:
+    """For FP8 projections the unfused step is the layer's own linear() (its FP8 GEMM) and the
+    fused one the kernel on the codes, in the model's 16-bit dtype; both compute the same step
+    (up to W8A8's activation rounding). The Triton kernels run interpreted on CPU."""
+    torch.manual_seed(0)
+    gate_up, down = fp8_projections(block, torch.float16)[1:]
+    for proj in (gate_up, down):
+        codes, scales = proj.quant.quantize(torch.randn(proj.weight.shape) * 256 ** -0.5)
+        proj.weight.copy_(codes)
+        getattr(proj, proj.quant.scale_name).copy_(scales)
+    parent = torch.nn.Module()
+    parent.act_fn = SiluAndMul()
+    model = torch.nn.ModuleList([gate_up, down])
+    bind_backend(model, TorchBackend(FastPath(fused_projections=True)))
+    gemms = []
+
+    def counted(fp8_linear):
+        def gemm(*args):
+            gemms.append(args[1].shape)
+            return fp8_linear(*args)
+        return gemm
+
+    for proj in (gate_up, down):
+        proj.fp8_linear = counted(proj.fp8_linear)
+        gemms.clear()
+        outputs = []
+        for fused in (False, True):
+            torch.manual_seed(1)  # the same random inputs for both
+            outputs.append(decode_step(proj, parent, 5, fused)())
+        assert gemms == [proj.weight.shape]  # the unfused step's GEMM only
+        torch.testing.assert_close(outputs[1], outputs[0], atol=0.1, rtol=0.1)

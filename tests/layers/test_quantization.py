@@ -1,5 +1,5 @@
 """Weight formats: what quantization_config and LLM(quantization=...) accept, the errors for what
-they do not, and FP8 layers kept off the bf16 decode fast path."""
+they do not, and which FP8 layers take the fused decode kernels."""
 import json
 import os
 import shutil
@@ -8,12 +8,21 @@ import pytest
 import torch
 
 from nanovllm.config import Config
-from nanovllm.layers.backends import FastPath, TorchBackend, bind_backend
+from nanovllm.layers.backends import (
+    FUSED_GATE_UP_MAX_TOKENS,
+    FUSED_QKV_MAX_TOKENS,
+    FUSED_SPLIT_K_MAX_TOKENS,
+    FastPath,
+    TorchBackend,
+    bind_backend,
+)
+from nanovllm.layers.fused_calibration import layer_class
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.quantization import Fp8Format, QuantConfig, resolve_quant_config
 from tests.fp8_checkpoints import quantization_config
 
 BLOCK = QuantConfig("fp8", (128, 128), "weight_scale_inv")
+CHANNEL = QuantConfig("online", None, "weight_scale")
 
 
 def with_quantization_config(src: str, dst: str, quant: dict | None) -> str:
@@ -85,15 +94,49 @@ def test_a_shard_that_starts_inside_a_block_is_a_value_error():
     RowParallelLinear(96, 100, quant=Fp8Format(BLOCK))  # one rank: partial edge blocks are fine
 
 
-def test_fp8_layers_never_take_the_fused_decode_kernels():
-    """bind_backend's fused projections are for bf16 weights: FP8 layers run their FP8 GEMM."""
-    layers = [QKVParallelLinear(256, 128, 2, 1, quant=Fp8Format(BLOCK)),
-              MergedColumnParallelLinear(256, [256, 256], quant=Fp8Format(BLOCK)),
-              RowParallelLinear(256, 256, quant=Fp8Format(BLOCK))]
+def fp8_projections(block: tuple[int, int] | None, dtype: torch.dtype) -> list:
+    """qkv_proj, gate_up_proj and o_proj with FP8 weights in a model of `dtype` (the dtype the
+    runner builds it in, its activations')."""
+    quant = Fp8Format(QuantConfig("fp8", block, "weight_scale_inv") if block else CHANNEL)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return [QKVParallelLinear(256, 128, 2, 1, quant=quant),
+                MergedColumnParallelLinear(256, [256, 256], quant=quant),
+                RowParallelLinear(256, 256, quant=quant)]
+    finally:
+        torch.set_default_dtype(default)
+
+
+@pytest.mark.parametrize("block", [(128, 128), None])
+def test_fp8_layers_take_the_fused_decode_kernels(block):
+    """With fused projections on, bind_backend gives the FP8 layers of a 16-bit model the fused
+    kernels' limits (fixed, or the measured ones of their class) beside their FP8 GEMM."""
+    layers = fp8_projections(block, torch.bfloat16)
     model = torch.nn.ModuleList(layers)
-    bind_backend(model, TorchBackend(FastPath(fused_ops=True, fused_projections=True)))
+    backend = TorchBackend(FastPath(fused_ops=True, fused_projections=True))
+    bind_backend(model, backend)
+    assert [layer.fused_decode_max_tokens for layer in layers] == \
+        [FUSED_QKV_MAX_TOKENS, FUSED_GATE_UP_MAX_TOKENS, FUSED_SPLIT_K_MAX_TOKENS]
+    for layer in layers:
+        assert layer.fits_fused_decode() and layer.fp8_linear is not None
+        assert layer.weight.dtype == torch.float8_e4m3fn
+        assert layer.fused_scales()["w_block"] == block
+        assert layer.fused_scales()["w_scale"] is getattr(layer, layer.quant.scale_name)
+    bind_backend(model, backend, {layer_class(layer): 8 for layer in layers})
+    assert all(layer.fused_decode_max_tokens == 8 for layer in layers)
+    bind_backend(model, TorchBackend(FastPath(fused_ops=True)))
+    assert not any(layer.fused_decode_max_tokens for layer in layers)
+
+
+@pytest.mark.parametrize("block,dtype", [((128, 64), torch.bfloat16), ((32, 128), torch.float16),
+                                         ((128, 128), torch.float32), (None, torch.float32)])
+def test_fp8_layers_the_kernels_do_not_take_run_their_fp8_gemm(block, dtype):
+    """Blocks other than (a multiple of 64, 128), and float32 activations, keep the FP8 GEMM."""
+    layers = fp8_projections(block, dtype)
+    bind_backend(torch.nn.ModuleList(layers),
+                 TorchBackend(FastPath(fused_ops=True, fused_projections=True)))
     for layer in layers:
         assert not layer.fits_fused_decode()
         assert layer.fused_decode_max_tokens == 0
         assert layer.fp8_linear is not None
-        assert layer.weight.dtype == torch.float8_e4m3fn
