@@ -57,9 +57,9 @@ def checkpoint(request, tmp_path_factory) -> str:
 
 def _spy(fn, calls: list):
     """fn, appending its name to `calls` on every call."""
-    def spy(*args):
+    def spy(*args, **kwargs):
         calls.append(fn.__name__)
-        return fn(*args)
+        return fn(*args, **kwargs)
     return spy
 
 
