@@ -5,7 +5,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import PretrainedConfig
 
-from nanovllm.kernels.kv_quant import FP8_DTYPE
+from nanovllm.kernels.attention.kv_quant import FP8_DTYPE
 from nanovllm.layers.backend_names import BACKENDS, resolve_attention_backend
 from nanovllm.layers.quantization import QuantConfig, resolve_quant_config
 from nanovllm.layers.rotary_embedding import rope_parameters

@@ -68,10 +68,11 @@ class SamplingParams:
     """How to sample one request; temperature 0 means greedy (the filters and seed are ignored).
 
     Order on the device (vLLM V1's): a structured output's token bitmask, then
-    allowed_token_ids, bad_words, min_tokens, logit_bias (layers.steering), then the penalties
-    (repetition, then frequency and presence), then logits / temperature, then min_p, then top_k,
-    then top_p (on the distribution renormalised after top_k), then a draw. `stop` strings are
-    cut from "text"; `stop_token_ids` stay in "token_ids", like EOS, and (as EOS) not in "text".
+    allowed_token_ids, bad_words, min_tokens, logit_bias (layers.sampling.steering), then the
+    penalties (repetition, then frequency and presence), then logits / temperature, then min_p,
+    then top_k, then top_p (on the distribution renormalised after top_k), then a draw. `stop`
+    strings are cut from "text"; `stop_token_ids` stay in "token_ids", like EOS, and (as EOS) not
+    in "text".
     """
 
     temperature: float = 1.0

@@ -1,7 +1,7 @@
 """What a request returns: its completions' text, tokens and logprobs (n sequences for n)."""
 from copy import copy
 
-from nanovllm.layers.sampler import LogprobsTensors, derive_seed
+from nanovllm.layers.sampling.sampler import LogprobsTensors, derive_seed
 from nanovllm.runner.sampled_ids import SampledIds
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence

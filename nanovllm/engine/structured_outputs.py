@@ -2,7 +2,8 @@
 
     validate_request -> StructuredOutputs.compile    (cached by kind + spec; errors name the field)
     LLMEngine._queue -> seq.grammar = matcher()      (one GrammarMatcher per completion)
-    runner prepare_sample -> the matchers fill the step's token bitmask (layers.token_bitmask)
+    runner prepare_sample -> the matchers fill the step's token bitmask
+                                                     (layers.sampling.token_bitmask)
     Scheduler.commit -> accept_token                 (a terminated grammar finishes with "stop")
 """
 import json

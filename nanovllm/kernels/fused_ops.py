@@ -12,7 +12,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
                      stride_split, eps, H: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr,
                      PARTIALS: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (N,): normalise one row; with ADD, first add the residual row and store the sum.
-    With PARTIALS > 0, x is that many float32 split-K partial rows (kernels.fused_linear),
+    With PARTIALS > 0, x is that many float32 split-K partial rows (kernels.linear.fused),
     summed in order and rounded as the GEMM's own output would be."""
     wait_then_release(USE_PDL)
     row = tl.program_id(0).to(tl.int64)  # int64 offsets: no overflow on long prefills

@@ -6,7 +6,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from nanovllm.kernels.kv_quant import FP8_MAX
+from nanovllm.kernels.attention.kv_quant import FP8_MAX
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.utils.context import get_context
@@ -55,7 +55,7 @@ class Attention(nn.Module):
     def decode_projected(self, positions: torch.Tensor, x: torch.Tensor,
                          qkv_proj: nn.Module) -> torch.Tensor:
         """Decode attention of x's tokens, qkv_proj through the K/V write as one kernel."""
-        from nanovllm.kernels.fused_linear import qkv_rope_store
+        from nanovllm.kernels.linear.fused import qkv_rope_store
         ctx, norm, kv_scales = get_context(), self.q_norm is not None, (self.k_scale, self.v_scale)
         q = qkv_rope_store(x, qkv_proj.weight, qkv_proj.bias, self.num_heads, self.num_kv_heads,
                            positions, self.q_norm.weight if norm else None,

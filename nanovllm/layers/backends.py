@@ -7,7 +7,7 @@
 
 A backend has one interface: `rope_and_store` (q/k norm, RoPE, the K/V write), `prefill`,
 `decode`, `fused_moe` and `fp8_linear` (FP8 weights, W8A8: layers.quantization; the fused decode
-projections take FP8 weights as W8A16, kernels.fused_linear_fp8). "torch" runs
+projections take FP8 weights as W8A16, kernels.linear.fused_fp8). "torch" runs
 anywhere and is the reference; the others run the Triton kernels on CUDA. Kernel modules are
 imported lazily: CPU runs never import Triton.
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanovllm.kernels.kv_quant import FP8_DTYPE
+from nanovllm.kernels.attention.kv_quant import FP8_DTYPE
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.backend_names import BACKENDS
@@ -45,9 +45,9 @@ class FastPath:
     """Which fused kernels a run uses (all off: plain torch, the kernels' reference)."""
 
     # RMSNorm (+ the residual add), SiLU-and-mul, and q/k norm + RoPE + K/V write as Triton
-    # kernels (kernels.fused_ops, kernels.qk_norm_rope), in every step
+    # kernels (kernels.fused_ops, kernels.attention.qk_norm_rope), in every step
     fused_ops: bool = False
-    # Decode projections carrying the kernel after them (kernels.fused_linear), in decode steps
+    # Decode projections carrying the kernel after them (kernels.linear.fused), in decode steps
     # of at most the FUSED_*_MAX_TOKENS below, in the layers whose shapes the kernels take
     fused_projections: bool = False
     # The sampler's fast path (temperature alone) as one Triton kernel (kernels.sample)
@@ -93,22 +93,19 @@ class TorchBackend:
     longest_first = True
 
     def __init__(self, fast_path: FastPath = FastPath()) -> None:
-        from nanovllm.kernels import (
-            attention_torch,
-            fp8_torch,
-            fused_moe_torch,
-            lora_torch,
-            store_kvcache,
-        )
+        from nanovllm.kernels.attention import reference as attention
+        from nanovllm.kernels.attention import store_kvcache
+        from nanovllm.kernels.linear import fp8_reference, lora_reference
+        from nanovllm.kernels.moe import reference as moe
         self.fast_path = fast_path
         self.runs_triton = fast_path.any  # so the runner warms its kernels up (runner.warmup)
-        self.fused_moe = fused_moe_torch.fused_moe_torch
-        self.lora_shrink = lora_torch.lora_shrink_torch
-        self.lora_expand = lora_torch.lora_expand  # every backend's: one GEMM per slice
-        self.fp8_linear = fp8_torch.fp8_linear_torch  # W8A8 layers (layers.quantization)
+        self.fused_moe = moe.fused_moe_torch
+        self.lora_shrink = lora_reference.lora_shrink_torch
+        self.lora_expand = lora_reference.lora_expand  # every backend's: one GEMM per slice
+        self.fp8_linear = fp8_reference.fp8_linear_torch  # W8A8 layers (layers.quantization)
         self.store_kvcache = store_kvcache.store_kvcache_torch
-        self._prefill = attention_torch.prefill_attention_torch
-        self._decode = attention_torch.decode_attention_torch
+        self._prefill = attention.prefill_attention_torch
+        self._decode = attention.decode_attention_torch
 
     def rope_and_store(self, attn: nn.Module, positions: torch.Tensor, q: torch.Tensor,
                        k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +113,7 @@ class TorchBackend:
         kv_store = attn.kv_store_args(v)
         kv_scales = (attn.k_scale, attn.v_scale)
         if self.fast_path.fused_ops:
-            from nanovllm.kernels.qk_norm_rope import qk_norm_rope
+            from nanovllm.kernels.attention.qk_norm_rope import qk_norm_rope
             norm = attn.q_norm is not None
             return qk_norm_rope(q, k, positions, attn.q_norm.weight if norm else None,
                                 attn.k_norm.weight if norm else None,
@@ -155,24 +152,18 @@ class TritonBackend(TorchBackend):
     cuda_graphs = True
 
     def __init__(self, fast_path: FastPath = FastPath()) -> None:
-        from nanovllm.kernels import (
-            attention_triton,
-            attention_triton_decode,
-            fp8_gemm,
-            fused_moe,
-            lora,
-            lora_torch,
-            store_kvcache,
-        )
+        from nanovllm.kernels.attention import decode, prefill, store_kvcache
+        from nanovllm.kernels.linear import fp8_gemm, lora, lora_reference
+        from nanovllm.kernels.moe import fused_moe
         self.fast_path = fast_path
         self.runs_triton = True
         self.fused_moe = fused_moe.fused_moe
         self.lora_shrink = lora.lora_shrink
-        self.lora_expand = lora_torch.lora_expand
+        self.lora_expand = lora_reference.lora_expand
         self.fp8_linear = fp8_gemm.fp8_linear
         self.store_kvcache = store_kvcache.store_kvcache
-        self._prefill = attention_triton.prefill_attention_triton  # same signatures
-        self._decode = attention_triton_decode.decode_attention_triton
+        self._prefill = prefill.prefill_attention_triton  # same signatures
+        self._decode = decode.decode_attention_triton
 
 
 class FlashAttnBackend(TorchBackend):
@@ -185,11 +176,11 @@ class FlashAttnBackend(TorchBackend):
     def __init__(self, fast_path: FastPath = FastPath()) -> None:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
-        from nanovllm.kernels.fp8_gemm import fp8_linear
-        from nanovllm.kernels.fused_moe import fused_moe
-        from nanovllm.kernels.lora import lora_shrink
-        from nanovllm.kernels.lora_torch import lora_expand
-        from nanovllm.kernels.store_kvcache import store_kvcache
+        from nanovllm.kernels.attention.store_kvcache import store_kvcache
+        from nanovllm.kernels.linear.fp8_gemm import fp8_linear
+        from nanovllm.kernels.linear.lora import lora_shrink
+        from nanovllm.kernels.linear.lora_reference import lora_expand
+        from nanovllm.kernels.moe.fused_moe import fused_moe
         self.fast_path = fast_path
         self.runs_triton = True  # its K/V write, experts and our fused ops
         self.fused_moe = fused_moe

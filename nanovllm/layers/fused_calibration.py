@@ -92,7 +92,7 @@ def calibrate(model: nn.Module, sizes: list[int], time_steps: StepTimer,
 def _qkv_step(proj: QKVParallelLinear, parent: nn.Module, x: torch.Tensor, fused: bool
               ) -> Step:
     """parent.attend's projection part: q, and K/V into parent.attn's cache."""
-    from nanovllm.kernels.fused_linear import qkv_rope_store
+    from nanovllm.kernels.linear.fused import qkv_rope_store
     attn, n = parent.attn, x.shape[0]
     # int32 as a decode step's packed inputs; slots of blocks no sequence owns yet
     positions = torch.arange(n, dtype=torch.int32, device=x.device)

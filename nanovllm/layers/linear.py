@@ -51,8 +51,8 @@ class LinearBase(nn.Module):
         for param in self.parameters(recurse=False):
             param.weight_loader = self.weight_loader
         self.fused_decode_max_tokens = 0  # bind_backend's: largest step of the fused kernel
-        # LoRA (add_lora_slots): every slot's A and B (layouts: kernels/lora_torch.py), and the
-        # shrink and expand ops bind_backend chose
+        # LoRA (add_lora_slots): every slot's A and B (layouts: kernels/linear/lora_reference.py),
+        # and the shrink and expand ops bind_backend chose
         self.register_buffer("lora_a", None, persistent=False)
         self.register_buffer("lora_b", None, persistent=False)
         self.lora_shrink = self.lora_expand = None
@@ -73,7 +73,7 @@ class LinearBase(nn.Module):
 
     def lora_slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(A, B, each row's slot) for the step's kernels; None when no row of the step runs
-        through an adapter (kernels.lora.LoRASlots)."""
+        through an adapter (kernels.linear.lora.LoRASlots)."""
         slots = get_context().lora_slots
         if self.lora_shrink is None or slots is None:
             return None
@@ -97,11 +97,11 @@ class LinearBase(nn.Module):
 
     def lora_fits_fused(self) -> bool:
         """Whether the fused decode kernels take this layer's LoRA slots (or it has none)."""
-        from nanovllm.kernels.lora import fits_lora
+        from nanovllm.kernels.linear.lora import fits_lora
         return self.lora_b is None or fits_lora(*self.lora_b.shape[1:])
 
     def fused_format(self) -> tuple[torch.dtype, torch.dtype, tuple[int, int] | None]:
-        """(activation dtype, weight dtype, FP8 scale block) as kernels.fused_linear's fits_*
+        """(activation dtype, weight dtype, FP8 scale block) as kernels.linear.fused's fits_*
         take them; a 16-bit layer's activations are in its weight's dtype."""
         if self.quant is None:
             return self.weight.dtype, self.weight.dtype, None
@@ -177,7 +177,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def fits_fused_decode(self) -> bool:
         """Whether gate_up_silu takes this layer: a gate and an up projection of one size."""
-        from nanovllm.kernels.fused_linear import fits_gate_up
+        from nanovllm.kernels.linear.fused import fits_gate_up
         weight, sizes = self.weight, self.output_sizes
         return len(sizes) == 2 and sizes[0] == sizes[1] and weight.is_contiguous() \
             and self.lora_fits_fused() \
@@ -185,7 +185,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def gate_up_silu(self, x: torch.Tensor) -> torch.Tensor:
         """SiluAndMul()(self(x)) as one kernel, for the steps runs_fused_decode picks."""
-        from nanovllm.kernels.fused_linear import gate_up_silu
+        from nanovllm.kernels.linear.fused import gate_up_silu
         return gate_up_silu(x, self.weight, self.bias, lora=self.lora_slots(),
                             **self.fused_scales())
 
@@ -213,7 +213,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def fits_fused_decode(self) -> bool:
         """Whether qkv_rope_store (Attention.decode_projected) takes this layer's sizes."""
-        from nanovllm.kernels.fused_linear import fits_qkv
+        from nanovllm.kernels.linear.fused import fits_qkv
         weight = self.weight
         return weight.is_contiguous() and self.lora_fits_fused() \
             and fits_qkv(weight.shape[1], self.head_dim, *self.fused_format())
@@ -240,7 +240,7 @@ class RowParallelLinear(LinearBase):
     def fits_fused_decode(self) -> bool:
         """Whether split_k_linear takes this layer: one rank, no bias, the weight as stored
         (16-bit: k-major; FP8 codes: [output, input])."""
-        from nanovllm.kernels.fused_linear import fits_split_k
+        from nanovllm.kernels.linear.split_k import fits_split_k
         weight = self.weight
         stored = weight.t() if self.quant is None else weight
         return self.tp_size == 1 and self.bias is None and stored.is_contiguous() \
@@ -265,5 +265,5 @@ class RowParallelLinear(LinearBase):
         """float32 [S, tokens, output] partials over K whose sum over S is x W^T."""
         # For the decode steps runs_fused_decode picks; RMSNorm.add_partials sums them. Split
         # over K: a decode step's few tokens and outputs alone give too few programs.
-        from nanovllm.kernels.fused_linear import split_k_linear
+        from nanovllm.kernels.linear.split_k import split_k_linear
         return split_k_linear(x, self.weight, lora=self.lora_slots(), **self.fused_scales())

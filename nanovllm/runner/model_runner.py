@@ -17,8 +17,8 @@ from nanovllm.layers.fused_calibration import (
     cuda_graph_times,
 )
 from nanovllm.layers.linear import tp_rank_and_size
-from nanovllm.layers.penalties import TokenCounts
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampling.penalties import TokenCounts
+from nanovllm.layers.sampling.sampler import Sampler
 from nanovllm.lora.manager import LoRAManager
 from nanovllm.models.registry import build_model
 from nanovllm.runner.cuda_graphs import capture_decode_graphs, graph_batch_sizes

@@ -7,7 +7,7 @@ own positions, CHUNK at a time through the LM head, so the logits never exceed C
 """
 import torch
 
-from nanovllm.layers.sampler import LogprobsTensors, compute_logprobs
+from nanovllm.layers.sampling.sampler import LogprobsTensors, compute_logprobs
 from nanovllm.sequence import Sequence
 from nanovllm.utils.context import Context, forward_context
 

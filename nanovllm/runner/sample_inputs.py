@@ -3,10 +3,10 @@ from functools import partial
 
 import torch
 
-from nanovllm.layers.penalties import Penalties, TokenCounts
-from nanovllm.layers.sampler import SamplingTensors
-from nanovllm.layers.steering import Steering
-from nanovllm.layers.token_bitmask import fill_token_bitmask
+from nanovllm.layers.sampling.penalties import Penalties, TokenCounts
+from nanovllm.layers.sampling.sampler import SamplingTensors
+from nanovllm.layers.sampling.steering import Steering
+from nanovllm.layers.sampling.token_bitmask import fill_token_bitmask
 from nanovllm.runner.step_inputs import to_device
 from nanovllm.sequence import Sequence
 

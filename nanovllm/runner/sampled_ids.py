@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanovllm.layers.sampler import LogprobsTensors
+from nanovllm.layers.sampling.sampler import LogprobsTensors
 from nanovllm.sequence import Sequence
 
 

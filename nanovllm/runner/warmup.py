@@ -31,7 +31,7 @@ import torch
 from nanovllm.config import Config
 from nanovllm.kernels.compile_ahead import compile_in_parallel
 from nanovllm.layers.attention import Attention, kv_scale_calibration
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampling.sampler import Sampler
 from nanovllm.runner.cuda_graphs import BATCH_LADDER
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.kernels.kv_quant import FP8_DTYPE, dequantize_kv_torch, quantize_kv_torch
+from nanovllm.kernels.attention.kv_quant import FP8_DTYPE, dequantize_kv_torch, quantize_kv_torch
 from tests.reference import hf_greedy, ids, load_hf, token_prompts
 
 N = 12  # generated tokens per request

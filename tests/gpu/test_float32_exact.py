@@ -74,7 +74,9 @@ def test_float32_near_ties_through_preemption_match_transformers(tiny_model, nea
 def test_tf32_attention_dots_would_fail_the_test_above(tiny_model, near_ties, monkeypatch):
     """With tl.dot in TF32 (Triton's default for float32) some near-tie row flips."""
     prompts, expected = near_ties
-    from nanovllm.kernels import attention_triton  # not at collection (TRITON_INTERPRET)
+    from nanovllm.kernels.attention import (
+        prefill as attention_triton,  # not at collection (TRITON_INTERPRET)
+    )
     monkeypatch.setattr(attention_triton, "dot_precision", lambda dtype: "tf32")
     got, _ = run_preempting(tiny_model, prompts, eager=True)
     differing = sum(g != e for g, e in zip(got, expected))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.kernels import fp8_gemm
+from nanovllm.kernels.linear import fp8_gemm
 from nanovllm.layers import backends
 from tests.models import test_fp8_fused_decode as fused_fp8
 from tests.models.test_fp8_fused_decode import fp8_models  # noqa: F401 (fixture)

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("slices,k", [((2048, 1024, 1024), 1024), ((3072, 3072), 1024),
                                       ((1024,), 3072)])
 def test_shrink_matches_the_reference_on_cuda(slices, k, num_tokens, dtype):
-    from nanovllm.kernels.lora import lora_shrink
-    from nanovllm.kernels.lora_torch import lora_shrink_torch
+    from nanovllm.kernels.linear.lora import lora_shrink
+    from nanovllm.kernels.linear.lora_reference import lora_shrink_torch
     g = torch.Generator(device="cuda").manual_seed(num_tokens)
     rank, max_loras = 16, 4
     x = torch.randn(num_tokens, k, device="cuda", generator=g).to(dtype)

@@ -14,18 +14,18 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from nanovllm.kernels import attention_triton  # noqa: E402
-from nanovllm.kernels.attention_torch import (  # noqa: E402
-    decode_attention_torch,
-    prefill_attention_torch,
-)
-from nanovllm.kernels.attention_triton import prefill_attention_triton  # noqa: E402
-from nanovllm.kernels.attention_triton_decode import (  # noqa: E402
+from nanovllm.kernels.attention import prefill as attention_triton  # noqa: E402
+from nanovllm.kernels.attention.decode import (  # noqa: E402
     _PAGES_PER_CHUNK,
     _num_splits,
     decode_attention_triton,
 )
-from nanovllm.kernels.store_kvcache import store_kvcache  # noqa: E402
+from nanovllm.kernels.attention.prefill import prefill_attention_triton  # noqa: E402
+from nanovllm.kernels.attention.reference import (  # noqa: E402
+    decode_attention_torch,
+    prefill_attention_torch,
+)
+from nanovllm.kernels.attention.store_kvcache import store_kvcache  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])

@@ -1,6 +1,6 @@
-"""The W8A8 FP8 Triton kernels vs their torch reference (kernels.fp8_torch): the activation
-quantization, the block-scaled GEMM and fp8_linear's dispatch. On CPU under TRITON_INTERPRET
-with tiny shapes; on CUDA the same tests, plus layer-sized shapes (marked gpu)."""
+"""The W8A8 FP8 Triton kernels vs their torch reference (kernels.linear.fp8_reference): the
+activation quantization, the block-scaled GEMM and fp8_linear's dispatch. On CPU under
+TRITON_INTERPRET with tiny shapes; on CUDA the same tests, plus layer-sized shapes (marked gpu)."""
 import os
 
 import torch
@@ -10,8 +10,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from nanovllm.kernels.fp8_gemm import fp8_linear, per_token_group_quant, w8a8_gemm  # noqa: E402
-from nanovllm.kernels.fp8_torch import (  # noqa: E402
+from nanovllm.kernels.linear.fp8_gemm import fp8_linear, per_token_group_quant, w8a8_gemm  # noqa: E402
+from nanovllm.kernels.linear.fp8_reference import (  # noqa: E402
     FP8_DTYPE,
     fp8_linear_torch,
     per_token_group_quant_torch,

@@ -11,17 +11,15 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from nanovllm.kernels.fused_linear import (  # noqa: E402
-    _num_splits,
+from nanovllm.kernels.attention.kv_quant import FP8_DTYPE  # noqa: E402
+from nanovllm.kernels.attention.store_kvcache import store_kvcache_torch  # noqa: E402
+from nanovllm.kernels.linear.fused import (  # noqa: E402
     fits_gate_up,
     fits_qkv,
-    fits_split_k,
     gate_up_silu,
     qkv_rope_store,
-    split_k_linear,
-)  # noqa: E402
-from nanovllm.kernels.kv_quant import FP8_DTYPE  # noqa: E402
-from nanovllm.kernels.store_kvcache import store_kvcache_torch  # noqa: E402
+)
+from nanovllm.kernels.linear.split_k import _num_splits, fits_split_k, split_k_linear  # noqa: E402
 from nanovllm.layers.activation import SiluAndMul  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
 from nanovllm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402

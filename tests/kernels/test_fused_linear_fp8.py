@@ -1,4 +1,4 @@
-"""The fused decode projections with FP8 weights (W8A16: kernels.fused_linear_fp8) vs the unfused
+"""The fused decode projections with FP8 weights (W8A16: kernels.linear.fused_fp8) vs the unfused
 math in float32 on the dequantized weight (TRITON_INTERPRET on CPU), per output channel and per
 block; scales moved to other channels or blocks must fail the same comparison."""
 
@@ -12,16 +12,15 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from nanovllm.kernels.fp8_torch import dequantize_groups, quantize_groups  # noqa: E402
-from nanovllm.kernels.fused_linear import (  # noqa: E402
+from nanovllm.kernels.attention.kv_quant import FP8_DTYPE  # noqa: E402
+from nanovllm.kernels.linear.fp8_reference import dequantize_groups, quantize_groups  # noqa: E402
+from nanovllm.kernels.linear.fused import (  # noqa: E402
     fits_gate_up,
     fits_qkv,
-    fits_split_k,
     gate_up_silu,
     qkv_rope_store,
-    split_k_linear,
 )
-from nanovllm.kernels.kv_quant import FP8_DTYPE  # noqa: E402
+from nanovllm.kernels.linear.split_k import fits_split_k, split_k_linear  # noqa: E402
 from nanovllm.layers.activation import SiluAndMul  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
 from nanovllm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402

@@ -1,5 +1,5 @@
 """The fused decode projections with a LoRA delta (one more K step) vs the unfused projection
-plus kernels.lora_torch's expand (TRITON_INTERPRET on CPU)."""
+plus kernels.linear.lora_reference's expand (TRITON_INTERPRET on CPU)."""
 import os
 
 import torch
@@ -10,13 +10,13 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from nanovllm.kernels.fused_linear import (  # noqa: E402
+from nanovllm.kernels.linear.fused import (  # noqa: E402
     gate_up_silu,
     qkv_rope_store,
-    split_k_linear,
 )
-from nanovllm.kernels.lora import LoRASlots, fits_lora  # noqa: E402
-from nanovllm.kernels.lora_torch import lora_expand, lora_shrink_torch  # noqa: E402
+from nanovllm.kernels.linear.lora import LoRASlots, fits_lora  # noqa: E402
+from nanovllm.kernels.linear.lora_reference import lora_expand, lora_shrink_torch  # noqa: E402
+from nanovllm.kernels.linear.split_k import split_k_linear  # noqa: E402
 from nanovllm.layers.activation import SiluAndMul  # noqa: E402
 from nanovllm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 

@@ -9,8 +9,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from nanovllm.kernels.fused_moe import fused_moe, moe_align_block_size  # noqa: E402
-from nanovllm.kernels.fused_moe_torch import fused_moe_torch  # noqa: E402
+from nanovllm.kernels.moe.fused_moe import fused_moe, moe_align_block_size  # noqa: E402
+from nanovllm.kernels.moe.reference import fused_moe_torch  # noqa: E402
 from nanovllm.layers.fused_moe import select_experts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -30,7 +30,7 @@ def _routing(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tens
 
 def moe_align_block_size_torch(topk_ids: torch.Tensor, num_experts: int,
                                block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """kernels.fused_moe.moe_align_block_size in torch (slots in order within a group)."""
+    """kernels.moe.fused_moe.moe_align_block_size in torch (slots in order within a group)."""
     flat = topk_ids.flatten().long()
     num_slots = flat.numel()
     # at most min(E, slots) groups, each padded by < block_m rows
@@ -163,8 +163,8 @@ def test_fp8_experts_match_the_torch_reference(block, monkeypatch):
     h per token group and scales each K step, as fused_moe_torch simulates. The activation
     quantization kernel is tested in test_fp8_gemm.py; on CPU the reference's stands in for it
     (the interpreter rounds a few codes wrongly, see there)."""
-    from nanovllm.kernels import fused_moe as module
-    from nanovllm.kernels.fp8_torch import per_token_group_quant_torch, quantize_groups
+    from nanovllm.kernels.linear.fp8_reference import per_token_group_quant_torch, quantize_groups
+    from nanovllm.kernels.moe import fused_moe as module
     if DEVICE == "cpu":
         monkeypatch.setattr(module, "per_token_group_quant", per_token_group_quant_torch)
     num_experts, hidden, inter = 4, 64, 32

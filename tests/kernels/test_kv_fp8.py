@@ -12,18 +12,18 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from nanovllm.kernels.attention_torch import (  # noqa: E402
-    decode_attention_torch,
-    prefill_attention_torch,
-)
-from nanovllm.kernels.attention_triton import prefill_attention_triton  # noqa: E402
-from nanovllm.kernels.attention_triton_decode import (  # noqa: E402
+from nanovllm.kernels.attention.decode import (  # noqa: E402
     _PAGES_PER_CHUNK,
     decode_attention_triton,
 )
-from nanovllm.kernels.kv_quant import FP8_DTYPE, FP8_MAX, quantize_kv_torch  # noqa: E402
-from nanovllm.kernels.qk_norm_rope import qk_norm_rope  # noqa: E402
-from nanovllm.kernels.store_kvcache import store_kvcache, store_kvcache_torch  # noqa: E402
+from nanovllm.kernels.attention.kv_quant import FP8_DTYPE, FP8_MAX, quantize_kv_torch  # noqa: E402
+from nanovllm.kernels.attention.prefill import prefill_attention_triton  # noqa: E402
+from nanovllm.kernels.attention.qk_norm_rope import qk_norm_rope  # noqa: E402
+from nanovllm.kernels.attention.reference import (  # noqa: E402
+    decode_attention_torch,
+    prefill_attention_torch,
+)
+from nanovllm.kernels.attention.store_kvcache import store_kvcache, store_kvcache_torch  # noqa: E402
 from nanovllm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -9,8 +9,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from nanovllm.kernels.lora import lora_shrink  # noqa: E402
-from nanovllm.kernels.lora_torch import lora_expand, lora_shrink_torch  # noqa: E402
+from nanovllm.kernels.linear.lora import lora_shrink  # noqa: E402
+from nanovllm.kernels.linear.lora_reference import lora_expand, lora_shrink_torch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}

@@ -22,8 +22,8 @@ from nanovllm.kernels import pdl  # noqa: E402
 def _pdl_kernels() -> list:
     """Every @triton.jit function of nanovllm.kernels with a USE_PDL parameter."""
     found = []
-    for info in pkgutil.iter_modules(nanovllm.kernels.__path__):
-        module = importlib.import_module(f"nanovllm.kernels.{info.name}")
+    for info in pkgutil.walk_packages(nanovllm.kernels.__path__, "nanovllm.kernels."):
+        module = importlib.import_module(info.name)
         for name, obj in vars(module).items():
             fn = getattr(obj, "fn", None)  # a JITFunction, or the interpreter's wrapper
             if (inspect.isfunction(fn) and fn.__module__ == module.__name__

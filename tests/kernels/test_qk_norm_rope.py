@@ -9,8 +9,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from nanovllm.kernels.qk_norm_rope import qk_norm_rope  # noqa: E402
-from nanovllm.kernels.store_kvcache import store_kvcache_torch  # noqa: E402
+from nanovllm.kernels.attention.qk_norm_rope import qk_norm_rope  # noqa: E402
+from nanovllm.kernels.attention.store_kvcache import store_kvcache_torch  # noqa: E402
 from nanovllm.layers.attention import Attention  # noqa: E402
 from nanovllm.layers.backends import FastPath, TorchBackend, TritonBackend  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402

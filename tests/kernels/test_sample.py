@@ -121,7 +121,7 @@ def test_fast_noise_is_accurate_for_every_u() -> None:
 @pytest.mark.gpu
 def test_cuda_sampler_fast_path_uses_the_kernel_seeded_by_torch_rng() -> None:
     """Sampler.race on CUDA: torch.manual_seed reproduces the draw; greedy rows stay exact."""
-    from nanovllm.layers.sampler import Sampler
+    from nanovllm.layers.sampling.sampler import Sampler
 
     logits = torch.randn(8, 151936, generator=torch.Generator().manual_seed(5)).bfloat16().cuda()
     temps = torch.tensor([0.0, 1.0] * 4, device="cuda")

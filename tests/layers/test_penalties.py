@@ -1,8 +1,8 @@
 """Penalties against reference loops, and the device token counts they read."""
 import torch
 
-from nanovllm.layers.penalties import Penalties, TokenCounts
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampling.penalties import Penalties, TokenCounts
+from nanovllm.layers.sampling.sampler import Sampler
 from nanovllm.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")

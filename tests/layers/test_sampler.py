@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from nanovllm.layers.penalties import Penalties, TokenCounts
-from nanovllm.layers.sampler import (
+from nanovllm.layers.sampling.penalties import Penalties, TokenCounts
+from nanovllm.layers.sampling.sampler import (
     Sampler,
     SamplingTensors,
     compute_logprobs,

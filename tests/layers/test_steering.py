@@ -1,11 +1,11 @@
-"""Logit steering (layers.steering) against a torch reference, and inside the Sampler."""
+"""Logit steering (layers.sampling.steering) against a torch reference, and inside the Sampler."""
 from copy import copy
 
 import pytest
 import torch
 
-from nanovllm.layers.sampler import Sampler, SamplingTensors
-from nanovllm.layers.steering import Steering, banned_tokens
+from nanovllm.layers.sampling.sampler import Sampler, SamplingTensors
+from nanovllm.layers.sampling.steering import Steering, banned_tokens
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence
 

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from nanovllm.layers.sampler import Sampler
-from nanovllm.layers.token_bitmask import apply_token_bitmask, fill_token_bitmask
+from nanovllm.layers.sampling.sampler import Sampler
+from nanovllm.layers.sampling.token_bitmask import apply_token_bitmask, fill_token_bitmask
 
 xgrammar = pytest.importorskip("xgrammar")
 

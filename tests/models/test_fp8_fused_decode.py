@@ -1,4 +1,4 @@
-"""FP8 models decoding through the fused projections (W8A16: kernels.fused_linear_fp8) against
+"""FP8 models decoding through the fused projections (W8A16: kernels.linear.fused_fp8) against
 their unfused path, per output channel and in (128, 128) blocks (CPU: float16, the kernels
 interpreted; on CUDA the same, eager; tests/gpu/test_fp8_cuda.py runs them in bf16 with CUDA
 graphs).
@@ -25,7 +25,8 @@ from torch import nn  # noqa: E402
 
 from benchmarks.random_checkpoints import build_checkpoint  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.kernels import fused_linear  # noqa: E402
+from nanovllm.kernels.linear import fused as fused_linear  # noqa: E402
+from nanovllm.kernels.linear import split_k  # noqa: E402
 from nanovllm.layers.backends import bind_backend  # noqa: E402
 from nanovllm.layers.linear import LinearBase  # noqa: E402
 from tests.fp8_checkpoints import quantize_checkpoint, vary_magnitudes  # noqa: E402
@@ -138,8 +139,9 @@ def test_fused_fp8_decode_is_the_w8a16_product(fp8_models, scheme, monkeypatch) 
         want = llm.generate(prompts, GREEDY, use_tqdm=False)
         calls = []
         for name in ("qkv_rope_store", "gate_up_silu", "split_k_linear"):
-            fn = getattr(fused_linear, name)
-            monkeypatch.setattr(fused_linear, name,
+            module = split_k if name == "split_k_linear" else fused_linear
+            fn = getattr(module, name)
+            monkeypatch.setattr(module, name,
                                 lambda *a, fn=fn, **k: calls.append(fn.__name__) or fn(*a, **k))
         _rebind(llm, True, w8a16_linear)
         got = llm.generate(prompts, GREEDY, use_tqdm=False)

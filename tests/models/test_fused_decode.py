@@ -1,4 +1,4 @@
-"""Decode steps through kernels.fused_linear's projections (fused epilogues, split-K o_proj and
+"""Decode steps through kernels.linear.fused's projections (fused epilogues, split-K o_proj and
 down_proj) give the unfused path's greedy tokens (float16; Triton interpreted on CPU)."""
 import os
 from dataclasses import replace
@@ -14,7 +14,8 @@ from torch import nn  # noqa: E402
 
 from benchmarks.random_checkpoints import build_checkpoint  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.kernels import fused_linear  # noqa: E402
+from nanovllm.kernels.linear import fused as fused_linear  # noqa: E402
+from nanovllm.kernels.linear import split_k  # noqa: E402
 from nanovllm.layers.backends import (  # noqa: E402
     FUSED_GATE_UP_MAX_TOKENS,
     FUSED_QKV_MAX_TOKENS,
@@ -96,7 +97,8 @@ def test_fused_decode_same_tokens(checkpoint: str, monkeypatch: pytest.MonkeyPat
         want = [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
         calls = []
         for fn in ("qkv_rope_store", "gate_up_silu", "split_k_linear"):
-            monkeypatch.setattr(fused_linear, fn, _spy(getattr(fused_linear, fn), calls))
+            module = split_k if fn == "split_k_linear" else fused_linear
+            monkeypatch.setattr(module, fn, _spy(getattr(module, fn), calls))
         _rebind(llm, True)
         assert all(m.fused_decode_max_tokens == LIMITS[type(m)] for m in projections)
         got = [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]

@@ -43,7 +43,7 @@ def test_triton_backend_runs_the_fused_kernel_in_the_model(moe_checkpoints):
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     llm = LLM(path, attention_backend="triton", num_kvcache_blocks=8)
     try:
-        assert llm.model_runner.backend.fused_moe.__module__ == "nanovllm.kernels.fused_moe"
+        assert llm.model_runner.backend.fused_moe.__module__ == "nanovllm.kernels.moe.fused_moe"
         ours = [o["token_ids"] for o in llm.generate(batch, greedy, use_tqdm=False)]
     finally:
         llm.shutdown()

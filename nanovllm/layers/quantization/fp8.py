@@ -10,7 +10,12 @@ FP8Format.check_shards makes an error at construction when it would not.
 import torch
 from torch import nn
 
-from nanovllm.kernels.fp8_torch import FP8_DTYPE, cdiv, dequantize_groups, quantize_groups
+from nanovllm.kernels.linear.fp8_reference import (
+    FP8_DTYPE,
+    cdiv,
+    dequantize_groups,
+    quantize_groups,
+)
 from nanovllm.layers.quantization.config import QuantConfig
 
 # (dst offset, src offset, size) of a shard's rows, or (src offset, size) of its columns, in

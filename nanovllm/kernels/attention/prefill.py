@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.attention_torch import check_sliding_window
+from nanovllm.kernels.attention.reference import check_sliding_window
 
 LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) == exp2(x * log2(e))
 

@@ -1,6 +1,6 @@
 """W8A8 FP8 linear layers on the GPU: activations quantized per token group by a Triton kernel,
-then a GEMM of FP8 codes that applies both scales in its epilogue (kernels.fp8_torch is the
-reference and describes the layout).
+then a GEMM of FP8 codes that applies both scales in its epilogue (kernels.linear.fp8_reference
+is the reference and describes the layout).
 
 - Block-scaled weights (Qwen's FP8 releases, [128, 128] blocks): our Triton GEMM, one K step per
   block, each step's partial product times its token-group and weight-block scales.
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.fp8_torch import FP8_DTYPE, SCALE_EPS
+from nanovllm.kernels.linear.fp8_reference import FP8_DTYPE, SCALE_EPS
 
 
 @triton.jit
@@ -39,7 +39,7 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, group, stride_xm, stride_qm, str
 
 def per_token_group_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations [M, K] -> (codes [M, K] float8, scales [M, ceil(K/group)] float32), as
-    kernels.fp8_torch.per_token_group_quant_torch."""
+    kernels.linear.fp8_reference.per_token_group_quant_torch."""
     assert x.dim() == 2 and x.stride(1) == 1
     m, k = x.shape
     groups = triton.cdiv(k, group)
@@ -122,7 +122,7 @@ def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                block: tuple[int, int] | None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b) in x's dtype, as kernels.fp8_torch.fp8_linear_torch; x [..., K]."""
+    """x W^T (+ b) in x's dtype, as kernels.linear.fp8_reference.fp8_linear_torch; x [..., K]."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     if not x2.is_contiguous():

@@ -12,7 +12,7 @@ simulates that exactly: quantize, dequantize, multiply in float32.
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.kv_quant import FP8_DTYPE, FP8_MAX
+from nanovllm.kernels.attention.kv_quant import FP8_DTYPE, FP8_MAX
 
 SCALE_EPS = 1e-10  # an all-zero group gets this amax, not a zero scale
 

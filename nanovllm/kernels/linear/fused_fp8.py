@@ -1,7 +1,7 @@
-"""FP8 weights in kernels.fused_linear's decode projections: the scale layouts the kernels take,
+"""FP8 weights in kernels.linear.fused's decode projections: the scale layouts the kernels take,
 their launch arguments, and the Triton helpers that apply the scales.
 
-Decode runs FP8 weights as W8A16, not as the W8A8 of kernels.fp8_gemm: each FP8 weight tile
+Decode runs FP8 weights as W8A16, not as the W8A8 of kernels.linear.fp8_gemm: each FP8 weight tile
 arrives by TMA as a 16-bit one does, is converted to the activations' dtype in registers (every
 e4m3 value is exact in bf16 and fp16) and multiplied with the unquantized activations; the
 float32 accumulator takes the weight's scale. Why at decode:
@@ -11,7 +11,7 @@ float32 accumulator takes the weight's scale. Why at decode:
 - no slower: a decode step's few tokens make the GEMM bound by the weight's bytes, which FP8
   halves either way; the MMA's input dtype does not matter there.
 
-The two scale layouts of layers.quantization.fp8 (kernels.fp8_torch dequantizes them):
+The two scale layouts of layers.quantization.fp8 (kernels.linear.fp8_reference dequantizes them):
 
     per output channel  scale [N, 1]: the accumulator's rows times their scales, once after
                         the K loop
@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.fp8_torch import cdiv
-from nanovllm.kernels.kv_quant import FP8_DTYPE
+from nanovllm.kernels.attention.kv_quant import FP8_DTYPE
+from nanovllm.kernels.linear.fp8_reference import cdiv
 
 K_STEP = 128  # every fused projection's BLOCK_K (fused_linear._launch, split_k_linear)
 TILE_ROWS = 64  # weight rows of one MMA tile (fused_linear.ROWS)

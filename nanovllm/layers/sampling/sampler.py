@@ -6,10 +6,10 @@ noise keyed by a per-step seed from torch's CPU RNG. Full path: l / T, then min_
 top_p as -inf masks, then the same draw with E = -log U, U a counter-based hash of (seed,
 position, vocab index): a seeded row draws the same noise whatever its batch. Greedy rows
 (T = 0) take argmax(l).
-A structured output's token bitmask (layers.token_bitmask) sets disallowed tokens to -inf
-first; then steering (layers.steering: allowed_token_ids, bad_words, min_tokens, logit_bias),
-then the penalties (layers.penalties), in vLLM V1's order; they and logprobs run only for a
-batch that asks for them, and a steered row takes the full path.
+A structured output's token bitmask (layers.sampling.token_bitmask) sets disallowed tokens to
+-inf first; then steering (layers.sampling.steering: allowed_token_ids, bad_words, min_tokens,
+logit_bias), then the penalties (layers.sampling.penalties), in vLLM V1's order; they and
+logprobs run only for a batch that asks for them, and a steered row takes the full path.
 """
 import functools
 from collections.abc import Callable
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanovllm.layers.penalties import Penalties
-from nanovllm.layers.steering import Steering
-from nanovllm.layers.token_bitmask import apply_token_bitmask
+from nanovllm.layers.sampling.penalties import Penalties
+from nanovllm.layers.sampling.steering import Steering
+from nanovllm.layers.sampling.token_bitmask import apply_token_bitmask
 from nanovllm.sampling_params import MAX_SEED, SamplingParams
 from nanovllm.utils.compile import compile_on_cuda
 

@@ -1,8 +1,7 @@
 """Decode projections that carry the kernel after them: qkv_proj with q/k norm + RoPE + the K/V
 cache write in its epilogue, gate_up_proj with SiLU-and-mul in its. A decode layer then runs
 seven launches instead of nine (gate_up_proj's only up to 64 tokens: layers.backends). o_proj
-and down_proj run split over K, leaving float32 partials that the add + RMSNorm after them sums
-(kernels.fused_ops): their 1,024 output rows alone would give a swap-AB GEMM 16 programs.
+and down_proj run split over K (kernels.linear.split_k), with the same tiles and helpers.
 
 The GEMMs are swap-AB and TMA-fed: a batch of at most a few hundred tokens is too narrow for
 the MMA's 64-row side, so the weight's rows take it (out^T = W @ x^T) and the tokens the narrow
@@ -14,15 +13,19 @@ up to 64 (by 0.4-0.9 us) and loses from 96 (docs/benchmarks.md).
 
 FP8 weights (e4m3 codes, float32 scales per output channel or block) run as W8A16, a constexpr
 branch (W_SCALE) beside the 16-bit path: tiles converted to the activations' dtype in registers,
-scales applied to the float32 accumulator (kernels.fused_linear_fp8 says how, and why).
-LoRA slots (16-bit weights) add their delta inside the same K loop (kernels.lora.add_lora)."""
+scales applied to the float32 accumulator (kernels.linear.fused_fp8 says how, and why).
+LoRA slots (16-bit weights) add their delta inside the same K loop
+(kernels.linear.lora.add_lora)."""
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from nanovllm.kernels.fused_linear_fp8 import (
+from nanovllm.kernels.attention.kv_quant import FP8_DTYPE
+from nanovllm.kernels.attention.qk_norm_rope import _norm_rope
+from nanovllm.kernels.attention.store_kvcache import quantize_kv
+from nanovllm.kernels.linear.fused_fp8 import (
     K_STEP,
     Block,
     channel_scaled,
@@ -31,11 +34,8 @@ from nanovllm.kernels.fused_linear_fp8 import (
     scale_args,
     scaled_dot,
 )
-from nanovllm.kernels.kv_quant import FP8_DTYPE
-from nanovllm.kernels.lora import LoRASlots, add_lora, fused_lora_args, lora_keep
+from nanovllm.kernels.linear.lora import LoRASlots, add_lora, fused_lora_args, lora_keep
 from nanovllm.kernels.pdl import launch_options, wait_then_release
-from nanovllm.kernels.qk_norm_rope import _norm_rope
-from nanovllm.kernels.store_kvcache import quantize_kv
 
 ROWS = 64  # weight rows per MMA tile: a half head, or a gate or up slice
 
@@ -49,7 +49,7 @@ def _pair_gemm(w_desc, x_desc, row_a, row_b, tok0, K, s_ptr, stride_s, scale_row
     each (token rows past the batch load as zeros); FP8 codes times their scales (W_SCALE). The
     epilogues work in this orientation: transposing the accumulators costs more than the
     stores' poorer coalescing. With LoRA (LORA_K = slots x rank > 0) each adds its delta
-    (kernels.lora.add_lora): the shrink is 64 more MMA rows in the K loop (A's rows from
+    (kernels.linear.lora.add_lora): the shrink is 64 more MMA rows in the K loop (A's rows from
     lora_row_a; PAIR_SLICES: the second accumulator's slice from lora_row_b, else the first's)."""
     s_a = s_ptr + row_a // scale_rows * stride_s  # the tiles' rows of scales
     s_b = s_ptr + row_b // scale_rows * stride_s
@@ -186,45 +186,6 @@ def _gate_up_silu_kernel(w_desc, x_desc, bias_ptr, out_ptr, M, K, inter, s_ptr, 
     tl.store(out_ptr + toks.to(tl.int64) * inter + cols, (silu * up).to(dtype), mask=toks < M)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _split_k_kernel(w_desc, x_desc, part_ptr, M, N, K_SPLIT, s_ptr, stride_s, scale_rows,
-                    a_desc, b_desc, lora_slots_ptr, BLOCK_T: tl.constexpr,
-                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr,
-                    K_MAJOR: tl.constexpr, W_SCALE: tl.constexpr, LORA_K: tl.constexpr,
-                    RANK: tl.constexpr):
-    """Grid (N / 64, splits, token tiles): part[split] = x[:, ks] @ W[:, ks].T (ks: the split's
-    K_SPLIT columns) for 64 output columns of BLOCK_T tokens; W stored k-major ([K, N]) when
-    K_MAJOR (16-bit weights), else [N, K] (FP8 codes, scaled as _pair_gemm's). With LoRA each
-    split adds B @ its own part of the shrink: B and the slot mask are linear, so the partials
-    still sum to the delta (rounded per split, not once)."""
-    wait_then_release(USE_PDL)
-    pid_n, split, pid_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n0, tok0 = pid_n * 64, pid_t * BLOCK_T
-    s_row = s_ptr + n0 // scale_rows * stride_s
-    scale = channel_scales(s_row, W_SCALE)
-    acc = tl.zeros([64, BLOCK_T], tl.float32)  # ROWS
-    shrunk = tl.zeros([64, BLOCK_T], tl.float32)
-    if LORA_K > 0:  # requested before the K loop, as in _pair_gemm
-        keep = lora_keep(lora_slots_ptr, tok0, M, LORA_K, RANK, BLOCK_T)
-        b = b_desc.load([n0, 0])
-    k0 = split * K_SPLIT
-    for k in tl.range(k0, k0 + K_SPLIT, BLOCK_K, num_stages=STAGES):
-        if K_MAJOR:
-            w = w_desc.load([k, n0]).T
-        else:
-            w = w_desc.load([n0, k])
-        x = x_desc.load([tok0, k]).T
-        acc = scaled_dot(w, x, acc, s_row, k, BLOCK_K, W_SCALE)
-        if LORA_K > 0:
-            shrunk = tl.dot(a_desc.load([0, k]), x, shrunk)
-    acc = channel_scaled(acc, scale, W_SCALE)
-    if LORA_K > 0:
-        acc = add_lora(acc, shrunk, b, keep)
-    cols = n0 + tl.arange(0, 64)[:, None]
-    toks = tok0 + tl.arange(0, BLOCK_T)[None, :]
-    tl.store(part_ptr + (split * M + toks).to(tl.int64) * N + cols, acc, mask=toks < M)
-
-
 # fits_*: dtype is the activations', weight_dtype (None: the same) and w_block as fits_weight's
 def fits_qkv(hidden_size: int, head_dim: int, dtype: torch.dtype,
              weight_dtype: torch.dtype | None = None, w_block: Block = None) -> bool:
@@ -239,13 +200,6 @@ def fits_gate_up(hidden_size: int, intermediate_size: int, dtype: torch.dtype,
     """Whether gate_up_silu takes these sizes (intermediate_size: this rank's)."""
     return fits_weight(dtype, weight_dtype or dtype, w_block) \
         and intermediate_size % ROWS == 0 and hidden_size % 64 == 0
-
-
-def fits_split_k(input_size: int, output_size: int, dtype: torch.dtype,
-                 weight_dtype: torch.dtype | None = None, w_block: Block = None) -> bool:
-    """Whether split_k_linear takes these sizes."""
-    return fits_weight(dtype, weight_dtype or dtype, w_block) and output_size % ROWS == 0 \
-        and input_size % K_STEP == 0
 
 
 def _launch(num_tokens: int, lora: bool = False) -> tuple[int, int, int, int]:
@@ -273,7 +227,7 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """q [M, Hq, D] = RoPE(norm(x @ Wq.T + bq)); k and v (k normed and rotated) go to their
     cache slots, as qkv_proj (with its LoRA delta) followed by qk_norm_rope with kv_store does.
     An FP8 weight comes with w_scale (per channel, or per w_block block:
-    kernels.fused_linear_fp8)."""
+    kernels.linear.fused_fp8)."""
     num_tokens, hidden = x.shape
     head_dim = weight.shape[0] // (num_q_heads + 2 * num_kv_heads)
     assert fits_qkv(hidden, head_dim, x.dtype, weight.dtype, w_block)
@@ -316,39 +270,3 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         BLOCK_T=block_t, BLOCK_K=block_k, STAGES=stages, W_SCALE=scales[3], num_warps=warps,
         **launch_options())
     return out
-
-
-def _num_splits(output_size: int, input_size: int, token_tiles: int, num_tokens: int) -> int:
-    """Splits of K that give >= 128 programs (256 up to 16 tokens), at most 16, each split
-    a whole number of 128-wide K tiles (the split_k_gemm probe's sweep, docs/benchmarks.md)."""
-    target = 256 if num_tokens <= 16 else 128
-    splits = min(16, triton.next_power_of_2(triton.cdiv(target, output_size // ROWS * token_tiles)))
-    while input_size % (splits * K_STEP):
-        splits //= 2
-    return splits
-
-
-def split_k_linear(x: torch.Tensor, weight: torch.Tensor, *, w_scale: torch.Tensor | None = None,
-                   w_block: Block = None, lora: LoRASlots | None = None) -> torch.Tensor:
-    """float32 partials [S, M, N] whose sum over S is x @ weight.T (plus its LoRA delta), for a
-    16-bit weight [N, K] stored k-major (weight.t() contiguous, as RowParallelLinear keeps it)
-    or FP8 codes [N, K] row-major with w_scale (as in qkv_rope_store): a decode step's o_proj
-    or down_proj, whose splits the add + RMSNorm after it sums in a fixed order."""
-    num_tokens, input_size = x.shape
-    output_size = weight.shape[0]
-    k_major = weight.dtype != FP8_DTYPE
-    assert fits_split_k(input_size, output_size, x.dtype, weight.dtype, w_block)
-    stored = weight.t() if k_major else weight
-    assert stored.is_contiguous() and x.stride(1) == 1 and weight.shape[1] == input_size
-    block_t = 16 if num_tokens <= 16 else 64 if num_tokens <= 128 else 128
-    tiles = triton.cdiv(num_tokens, block_t)
-    splits = _num_splits(output_size, input_size, tiles, num_tokens)
-    part = torch.empty(splits, num_tokens, output_size, dtype=torch.float32, device=x.device)
-    scales = scale_args(weight, w_scale, w_block)
-    _split_k_kernel[(output_size // ROWS, splits, tiles)](
-        TensorDescriptor.from_tensor(stored, [K_STEP, ROWS] if k_major else [ROWS, K_STEP]),
-        TensorDescriptor.from_tensor(x, [block_t, K_STEP]), part, num_tokens, output_size,
-        input_size // splits, *scales[:3], **fused_lora_args(lora, K_STEP), BLOCK_T=block_t,
-        BLOCK_K=K_STEP, STAGES=4 if lora is None or num_tokens <= 16 else 2,
-        K_MAJOR=k_major, W_SCALE=scales[3], num_warps=4, **launch_options())
-    return part

@@ -1,12 +1,12 @@
 """Plain-torch paged attention (reference for the Triton kernels and the CPU engine path).
 
 sliding_window as in transformers: a query at position q sees key k iff k <= q and q - k < window.
-Paged reads dequantize an FP8 cache with the layer's k_scale / v_scale (kernels.kv_quant).
+Paged reads dequantize an FP8 cache with the layer's k_scale / v_scale (kernels.attention.kv_quant).
 """
 
 import torch
 
-from nanovllm.kernels.kv_quant import FP8_DTYPE, dequantize_kv_torch
+from nanovllm.kernels.attention.kv_quant import FP8_DTYPE, dequantize_kv_torch
 
 # Queries per chunk in prefill: bounds the [H, chunk, Lk] fp32 score matrix.
 _QUERY_CHUNK = 1024

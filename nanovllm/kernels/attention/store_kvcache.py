@@ -1,11 +1,11 @@
 """Write new key/value rows into the paged KV cache (Triton kernel + torch reference); an FP8
-cache is quantized on the way in (kernels.kv_quant)."""
+cache is quantized on the way in (kernels.attention.kv_quant)."""
 
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.kv_quant import FP8_DTYPE, quantize_kv_torch
+from nanovllm.kernels.attention.kv_quant import FP8_DTYPE, quantize_kv_torch
 
 
 @triton.jit

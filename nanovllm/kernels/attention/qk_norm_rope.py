@@ -5,8 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.kv_quant import FP8_DTYPE
-from nanovllm.kernels.store_kvcache import quantize_kv
+from nanovllm.kernels.attention.kv_quant import FP8_DTYPE
+from nanovllm.kernels.attention.store_kvcache import quantize_kv
 
 
 @triton.jit

@@ -1,9 +1,9 @@
 """LoRA on the GPU, each row through its own adapter slot (the torch reference and the
-layouts: kernels.lora_torch). Every slot's A is multiplied in and each row keeps its own slot's
-columns (the others are zeros): for max_loras x max_rank of a few dozen columns that costs less
-than grouping rows by slot, and it leaves dense products.
+layouts: kernels.linear.lora_reference). Every slot's A is multiplied in and each row keeps its
+own slot's columns (the others are zeros): for max_loras x max_rank of a few dozen columns that
+costs less than grouping rows by slot, and it leaves dense products.
 
-- Decode steps that run the fused projections (kernels.fused_linear) carry LoRA inside them:
+- Decode steps that run the fused projections (kernels.linear.fused) carry LoRA inside them:
   the shrink is 64 more MMA rows in their K loop (every slot's A rows of the slice), and
   add_lora masks it by slot and adds B @ it to the accumulator. No launch of its own.
 - Other steps: lora_shrink below, then the expand as one GEMM per slice (lora_torch).
@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from nanovllm.kernels.attention_triton import dot_precision
+from nanovllm.kernels.attention.prefill import dot_precision
 from nanovllm.kernels.pdl import launch_options, wait_then_release
 
 
@@ -49,7 +49,8 @@ def _shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, stride_x, stride_o
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """[T, S*L*R] in x's dtype: each row's x @ A^T in its slot's columns, zeros elsewhere, for
-    lora_a [S, L, R, K]; as kernels.lora_torch.lora_shrink_torch, graph-safe (no host sync)."""
+    lora_a [S, L, R, K]; as kernels.linear.lora_reference.lora_shrink_torch, graph-safe (no
+    host sync)."""
     num_tokens, k = x.shape
     num_slices, num_slots, rank, _ = lora_a.shape
     assert x.stride(1) == 1 and lora_a.is_contiguous() and lora_a.shape[3] == k

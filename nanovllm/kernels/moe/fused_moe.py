@@ -11,15 +11,16 @@ The padded length is bounded from shapes alone, and the grouping runs in three s
 so a decode step has no host sync and can be captured in a CUDA graph; blocks past the real
 padded length (num_padded, on the device) return at once.
 
-FP8 experts (W8A8, kernels.fp8_torch's layout): both GEMMs read FP8 codes of the activations
-(quantized per token group beforehand) and of the weights, and scale each K step's product by
-its token group's and weight block's scales, as kernels.fp8_gemm does for one linear layer.
+FP8 experts (W8A8, kernels.linear.fp8_reference's layout): both GEMMs read FP8 codes of the
+activations (quantized per token group beforehand) and of the weights, and scale each K step's
+product by its token group's and weight block's scales, as kernels.linear.fp8_gemm does for one
+linear layer.
 """
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.fp8_gemm import per_token_group_quant
+from nanovllm.kernels.linear.fp8_gemm import per_token_group_quant
 
 BLOCK_N = 64
 BLOCK_K = 64
@@ -200,7 +201,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
               w2_scale: torch.Tensor | None = None,
               block: tuple[int, int] | None = None) -> torch.Tensor:
-    """sum_k topk_weights[:, k] * expert_{topk_ids[:, k]}(x), as kernels.fused_moe_torch.
+    """sum_k topk_weights[:, k] * expert_{topk_ids[:, k]}(x), as kernels.moe.reference.
 
     x [M, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; topk_* [M, K]. With
     scales (FP8 experts): [E, 2I/bn, H/bk] and [E, H/bn, I/bk] for block (bn, bk), else

@@ -2,7 +2,7 @@
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.fp8_torch import fp8_linear_torch
+from nanovllm.kernels.linear.fp8_reference import fp8_linear_torch
 
 
 def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -11,8 +11,8 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     block: tuple[int, int] | None = None) -> torch.Tensor:
     """sum_k topk_weights[:, k] * expert_{topk_ids[:, k]}(x): the kernel's reference and the CPU
     path. x [M, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; topk_* [M, K].
-    With scales, w13 and w2 are FP8 codes (kernels.fp8_torch's layout, `block` or per channel)
-    and each expert's inputs are quantized as the FP8 kernel does.
+    With scales, w13 and w2 are FP8 codes (kernels.linear.fp8_reference's layout, `block` or per
+    channel) and each expert's inputs are quantized as the FP8 kernel does.
     Reads the routed experts on the host, so it cannot be captured in a CUDA graph."""
     out = torch.zeros_like(x)
     for expert in torch.unique(topk_ids).tolist():

@@ -14,8 +14,8 @@ Layouts of a projection with S fused slices (q | k | v, gate | up), L slots, ran
     lora_a  [S, L, R, K]   A of slice s, slot l
     lora_b  [OUT, L, R]    B of the slice that output row belongs to, slot l
 
-This file is the CPU path and the reference of the Triton shrink (kernels.lora); the expand is
-this GEMM on every backend, or one more K step inside the fused decode projections."""
+This file is the CPU path and the reference of the Triton shrink (kernels.linear.lora); the
+expand is this GEMM on every backend, or one more K step inside the fused decode projections."""
 import torch
 
 

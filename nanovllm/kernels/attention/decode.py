@@ -7,9 +7,11 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels import attention_triton  # dot_precision looked up per call (tests patch it)
-from nanovllm.kernels.attention_torch import check_sliding_window
-from nanovllm.kernels.attention_triton import LOG2E, check_shapes, softmax_step
+from nanovllm.kernels.attention import (
+    prefill as attention_triton,  # dot_precision looked up per call (tests patch it)
+)
+from nanovllm.kernels.attention.prefill import LOG2E, check_shapes, softmax_step
+from nanovllm.kernels.attention.reference import check_sliding_window
 from nanovllm.kernels.pdl import launch_options, wait_then_release
 
 _MIN_SPLIT_LEN = 256  # fewest keys worth a split of their own

@@ -1,0 +1,107 @@
+"""o_proj and down_proj of a decode step, split over K (kernels.linear.fused's family): float32
+partials that the add + RMSNorm after them sums in a fixed order (kernels.fused_ops). Their
+1,024 output rows alone would give a swap-AB GEMM 16 programs; splitting K gives 128-256. 16-bit
+weights are read k-major, FP8 codes [N, K] row-major (W8A16, kernels.linear.fused_fp8); LoRA
+slots add their delta per split (kernels.linear.lora)."""
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from nanovllm.kernels.attention.kv_quant import FP8_DTYPE
+from nanovllm.kernels.linear.fused_fp8 import (
+    K_STEP,
+    Block,
+    channel_scaled,
+    channel_scales,
+    fits_weight,
+    scale_args,
+    scaled_dot,
+)
+from nanovllm.kernels.linear.lora import LoRASlots, add_lora, fused_lora_args, lora_keep
+from nanovllm.kernels.pdl import launch_options, wait_then_release
+
+ROWS = 64  # output columns per MMA tile
+
+
+@triton.jit(do_not_specialize=["M"])
+def _split_k_kernel(w_desc, x_desc, part_ptr, M, N, K_SPLIT, s_ptr, stride_s, scale_rows,
+                    a_desc, b_desc, lora_slots_ptr, BLOCK_T: tl.constexpr,
+                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+                    K_MAJOR: tl.constexpr, W_SCALE: tl.constexpr, LORA_K: tl.constexpr,
+                    RANK: tl.constexpr):
+    """Grid (N / 64, splits, token tiles): part[split] = x[:, ks] @ W[:, ks].T (ks: the split's
+    K_SPLIT columns) for 64 output columns of BLOCK_T tokens; W stored k-major ([K, N]) when
+    K_MAJOR (16-bit weights), else [N, K] (FP8 codes, scaled as _pair_gemm's). With LoRA each
+    split adds B @ its own part of the shrink: B and the slot mask are linear, so the partials
+    still sum to the delta (rounded per split, not once)."""
+    wait_then_release(USE_PDL)
+    pid_n, split, pid_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n0, tok0 = pid_n * 64, pid_t * BLOCK_T
+    s_row = s_ptr + n0 // scale_rows * stride_s
+    scale = channel_scales(s_row, W_SCALE)
+    acc = tl.zeros([64, BLOCK_T], tl.float32)  # ROWS
+    shrunk = tl.zeros([64, BLOCK_T], tl.float32)
+    if LORA_K > 0:  # requested before the K loop, as in _pair_gemm
+        keep = lora_keep(lora_slots_ptr, tok0, M, LORA_K, RANK, BLOCK_T)
+        b = b_desc.load([n0, 0])
+    k0 = split * K_SPLIT
+    for k in tl.range(k0, k0 + K_SPLIT, BLOCK_K, num_stages=STAGES):
+        if K_MAJOR:
+            w = w_desc.load([k, n0]).T
+        else:
+            w = w_desc.load([n0, k])
+        x = x_desc.load([tok0, k]).T
+        acc = scaled_dot(w, x, acc, s_row, k, BLOCK_K, W_SCALE)
+        if LORA_K > 0:
+            shrunk = tl.dot(a_desc.load([0, k]), x, shrunk)
+    acc = channel_scaled(acc, scale, W_SCALE)
+    if LORA_K > 0:
+        acc = add_lora(acc, shrunk, b, keep)
+    cols = n0 + tl.arange(0, 64)[:, None]
+    toks = tok0 + tl.arange(0, BLOCK_T)[None, :]
+    tl.store(part_ptr + (split * M + toks).to(tl.int64) * N + cols, acc, mask=toks < M)
+
+
+def fits_split_k(input_size: int, output_size: int, dtype: torch.dtype,
+                 weight_dtype: torch.dtype | None = None, w_block: Block = None) -> bool:
+    """Whether split_k_linear takes these sizes."""
+    return fits_weight(dtype, weight_dtype or dtype, w_block) and output_size % ROWS == 0 \
+        and input_size % K_STEP == 0
+
+
+
+def _num_splits(output_size: int, input_size: int, token_tiles: int, num_tokens: int) -> int:
+    """Splits of K that give >= 128 programs (256 up to 16 tokens), at most 16, each split
+    a whole number of 128-wide K tiles (the split_k_gemm probe's sweep, docs/benchmarks.md)."""
+    target = 256 if num_tokens <= 16 else 128
+    splits = min(16, triton.next_power_of_2(triton.cdiv(target, output_size // ROWS * token_tiles)))
+    while input_size % (splits * K_STEP):
+        splits //= 2
+    return splits
+
+
+def split_k_linear(x: torch.Tensor, weight: torch.Tensor, *, w_scale: torch.Tensor | None = None,
+                   w_block: Block = None, lora: LoRASlots | None = None) -> torch.Tensor:
+    """float32 partials [S, M, N] whose sum over S is x @ weight.T (plus its LoRA delta), for a
+    16-bit weight [N, K] stored k-major (weight.t() contiguous, as RowParallelLinear keeps it)
+    or FP8 codes [N, K] row-major with w_scale (as in qkv_rope_store): a decode step's o_proj
+    or down_proj, whose splits the add + RMSNorm after it sums in a fixed order."""
+    num_tokens, input_size = x.shape
+    output_size = weight.shape[0]
+    k_major = weight.dtype != FP8_DTYPE
+    assert fits_split_k(input_size, output_size, x.dtype, weight.dtype, w_block)
+    stored = weight.t() if k_major else weight
+    assert stored.is_contiguous() and x.stride(1) == 1 and weight.shape[1] == input_size
+    block_t = 16 if num_tokens <= 16 else 64 if num_tokens <= 128 else 128
+    tiles = triton.cdiv(num_tokens, block_t)
+    splits = _num_splits(output_size, input_size, tiles, num_tokens)
+    part = torch.empty(splits, num_tokens, output_size, dtype=torch.float32, device=x.device)
+    scales = scale_args(weight, w_scale, w_block)
+    _split_k_kernel[(output_size // ROWS, splits, tiles)](
+        TensorDescriptor.from_tensor(stored, [K_STEP, ROWS] if k_major else [ROWS, K_STEP]),
+        TensorDescriptor.from_tensor(x, [block_t, K_STEP]), part, num_tokens, output_size,
+        input_size // splits, *scales[:3], **fused_lora_args(lora, K_STEP), BLOCK_T=block_t,
+        BLOCK_K=K_STEP, STAGES=4 if lora is None or num_tokens <= 16 else 2,
+        K_MAJOR=k_major, W_SCALE=scales[3], num_warps=4, **launch_options())
+    return part

@@ -1,0 +1,1 @@
+"""Mixture-of-experts kernels: the fused experts GEMM and its torch reference."""

@@ -1,0 +1,2 @@
+"""Sampling on the device: the sampler, penalties, logit steering and structured outputs' token
+bitmask."""
