@@ -1,15 +1,13 @@
 """Triton split-KV (flash-decoding) decode over the paged cache: each (sequence, KV head, split)
 program attends its slice of the context for the query heads of that KV head, and a reduce
-kernel merges the splits' softmax partials. An FP8 cache is read as in attention_triton.py.
+kernel merges the splits' softmax partials. An FP8 cache is read as in prefill.py.
 Page ids are read a chunk at a time into registers, so the K/V tile loads can be pipelined.
 """
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.attention import (
-    prefill as attention_triton,  # dot_precision looked up per call (tests patch it)
-)
+from nanovllm.kernels.attention import prefill  # dot_precision looked up per call (tests patch)
 from nanovllm.kernels.attention.prefill import LOG2E, check_shapes, softmax_step
 from nanovllm.kernels.attention.reference import check_sliding_window
 from nanovllm.kernels.pdl import launch_options, wait_then_release
@@ -206,7 +204,7 @@ def decode_attention_triton(
         scale * LOG2E * k_scale, v_scale, num_splits, window,
         GROUP=group, GROUP_P2=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        PAGES_PER_CHUNK=_PAGES_PER_CHUNK, PRECISION=attention_triton.dot_precision(q.dtype),
+        PAGES_PER_CHUNK=_PAGES_PER_CHUNK, PRECISION=prefill.dot_precision(q.dtype),
         SLIDING=window > 0, SINGLE_SPLIT=num_splits == 1,
         FP16_DOT=fp8 and q.dtype == torch.bfloat16,
         num_warps=_FP8_NUM_WARPS if fp8 else 4, num_stages=_FP8_NUM_STAGES if fp8 else 2,

@@ -1,5 +1,5 @@
 """Triton paged attention: flash-attention prefill, and what decode shares with it
-(attention_triton_decode.py holds the split-KV decode).
+(decode.py holds the split-KV decode).
 
 Paged reads take an FP8 cache too: its rows widen exactly to the query dtype for tl.dot, and
 the layer's scales are folded in, k_scale into the softmax scale and v_scale into the output.

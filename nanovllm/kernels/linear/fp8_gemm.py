@@ -27,7 +27,7 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, group, stride_xm, stride_qm, str
         mask = (k0 + tl.arange(0, BLOCK) < group) & (offs < K)
         x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, 0), eps) / 448.0  # fp8_torch.FP8_MAX, e4m3's largest
+    scale = tl.maximum(tl.max(amax, 0), eps) / 448.0  # fp8_reference.FP8_MAX, e4m3's largest
     for k0 in range(0, group, BLOCK):
         offs = start + k0 + tl.arange(0, BLOCK)
         mask = (k0 + tl.arange(0, BLOCK) < group) & (offs < K)

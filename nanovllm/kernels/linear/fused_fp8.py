@@ -29,8 +29,8 @@ import triton.language as tl
 from nanovllm.kernels.attention.kv_quant import FP8_DTYPE
 from nanovllm.kernels.linear.fp8_reference import cdiv
 
-K_STEP = 128  # every fused projection's BLOCK_K (fused_linear._launch, split_k_linear)
-TILE_ROWS = 64  # weight rows of one MMA tile (fused_linear.ROWS)
+K_STEP = 128  # every fused projection's BLOCK_K (fused._launch, split_k.split_k_linear)
+TILE_ROWS = 64  # weight rows of one MMA tile (fused.ROWS)
 # The kernels' W_SCALE: a 16-bit weight (no scale), or FP8 codes scaled per channel or block
 NO_SCALE = tl.constexpr(0)
 PER_CHANNEL = tl.constexpr(1)

@@ -6,7 +6,7 @@ costs less than grouping rows by slot, and it leaves dense products.
 - Decode steps that run the fused projections (kernels.linear.fused) carry LoRA inside them:
   the shrink is 64 more MMA rows in their K loop (every slot's A rows of the slice), and
   add_lora masks it by slot and adds B @ it to the accumulator. No launch of its own.
-- Other steps: lora_shrink below, then the expand as one GEMM per slice (lora_torch).
+- Other steps: lora_shrink below, then the expand as one GEMM per slice (lora_reference).
 """
 from typing import NamedTuple
 
