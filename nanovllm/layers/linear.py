@@ -74,10 +74,10 @@ class LinearBase(nn.Module):
     def lora_slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(A, B, each row's slot) for the step's kernels; None when no row of the step runs
         through an adapter (kernels.linear.lora.LoRASlots)."""
-        slots = get_context().lora_slots
-        if self.lora_shrink is None or slots is None:
+        if self.lora_shrink is None:  # no slots: every projection of a model without LoRA
             return None
-        return self.lora_a, self.lora_b, slots
+        slots = get_context().lora_slots
+        return None if slots is None else (self.lora_a, self.lora_b, slots)
 
     def apply_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y plus this step's adapter deltas (in place; rows without an adapter unchanged)."""

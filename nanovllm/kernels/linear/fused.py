@@ -27,6 +27,7 @@ from nanovllm.kernels.attention.qk_norm_rope import _norm_rope
 from nanovllm.kernels.attention.store_kvcache import quantize_kv
 from nanovllm.kernels.linear.fused_fp8 import (
     K_STEP,
+    TILE_ROWS,
     Block,
     channel_scaled,
     channel_scales,
@@ -37,7 +38,7 @@ from nanovllm.kernels.linear.fused_fp8 import (
 from nanovllm.kernels.linear.lora import LoRASlots, add_lora, fused_lora_args, lora_keep
 from nanovllm.kernels.pdl import launch_options, wait_then_release
 
-ROWS = 64  # weight rows per MMA tile: a half head, or a gate or up slice
+ROWS = TILE_ROWS  # weight rows per MMA tile: a half head, or a gate or up slice
 
 
 @triton.jit

@@ -30,7 +30,7 @@ from nanovllm.kernels.attention.kv_quant import FP8_DTYPE
 from nanovllm.kernels.linear.fp8_reference import cdiv
 
 K_STEP = 128  # every fused projection's BLOCK_K (fused._launch, split_k.split_k_linear)
-TILE_ROWS = 64  # weight rows of one MMA tile (fused.ROWS)
+TILE_ROWS = 64  # weight rows of one MMA tile (fused.ROWS and split_k.ROWS are this)
 # The kernels' W_SCALE: a 16-bit weight (no scale), or FP8 codes scaled per channel or block
 NO_SCALE = tl.constexpr(0)
 PER_CHANNEL = tl.constexpr(1)

@@ -11,6 +11,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from nanovllm.kernels.attention.kv_quant import FP8_DTYPE
 from nanovllm.kernels.linear.fused_fp8 import (
     K_STEP,
+    TILE_ROWS,
     Block,
     channel_scaled,
     channel_scales,
@@ -21,7 +22,7 @@ from nanovllm.kernels.linear.fused_fp8 import (
 from nanovllm.kernels.linear.lora import LoRASlots, add_lora, fused_lora_args, lora_keep
 from nanovllm.kernels.pdl import launch_options, wait_then_release
 
-ROWS = 64  # output columns per MMA tile
+ROWS = TILE_ROWS  # output columns per MMA tile
 
 
 @triton.jit(do_not_specialize=["M"])
