@@ -42,9 +42,11 @@ def batch1_tpot_ms(llm) -> float:
 def run_engine(path: str, shape: str, args: argparse.Namespace, standard: tuple) -> dict:
     """One engine's figures (see the module docstring)."""
     with open_engine(path, engine_args(args)) as (llm, _):
-        model = llm.model_runner.model
-        row = dict(weights_gib=sum(p.numel() * p.element_size() for p in model.parameters())
-                   / GiB, kv_blocks=llm.model_runner.num_kvcache_blocks)
+        # no reference to the model outlives the engine: the next one sizes its KV pool by
+        # what is free, and a live model here would be counted against it
+        params = llm.model_runner.model.parameters()
+        row = dict(weights_gib=sum(p.numel() * p.element_size() for p in params) / GiB,
+                   kv_blocks=llm.model_runner.num_kvcache_blocks)
         if shape in TPOT_SHAPES:
             row["tpot_b1_ms"] = batch1_tpot_ms(llm)
         row["standard_tok_s"] = measure(llm, *standard)["output_tok_s"]

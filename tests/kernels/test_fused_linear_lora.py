@@ -29,13 +29,18 @@ pytestmark = pytest.mark.skipif(
 
 
 def _lora(num_tokens: int, k: int, slice_sizes: tuple[int, ...], max_loras: int, rank: int,
-          dtype: torch.dtype, x: torch.Tensor) -> tuple[LoRASlots, torch.Tensor]:
-    """(the kernels' LoRASlots, the reference's shrunk rows) for random slots (base rows among
-    them)."""
+          dtype: torch.dtype, x: torch.Tensor, rows: str = "mixed"
+          ) -> tuple[LoRASlots, torch.Tensor]:
+    """(the kernels' LoRASlots, the reference's shrunk rows) for slots of `rows`: "mixed"
+    (random, base rows among them), "one" (the last slot and base rows, as a lone sequence's
+    step) or "none" (a LoRA engine's step of base rows only)."""
     g = torch.Generator().manual_seed(num_tokens)
     a = (torch.randn(len(slice_sizes), max_loras, rank, k, generator=g) * k ** -0.5)
     b = torch.randn(sum(slice_sizes), max_loras, rank, generator=g) * 0.3
     slots = torch.randint(-1, max_loras, (num_tokens,), generator=g, dtype=torch.int32)
+    if rows != "mixed":
+        slots = torch.where(slots >= 0, max_loras - 1 if rows == "one" else -1, -1)
+        slots[0] = max_loras - 1 if rows == "one" else -1
     a, b, slots = a.to(DEVICE, dtype), b.to(DEVICE, dtype), slots.to(DEVICE)
     return LoRASlots(a, b, slots), lora_shrink_torch(x, a, slots)
 
@@ -50,31 +55,42 @@ def test_fits_lora():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_tokens,max_loras,rank", [(5, 4, 16), (37, 2, 8), (130, 4, 16)])
-def test_gate_up_silu_with_lora(dtype, num_tokens, max_loras, rank):
+@pytest.mark.parametrize("num_tokens,max_loras,rank,rows", [
+    (5, 4, 16, "mixed"), (37, 2, 8, "mixed"), (130, 4, 16, "mixed"), (1, 4, 16, "one"),
+    (37, 2, 8, "one"), (130, 4, 16, "one"), (5, 4, 16, "none")])
+def test_gate_up_silu_with_lora(dtype, num_tokens, max_loras, rank, rows):
     inter = 128
     weight = (torch.randn(2 * inter, HIDDEN, device=DEVICE) * HIDDEN ** -0.5).to(dtype)
     x = _x(num_tokens, HIDDEN, dtype)
-    lora, shrunk = _lora(num_tokens, HIDDEN, (inter, inter), max_loras, rank, dtype, x)
+    lora, shrunk = _lora(num_tokens, HIDDEN, (inter, inter), max_loras, rank, dtype, x, rows)
     y = F.linear(x.float(), weight.float())
     want = SiluAndMul.torch_forward(lora_expand(y, shrunk.float(), lora.lora_b.float(),
                                                 (inter, inter)))
     got = gate_up_silu(x, weight, None, lora=lora)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
     without = gate_up_silu(x, weight, None)
-    assert (got - without).abs().max() > 0.1  # the delta is there: the check has teeth
+    _has_delta(got, without, rows)
+
+
+def _has_delta(got: torch.Tensor, without: torch.Tensor, rows: str) -> None:
+    """The delta is there (the checks have teeth), or exactly absent with no adapter."""
+    if rows == "none":
+        torch.testing.assert_close(got, without, atol=0, rtol=0)
+    else:
+        assert (got - without).abs().max() > 0.1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_tokens,input_size,max_loras,rank", [(5, 1024, 4, 16),
-                                                                 (40, 512, 2, 8),
-                                                                 (200, 1024, 4, 16)])
-def test_split_k_with_lora(dtype, num_tokens, input_size, max_loras, rank):
+@pytest.mark.parametrize("num_tokens,input_size,max_loras,rank,rows", [
+    (5, 1024, 4, 16, "mixed"), (40, 512, 2, 8, "mixed"), (200, 1024, 4, 16, "mixed"),
+    (1, 1024, 4, 16, "one"), (40, 512, 2, 8, "one"), (200, 1024, 4, 16, "one"),
+    (5, 1024, 4, 16, "none")])
+def test_split_k_with_lora(dtype, num_tokens, input_size, max_loras, rank, rows):
     output = 128
     w_kn = (torch.randn(input_size, output, device=DEVICE) * input_size ** -0.5).to(dtype)
     weight = w_kn.t()
     x = _x(num_tokens, input_size, dtype)
-    lora, shrunk = _lora(num_tokens, input_size, (output,), max_loras, rank, dtype, x)
+    lora, shrunk = _lora(num_tokens, input_size, (output,), max_loras, rank, dtype, x, rows)
     parts = split_k_linear(x, weight, lora=lora)
     plain = split_k_linear(x, weight)
     assert parts.shape == plain.shape and parts.shape[0] > 1  # several splits: per-split deltas
@@ -82,18 +98,20 @@ def test_split_k_with_lora(dtype, num_tokens, input_size, max_loras, rank):
                        (output,))
     # each split's part of the shrink is rounded to the model dtype
     torch.testing.assert_close(parts.sum(0), want, atol=2e-2, rtol=2e-2)
-    assert (parts.sum(0) - plain.sum(0)).abs().max() > 0.1
+    _has_delta(parts, plain, rows)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_tokens,max_loras,rank", [(3, 4, 16), (37, 2, 8), (130, 4, 16)])
-def test_qkv_rope_store_with_lora(dtype, num_tokens, max_loras, rank):
+@pytest.mark.parametrize("num_tokens,max_loras,rank,rows", [
+    (3, 4, 16, "mixed"), (37, 2, 8, "mixed"), (130, 4, 16, "mixed"), (2, 4, 16, "one"),
+    (37, 2, 8, "one"), (3, 4, 16, "none")])
+def test_qkv_rope_store_with_lora(dtype, num_tokens, max_loras, rank, rows):
     """q and the cached k, v equal the unfused qkv_proj + delta, then RoPE, for each slice."""
     heads, kv_heads, head_dim = 2, 1, 128
     sizes = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
     weight = (torch.randn(sum(sizes), HIDDEN, device=DEVICE) * HIDDEN ** -0.5).to(dtype)
     x = _x(num_tokens, HIDDEN, dtype)
-    lora, shrunk = _lora(num_tokens, HIDDEN, sizes, max_loras, rank, dtype, x)
+    lora, shrunk = _lora(num_tokens, HIDDEN, sizes, max_loras, rank, dtype, x, rows)
     rope = RotaryEmbedding(head_dim, 512, {"rope_type": "default", "rope_theta": 1e6}).to(DEVICE)
     positions = torch.randint(0, 512, (num_tokens,), device=DEVICE)
     k_cache = torch.zeros(16, 16, kv_heads, head_dim, device=DEVICE, dtype=dtype)
