@@ -26,8 +26,10 @@ import glob  # noqa: E402
 import re  # noqa: E402
 from time import perf_counter  # noqa: E402
 
-import bench  # noqa: E402
-from benchmarks import workloads  # noqa: E402
+from benchmarks import (
+    cli,  # noqa: E402
+    workloads,  # noqa: E402
+)
 from benchmarks.runs import measure  # noqa: E402
 
 
@@ -84,8 +86,8 @@ def main() -> None:
     if _variants(cache):
         raise SystemExit(f"TRITON_CACHE_DIR={cache} is not empty: give an empty directory")
     sys.argv = ["bench.py", "--random-weights", *rest]
-    args = bench.parse_args()
-    path = bench.resolve_model(args)
+    args = cli.parse_args()
+    path = cli.resolve_model(args)
     from nanovllm import LLM
     size = workloads.sizes("throughput", args.tiny)
     prompts, params = workloads.standard(**size, max_id=workloads.max_token_id(path),
