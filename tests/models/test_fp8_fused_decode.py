@@ -25,19 +25,17 @@ from torch import nn  # noqa: E402
 
 from benchmarks.random_checkpoints import build_checkpoint  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.kernels.linear import fused as fused_linear  # noqa: E402
-from nanovllm.kernels.linear import split_k  # noqa: E402
 from nanovllm.layers.backends import bind_backend  # noqa: E402
 from nanovllm.layers.linear import LinearBase  # noqa: E402
 from tests.fp8_checkpoints import quantize_checkpoint, vary_magnitudes  # noqa: E402
+from tests.models.test_fused_decode import (  # noqa: E402
+    DEVICE,
+    SHAPE,  # head_dim 128; with 128-wide blocks, also the scales the fused kernels take
+    pytestmark,  # noqa: F401  (its skip applies here too)
+    spy_fused_kernels,
+)
 from tests.reference import token_prompts  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(
-    DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9, reason="TMA needs sm_90")
-# head_dim 128 and 128-wide blocks: shapes and scales the fused kernels take
-SHAPE = dict(hidden_size=128, head_dim=128, num_attention_heads=2, num_key_value_heads=1,
-             intermediate_size=256)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
 FIRST_DECODE = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=3)
 STATS_PROMPTS = token_prompts(0, tuple(range(3, 3 + 64)))  # one decode batch of 64
@@ -137,12 +135,7 @@ def test_fused_fp8_decode_is_the_w8a16_product(fp8_models, scheme, monkeypatch) 
     try:
         _rebind(llm, False, w8a16_linear)
         want = llm.generate(prompts, GREEDY, use_tqdm=False)
-        calls = []
-        for name in ("qkv_rope_store", "gate_up_silu", "split_k_linear"):
-            module = split_k if name == "split_k_linear" else fused_linear
-            fn = getattr(module, name)
-            monkeypatch.setattr(module, name,
-                                lambda *a, fn=fn, **k: calls.append(fn.__name__) or fn(*a, **k))
+        calls = spy_fused_kernels(monkeypatch)
         _rebind(llm, True, w8a16_linear)
         got = llm.generate(prompts, GREEDY, use_tqdm=False)
     finally:

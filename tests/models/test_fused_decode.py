@@ -56,12 +56,19 @@ def checkpoint(request, tmp_path_factory) -> str:
                             **SHAPE, **extra)
 
 
-def _spy(fn, calls: list):
-    """fn, appending its name to `calls` on every call."""
-    def spy(*args, **kwargs):
-        calls.append(fn.__name__)
-        return fn(*args, **kwargs)
-    return spy
+def spy_fused_kernels(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The list each fused decode kernel appends its name to when it runs (from now on)."""
+    calls = []
+
+    def spy(fn):
+        def call(*args, **kwargs):
+            calls.append(fn.__name__)
+            return fn(*args, **kwargs)
+        return call
+    for name in ("qkv_rope_store", "gate_up_silu", "split_k_linear"):
+        module = split_k if name == "split_k_linear" else fused_linear
+        monkeypatch.setattr(module, name, spy(getattr(module, name)))
+    return calls
 
 
 def _projections(model: nn.Module) -> list:
@@ -95,10 +102,7 @@ def test_fused_decode_same_tokens(checkpoint: str, monkeypatch: pytest.MonkeyPat
         _rebind(llm, False)
         assert not any(m.fused_decode_max_tokens for m in projections)
         want = [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
-        calls = []
-        for fn in ("qkv_rope_store", "gate_up_silu", "split_k_linear"):
-            module = split_k if fn == "split_k_linear" else fused_linear
-            monkeypatch.setattr(module, fn, _spy(getattr(module, fn), calls))
+        calls = spy_fused_kernels(monkeypatch)
         _rebind(llm, True)
         assert all(m.fused_decode_max_tokens == LIMITS[type(m)] for m in projections)
         got = [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
