@@ -82,6 +82,16 @@ def _num_splits(output_size: int, input_size: int, token_tiles: int, num_tokens:
     return splits
 
 
+def _stages(k_steps: int, num_tokens: int, lora: LoRASlots | None) -> int:
+    """Pipeline stages of a split's K loop. LoRA's A tiles make a stage 36 KB at 16 tokens:
+    stages past the loop's own K steps then only cost programs per SM (H200, 2026-12-02, at 1
+    token: o_proj's one K step 3.5 us with 2 stages, 5.5 with 4; down_proj's three 3.9 us with
+    3, 4.1 with 4; 2.6 and 2.9 without LoRA)."""
+    if lora is None:
+        return 4
+    return min(3, k_steps + 1) if num_tokens <= 16 else 2
+
+
 def split_k_linear(x: torch.Tensor, weight: torch.Tensor, *, w_scale: torch.Tensor | None = None,
                    w_block: Block = None, lora: LoRASlots | None = None) -> torch.Tensor:
     """float32 partials [S, M, N] whose sum over S is x @ weight.T (plus its LoRA delta), for a
@@ -103,6 +113,6 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, *, w_scale: torch.Tens
         TensorDescriptor.from_tensor(stored, [K_STEP, ROWS] if k_major else [ROWS, K_STEP]),
         TensorDescriptor.from_tensor(x, [block_t, K_STEP]), part, num_tokens, output_size,
         input_size // splits, *scales[:3], **fused_lora_args(lora, K_STEP), BLOCK_T=block_t,
-        BLOCK_K=K_STEP, STAGES=4 if lora is None or num_tokens <= 16 else 2,
+        BLOCK_K=K_STEP, STAGES=_stages(input_size // splits // K_STEP, num_tokens, lora),
         K_MAJOR=k_major, W_SCALE=scales[3], num_warps=4, **launch_options())
     return part
