@@ -84,9 +84,7 @@ def _num_splits(output_size: int, input_size: int, token_tiles: int, num_tokens:
 
 def _stages(k_steps: int, num_tokens: int, lora: LoRASlots | None) -> int:
     """Pipeline stages of a split's K loop. LoRA's A tiles make a stage 36 KB at 16 tokens:
-    stages past the loop's own K steps then only cost programs per SM (H200, 2026-12-02, at 1
-    token: o_proj's one K step 3.5 us with 2 stages, 5.5 with 4; down_proj's three 3.9 us with
-    3, 4.1 with 4; 2.6 and 2.9 without LoRA)."""
+    stages past the loop's own K steps then only cost programs per SM (measured: docs/lora.md)."""
     if lora is None:
         return 4
     return min(3, k_steps + 1) if num_tokens <= 16 else 2
