@@ -107,6 +107,8 @@ class DecodeInputs:
         self.staging = [torch.empty(size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self.turn = 0
         self.block_size = block_size
+        # (turn, rows, width) -> _split's views: splitting costs more than filling a small batch
+        self._sections: dict[tuple[int, int, int], tuple] = {}
 
     @staticmethod
     def size(rows: int, width: int, max_loras: int = 0) -> int:
@@ -117,11 +119,14 @@ class DecodeInputs:
              source_rows: list[int] | None = None,
              lora_slots: list[int] | None = None) -> torch.Tensor:
         """Fill a pinned host buffer for `seqs`; returns it (size(rows, width) int32)."""
-        n, seg = len(seqs), _aligned(rows)
+        n = len(seqs)
         self.turn ^= 1
-        buf = self.staging[self.turn][:self.size(rows, width, self.max_loras)]
-        ids, pos, slots, ctx, src, rest = np.split(buf.numpy(), [seg * i for i in range(1, 6)])
-        lora, tables = np.split(rest, [_lora_size(rows, self.max_loras)])
+        key = (self.turn, rows, width)
+        if key not in self._sections:
+            if len(self._sections) >= 64:  # eager steps' shapes vary: keep the cache small
+                self._sections.clear()
+            self._sections[key] = self._split(*key)
+        buf, (ids, pos, slots, ctx, src, lora, tables) = self._sections[key]
         if self.max_loras:
             lora[:n] = -1 if lora_slots is None else lora_slots
             lora[n:] = -1
@@ -136,10 +141,19 @@ class DecodeInputs:
         lens = np.fromiter((len(seq.block_table) for seq in seqs), np.int32, n)
         flat = np.fromiter(chain.from_iterable(seq.block_table for seq in seqs), np.int32,
                            int(lens.sum()))
-        tables = tables.reshape(rows, width)
         tables.fill(-1)
         tables[:n][np.arange(width) < lens[:, None]] = flat  # row-major, like `flat`
         return buf
+
+    def _split(self, turn: int, rows: int, width: int):
+        """(staging buffer `turn`'s first size(rows, width) entries, numpy views of its
+        sections: ids, positions, slots, context lens, source rows, lora, tables [rows,
+        width])."""
+        seg = _aligned(rows)
+        buf = self.staging[turn][:self.size(rows, width, self.max_loras)]
+        *heads, rest = np.split(buf.numpy(), [seg * i for i in range(1, 6)])
+        lora, tables = np.split(rest, [_lora_size(rows, self.max_loras)])
+        return buf, (*heads, lora, tables.reshape(rows, width))
 
     @staticmethod
     def unpack(buf: torch.Tensor, rows: int, width: int, max_loras: int = 0

@@ -37,3 +37,23 @@ def test_round_trip_and_alignment(rows: int) -> None:
     assert src.tolist() == source_rows + [-1] * (rows - n)
     _, _, src, _ = DecodeInputs.unpack(inputs.pack(seqs, rows, width), rows, width)
     assert src.tolist() == [-1] * rows  # no step in flight: every input id is on the host
+
+
+def test_reused_buffers_hold_only_the_latest_step() -> None:
+    """Each staging buffer's section views are kept between steps: a smaller step written
+    after a larger one of the same shape leaves nothing of it behind; eager shapes (any
+    width) do not grow the kept views without bound."""
+    rows, width = 4, 6
+    inputs = DecodeInputs(8, 16, BLOCK, pin=False)
+    big = [_seq(20, [1, 2, 3, 4, 5, 6]), _seq(9, [7, 8, 9]), _seq(5, [10, 11])]
+    small = [_seq(3, [12])]
+    for seqs in (big, big, small, small):  # both buffers, then both again
+        buf = inputs.pack(seqs, rows, width, [0] * len(seqs)).clone()
+    ids, pos, src, ctx = DecodeInputs.unpack(buf, rows, width)
+    assert ctx.block_tables.tolist() == [[12] + [-1] * 5] + [[-1] * width] * 3
+    assert ids.tolist() == [3, 0, 0, 0] and src.tolist() == [0, -1, -1, -1]
+    assert ctx.slot_mapping.tolist() == [12 * BLOCK + 2, -1, -1, -1]
+    for w in range(1, 17):
+        for r in range(1, 9):
+            inputs.pack(small, r, w)
+    assert len(inputs._sections) <= 64
