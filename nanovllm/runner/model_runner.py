@@ -70,7 +70,7 @@ class ModelRunner:
         self.sampler = Sampler(config.logprobs_mode, self.backend.fast_path.fused_sampler)
         self.token_counts = TokenCounts(hf_config.vocab_size, self.device)  # penalties only
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.graph_inputs: dict[int, tuple] = {}  # rows -> (buffer, its unpacked views)
+        self.graph_inputs: dict[int, torch.Tensor] = {}
         # Rank 0 of a tensor-parallel group: set once a worker dies, so a step stops waiting.
         self.peer_died: threading.Event | None = None
         self.max_num_blocks = -(-config.max_model_len // self.block_size)
@@ -203,14 +203,12 @@ class ModelRunner:
         rows, width = ((graph_rows, self.max_num_blocks) if graph_rows is not None
                        else (len(seqs), max(len(seq.block_table) for seq in seqs)))
         host = self.decode_inputs.pack(seqs, rows, width, source_rows, lora_slots)
-        if graph_rows is not None:  # the graph's buffer, and the views it was captured with
-            buf, (input_ids, positions, src, context) = self.graph_inputs[rows]
-            buf.copy_(host, non_blocking=True)
-        else:
-            input_ids, positions, src, context = DecodeInputs.unpack(
-                host.to(self.device, non_blocking=True), rows, width, self.max_loras)
-            if lora_slots is None or max(lora_slots) < 0:
-                context.lora_slots = None  # no row has an adapter: skip the LoRA ops
+        buf = (self.graph_inputs[rows].copy_(host, non_blocking=True) if graph_rows is not None
+               else host.to(self.device, non_blocking=True))
+        input_ids, positions, src, context = DecodeInputs.unpack(buf, rows, width,
+                                                                 self.max_loras)
+        if graph_rows is None and (lora_slots is None or max(lora_slots) < 0):
+            context.lora_slots = None  # eager, and no row has an adapter: skip the LoRA ops
         if previous_ids is not None:
             carried = previous_ids[src.clamp(min=0)].int()
             input_ids.copy_(torch.where(src >= 0, carried, input_ids))
