@@ -1,0 +1,48 @@
+"""benchmarks.decode_step: every host phase is timed, nested phases fit in their parents, and
+the phase floors add up to the step's floor (CPU, tiny model)."""
+import pytest
+
+from benchmarks.decode_step import PHASES, HostPhases, main, phase_floors
+from benchmarks.floor import BYTES, kv_bytes_per_token, step_params
+from benchmarks.shapes import SHAPES
+
+
+@pytest.mark.parametrize("lora_rank", [0, 8])
+def test_tiny_run_times_every_phase(lora_rank, capsys):
+    result = main(["--tiny", "--tokens", "12", "--batch", "2", "--lora-rank", str(lora_rank)])
+    host = result["host_us"]
+    # 12 tokens: the prefill samples the first, then 11 decode steps and the last commit
+    assert result["steps"] == 12
+    assert set(host) == {label for label, *_ in PHASES}
+    assert all(us > 0 for us in host.values())
+    for parent, child in (("step", "launch"), ("launch", "sample"), ("sample", "sampler launch"),
+                          ("decode inputs: pack, copy, carry", "pack"),
+                          ("commit", "wait for the ids")):
+        assert host[parent] >= host[child]
+    assert result["gpu_us"] > 0
+    assert "| - - - pack |" in capsys.readouterr().out
+
+
+def test_wrapped_methods_are_restored():
+    class Owner:
+        def method(self):
+            return 1
+
+    owner, phases = Owner(), HostPhases()
+    phases.wrap(owner, "method", "m")
+    phases.wrap(Owner, "method", "class")
+    assert owner.method() == 1 and set(phases.totals) == {"m"}
+    phases.restore()
+    assert "method" not in vars(owner) and Owner().method() == 1
+    Owner().method()
+    assert set(phases.totals) == {"m"}  # the class's timer is gone too
+
+
+def test_phase_floors_cover_the_dense_step():
+    """qkv, o + down, gate_up, the K/V and the LM head are all a dense decode step reads (but
+    the norms' few weights)."""
+    shape, batch, context, bw = SHAPES["llama-3.1-8b"], 1, 256, 4.27e12
+    floors = phase_floors(shape, batch, context, BYTES, bw)
+    total = 1e6 * (step_params(shape, batch) * BYTES
+                   + batch * context * kv_bytes_per_token(shape)) / bw
+    assert sum(floors.values()) == pytest.approx(total, rel=1e-3)
