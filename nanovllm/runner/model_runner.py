@@ -69,6 +69,7 @@ class ModelRunner:
                                and self.backend.cuda_graphs)
         self.sampler = Sampler(config.logprobs_mode, self.backend.fast_path.fused_sampler)
         self.token_counts = TokenCounts(hf_config.vocab_size, self.device)  # penalties only
+        self.temperatures: dict[tuple, torch.Tensor] = {}  # prepare_sample's uploaded rows
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_inputs: dict[int, torch.Tensor] = {}
         # Rank 0 of a tensor-parallel group: set once a worker dies, so a step stops waiting.
@@ -210,8 +211,12 @@ class ModelRunner:
         if graph_rows is None and (lora_slots is None or max(lora_slots) < 0):
             context.lora_slots = None  # eager, and no row has an adapter: skip the LoRA ops
         if previous_ids is not None:
-            carried = previous_ids[src.clamp(min=0)].int()
-            input_ids.copy_(torch.where(src >= 0, carried, input_ids))
+            n = len(seqs)
+            if source_rows == list(range(n)):  # a batch that decoded together: one launch
+                input_ids[:n].copy_(previous_ids[:n])
+            else:
+                carried = previous_ids[src.clamp(min=0)].int()
+                input_ids.copy_(torch.where(src >= 0, carried, input_ids))
         return input_ids, positions, context
 
     # ---- execution ----------------------------------------------------------------------
@@ -263,7 +268,7 @@ class ModelRunner:
         # Prepared after the (asynchronous) forward was launched, so it overlaps the GPU.
         out = self.sampler(step.logits, *prepare_sample(
             step.seqs, step.lengths, self.token_counts, self.config.hf_config.vocab_size,
-            self.device))
+            self.device, self.temperatures))
         return SampledIds(out.token_ids, out.logprobs, step.prompt_logprobs, step.is_prefill)
 
     def wait_idle(self) -> None:

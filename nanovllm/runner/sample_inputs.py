@@ -12,14 +12,24 @@ from nanovllm.sequence import Sequence
 
 
 def prepare_sample(seqs: list[Sequence], lengths: list[int], token_counts: TokenCounts,
-                   vocab_size: int, device: torch.device) -> tuple[
+                   vocab_size: int, device: torch.device,
+                   temperatures: dict[tuple, torch.Tensor] | None = None) -> tuple[
         torch.Tensor | SamplingTensors, Penalties | None, int | None, torch.Tensor | None]:
     """(temperatures or SamplingTensors, penalties, number of top logprobs, token bitmask of
-    structured outputs) for the sampler; `lengths`: len(seq) at the step's launch."""
+    structured outputs) for the sampler; `lengths`: len(seq) at the step's launch;
+    `temperatures`: the caller's cache of uploaded temperature rows, which the sampler only
+    reads (a batch that decodes on keeps its rows: no copy per step)."""
     params = [seq.sampling_params for seq in seqs]
     upload = partial(to_device, device=device)
     if all(p.simple for p in params):  # no row steers either: nothing more is built
-        sample_params = upload([p.temperature for p in params], torch.float32)
+        key = tuple(p.temperature for p in params)
+        sample_params = None if temperatures is None else temperatures.get(key)
+        if sample_params is None:
+            sample_params = upload(list(key), torch.float32)
+            if temperatures is not None:
+                if len(temperatures) >= 64:  # batches change as requests come and go
+                    temperatures.clear()
+                temperatures[key] = sample_params
     else:
         # seeded noise is keyed by the index the new token will have in its sequence
         sample_params = SamplingTensors.build(params, lengths, upload,

@@ -1,8 +1,10 @@
 """The pipelined engine (next step launched before the previous step's ids are read) gives
 exactly what the lockstep engine gives: same tokens, finish reasons, texts and cache hits."""
 import pytest
+import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.sequence import Sequence
 
 PROMPTS = [[(11 * i + 3 * j) % 400 + 2 for j in range(230 + 9 * i)] for i in range(6)]
 
@@ -136,3 +138,21 @@ def test_new_tokens_keep_their_logprobs_aligned_under_preemption(llm):
             assert all(t in entry for t, entry in zip(out["token_ids"], out["logprobs"]))
         else:
             assert out["logprobs"] is None
+
+
+@pytest.mark.parametrize("source_rows", [[0, 1, 2], [2, -1, 0], [1, 0, 2], [-1, -1, -1]])
+def test_decode_inputs_take_pending_ids_from_their_source_rows(llm, source_rows):
+    """Row i's input id is row source_rows[i] of the in-flight step's ids, or its own last token
+    (-1); rows that decoded together in order take the one-copy path."""
+    block = llm.config.kvcache_block_size
+    seqs = []
+    for i in range(3):
+        seq = Sequence([5 + i] * (10 + i), SamplingParams(), block)
+        seq.block_table = [i]
+        seqs.append(seq)
+    previous = torch.tensor([101, 102, 103, 104])  # sampled ids are int64
+    input_ids, positions, _ = llm.model_runner.prepare_decode(seqs, previous, source_rows)
+    assert input_ids.dtype == torch.int32
+    assert input_ids.tolist()[:3] == [101 + r if r >= 0 else seq.last_token
+                                      for r, seq in zip(source_rows, seqs)]
+    assert positions.tolist()[:3] == [9, 10, 11]
