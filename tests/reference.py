@@ -9,6 +9,14 @@ def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
+def cache_kwargs(out) -> dict:
+    """The KV cache of a forward's output, as the next forward takes it: `cache` since
+    transformers deprecated `past_key_values` (5.2x, removed in 5.40), `past_key_values` before."""
+    if "cache" in out.keys():
+        return dict(cache=out["cache"])
+    return dict(past_key_values=out["past_key_values"])
+
+
 @torch.inference_mode()
 def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
     """Greedy continuation with the KV cache, never stopping at EOS."""
@@ -18,8 +26,7 @@ def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
     for _ in range(num_tokens):
         token = int(out.logits[0, -1].argmax())
         tokens.append(token)
-        out = model(torch.tensor([[token]], device=device), past_key_values=out.past_key_values,
-                    use_cache=True)
+        out = model(torch.tensor([[token]], device=device), use_cache=True, **cache_kwargs(out))
     return tokens
 
 

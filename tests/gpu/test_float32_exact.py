@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from tests.reference import hf_greedy, load_hf
+from tests.reference import cache_kwargs, hf_greedy, load_hf
 
 NUM_TOKENS = 40
 # Near-ties are chosen at gaps (top-1 minus top-2 logit, over the row's largest |logit|) just
@@ -26,7 +26,7 @@ def greedy_with_gaps(hf, prompts: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         top2 = logits.topk(2, dim=-1).values
         gaps.append((top2[:, 0] - top2[:, 1]) / logits.abs().max(-1).values)
         tokens.append(logits.argmax(-1))
-        out = hf(tokens[-1][:, None], past_key_values=out.past_key_values, use_cache=True)
+        out = hf(tokens[-1][:, None], use_cache=True, **cache_kwargs(out))
     return torch.stack(tokens, 1), torch.stack(gaps, 1).min(1).values
 
 
