@@ -1,0 +1,51 @@
+"""benchmarks.ab: trees alternate round by round, each running its own code (CPU, tiny model)."""
+import json
+import os
+import shutil
+
+import pytest
+
+from benchmarks.ab import main, parse_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--tiny", "--num-seqs", "2", "--min-input-len", "8", "--max-input-len", "8",
+        "--min-output-len", "4", "--max-output-len", "4"]
+
+
+@pytest.mark.slow
+def test_trees_alternate_and_run_their_own_code(tmp_path, capsys):
+    """A copy of the tree whose benchmarks name their commit "other" shows that each process ran
+    its own tree's code; both trees run once a round, the first tree first."""
+    other = tmp_path / "other"
+    shutil.copytree(ROOT, other, ignore=shutil.ignore_patterns(
+        ".git", "__pycache__", "*.egg-info", ".pytest_cache", ".hypothesis", ".device", "out"))
+    runs = (other / "benchmarks" / "runs.py").read_text()
+    marked = runs.replace('def commit() -> str | None:\n', 'def commit() -> str | None:\n'
+                          '    return "other"\n', 1)
+    assert marked != runs
+    (other / "benchmarks" / "runs.py").write_text(marked)
+    out = tmp_path / "out"
+    rows = main(["base=" + ROOT, f"other={other}", "--rounds", "2", "--out", str(out), "--",
+                 *TINY])
+    assert [r["tree"] for r in rows] == ["base", "other"]
+    assert all(len(r["tok_s"]) == 2 and r["median_tok_s"] > 0 for r in rows)
+    assert rows[0]["tok_s_ratio"] == 1.0
+    names = sorted(os.listdir(out))
+    assert names == ["ab_base_r0.json", "ab_base_r1.json", "ab_other_r0.json", "ab_other_r1.json"]
+    mtime = {n: os.path.getmtime(out / n) for n in names}
+    assert mtime["ab_base_r0.json"] < mtime["ab_other_r0.json"] < mtime["ab_base_r1.json"]
+    assert "| other |" in capsys.readouterr().out
+    for name in names:
+        with open(out / name) as f:
+            run = json.load(f)
+        assert run["runs"]
+        assert (run["environment"]["commit"] == "other") == name.startswith("ab_other")
+
+
+def test_bad_trees_are_refused(tmp_path):
+    with pytest.raises(SystemExit):
+        parse_args([f"a={tmp_path}", "--", "--tiny"])  # no bench.py there
+    with pytest.raises(SystemExit):
+        parse_args([f"a={ROOT}", f"a={ROOT}"])
+    with pytest.raises(SystemExit):
+        parse_args([ROOT])
