@@ -22,6 +22,8 @@ ELSEWHERE = {
     "serve.py": ("tests/serve/test_serve_bench.py", "benchmarks.serve"),
     "serve_client.py": ("tests/serve/test_serve_bench.py", "benchmarks.serve"),
     "fp8.py": ("tests/test_fp8_bench.py", "fp8.run_engine"),
+    "decode_step.py": ("tests/test_decode_step.py", "benchmarks.decode_step"),
+    "ab.py": ("tests/test_ab.py", "benchmarks.ab"),
 }
 
 
