@@ -98,7 +98,8 @@ def test_a_script_that_never_shuts_down_exits(tiny_model, tmp_path):
         from nanovllm.serve.async_llm import AsyncLLM
 
         async def main(llm):
-            async for out in llm.generate([1, 2, 3], SamplingParams(max_tokens=4), "r"):
+            params = SamplingParams(max_tokens=4, ignore_eos=True)
+            async for out in llm.generate([1, 2, 3], params, "r"):
                 pass
             print("done", out.finish_reason, flush=True)
 
@@ -124,8 +125,9 @@ def test_shutdown_joins_a_cleanly_exiting_engine(tiny_model, caplog):
     (process,) = children() - before
 
     async def run():
-        outputs = [out async for out in llm.generate([1, 2, 3], SamplingParams(max_tokens=4),
-                                                     "r")]
+        # ignore_eos: a sampled EOS would end the request early ("stop"), now and then
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        outputs = [out async for out in llm.generate([1, 2, 3], params, "r")]
         assert outputs[-1].finish_reason == "length"
 
     asyncio.run(run())
