@@ -23,15 +23,22 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 def _decode_inputs(bs: int, max_num_blocks: int, max_loras: int, device: torch.device
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Context]:
-    """(packed buffer, input ids, positions, context) of the graph of bs sequences."""
+                   ) -> tuple[torch.Tensor, tuple]:
+    """(packed buffer, DecodeInputs.unpack's views of it) of the graph of bs sequences."""
     buf = torch.zeros(DecodeInputs.size(bs, max_num_blocks, max_loras), dtype=torch.int32,
                       device=device)
-    input_ids, positions, _, context = DecodeInputs.unpack(buf, bs, max_num_blocks, max_loras)
+    views = DecodeInputs.unpack(buf, bs, max_num_blocks, max_loras)
+    context = views[3]
     context.slot_mapping.fill_(-1)  # capture runs write nothing into the KV cache
     if context.lora_slots is not None:
         context.lora_slots.fill_(-1)
-    return buf, input_ids, positions, context
+    return buf, views
+
+
+def _model_inputs(step: tuple[torch.Tensor, tuple]) -> tuple:
+    """(input ids, positions, context) of a graph's _decode_inputs."""
+    input_ids, positions, _, context = step[1]
+    return input_ids, positions, context
 
 
 def _forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -44,10 +51,11 @@ def _forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
 @torch.inference_mode()  # graph input buffers are inference tensors
 def capture_decode_graphs(model: nn.Module, config: Config, max_num_blocks: int,
                           device: torch.device, compile_threads: int = 0
-                          ) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor],
+                          ) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, tuple],
                                      torch.Tensor]:
-    """(graphs, input buffers, output buffer) for graph_batch_sizes, captured largest first;
-    with compile_threads, every size's kernels compile on threads first."""
+    """(graphs, input buffers with their unpacked views, output buffer) for
+    graph_batch_sizes, captured largest first; with compile_threads, every size's kernels
+    compile on threads first."""
     # Each graph reads its own packed input buffer (DecodeInputs); all share one output buffer
     # and memory pool. With LoRA, its kernels are captured too (rows of slot -1: their deltas
     # are zeros).
@@ -55,19 +63,19 @@ def capture_decode_graphs(model: nn.Module, config: Config, max_num_blocks: int,
     max_loras = config.max_loras if config.enable_lora else 0
     steps = {bs: _decode_inputs(bs, max_num_blocks, max_loras, device) for bs in graph_bs}
     if compile_threads:  # kernels.compile_ahead
-        compile_in_parallel([partial(_forward, model, *steps[bs][1:]) for bs in graph_bs],
-                            compile_threads)
+        compile_in_parallel([partial(_forward, model, *_model_inputs(steps[bs]))
+                             for bs in graph_bs], compile_threads)
     outputs = torch.zeros(graph_bs[-1], config.hf_config.hidden_size, dtype=config.torch_dtype,
                           device=device)
     graphs, inputs, pool = {}, {}, None
     for bs in reversed(graph_bs):
-        buf, input_ids, positions, context = steps[bs]
+        input_ids, positions, context = _model_inputs(steps[bs])
         graph = torch.cuda.CUDAGraph()
         with forward_context(context):
             outputs[:bs] = model(input_ids, positions)  # warm up
             with torch.cuda.graph(graph, pool):
                 outputs[:bs] = model(input_ids, positions)
         pool = pool or graph.pool()
-        graphs[bs], inputs[bs] = graph, buf
+        graphs[bs], inputs[bs] = graph, steps[bs]
         torch.cuda.synchronize()
     return graphs, inputs, outputs

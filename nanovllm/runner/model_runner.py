@@ -68,10 +68,11 @@ class ModelRunner:
         self.use_cuda_graph = (config.device == "cuda" and not config.enforce_eager
                                and self.backend.cuda_graphs)
         self.sampler = Sampler(config.logprobs_mode, self.backend.fast_path.fused_sampler)
-        self.token_counts = TokenCounts(hf_config.vocab_size, self.device)  # penalties only
+        self.vocab_size = hf_config.vocab_size  # read every step: a config attribute is slow
+        self.token_counts = TokenCounts(self.vocab_size, self.device)  # penalties only
         self.temperatures: dict[tuple, torch.Tensor] = {}  # prepare_sample's uploaded rows
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.graph_inputs: dict[int, torch.Tensor] = {}
+        self.graph_inputs: dict[int, tuple] = {}  # rows -> (buffer, its unpacked views)
         # Rank 0 of a tensor-parallel group: set once a worker dies, so a step stops waiting.
         self.peer_died: threading.Event | None = None
         self.max_num_blocks = -(-config.max_model_len // self.block_size)
@@ -204,12 +205,14 @@ class ModelRunner:
         rows, width = ((graph_rows, self.max_num_blocks) if graph_rows is not None
                        else (len(seqs), max(len(seq.block_table) for seq in seqs)))
         host = self.decode_inputs.pack(seqs, rows, width, source_rows, lora_slots)
-        buf = (self.graph_inputs[rows].copy_(host, non_blocking=True) if graph_rows is not None
-               else host.to(self.device, non_blocking=True))
-        input_ids, positions, src, context = DecodeInputs.unpack(buf, rows, width,
-                                                                 self.max_loras)
-        if graph_rows is None and (lora_slots is None or max(lora_slots) < 0):
-            context.lora_slots = None  # eager, and no row has an adapter: skip the LoRA ops
+        if graph_rows is not None:  # the graph's buffer, and the views it was captured with
+            buf, (input_ids, positions, src, context) = self.graph_inputs[rows]
+            buf.copy_(host, non_blocking=True)
+        else:
+            input_ids, positions, src, context = DecodeInputs.unpack(
+                host.to(self.device, non_blocking=True), rows, width, self.max_loras)
+            if lora_slots is None or max(lora_slots) < 0:
+                context.lora_slots = None  # no row has an adapter: skip the LoRA ops
         if previous_ids is not None:
             n = len(seqs)
             if source_rows == list(range(n)):  # a batch that decoded together: one launch
@@ -220,10 +223,10 @@ class ModelRunner:
         return input_ids, positions, context
 
     # ---- execution ----------------------------------------------------------------------
-    @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 context: Context) -> torch.Tensor:
-        """Hidden states; decode batches replay the graph whose buffers hold the inputs."""
+        """Hidden states; decode batches replay the graph whose buffers hold the inputs (called
+        inside launch's inference mode: entering it again costs every step)."""
         graph = None if context.is_prefill else self.graphs.get(input_ids.size(0))
         with forward_context(context):
             if graph is None:
@@ -267,8 +270,8 @@ class ModelRunner:
         """Enqueue the sampler on a launched step's logits (rank 0)."""
         # Prepared after the (asynchronous) forward was launched, so it overlaps the GPU.
         out = self.sampler(step.logits, *prepare_sample(
-            step.seqs, step.lengths, self.token_counts, self.config.hf_config.vocab_size,
-            self.device, self.temperatures))
+            step.seqs, step.lengths, self.token_counts, self.vocab_size, self.device,
+            self.temperatures))
         return SampledIds(out.token_ids, out.logprobs, step.prompt_logprobs, step.is_prefill)
 
     def wait_idle(self) -> None:

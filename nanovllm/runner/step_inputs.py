@@ -87,6 +87,9 @@ def _prefill_lora(seqs: list[Sequence], lora_slots: list[int] | None,
     return packed.to(device, non_blocking=True)
 
 
+SMALL_BATCH = 4  # up to this many rows, pack() writes block tables row by row
+
+
 class DecodeInputs:
     """Packs a decode step's int32 inputs into one buffer, so they travel in one copy.
 
@@ -130,19 +133,26 @@ class DecodeInputs:
         if self.max_loras:
             lora[:n] = -1 if lora_slots is None else lora_slots
             lora[n:] = -1
-        # np.fromiter over generators: this runs every decode step, for every sequence.
-        ids[:n] = np.fromiter((seq.last_token for seq in seqs), np.int32, n)
-        ctx[:n] = np.fromiter((seq.num_tokens for seq in seqs), np.int32, n)
-        pos[:n] = ctx[:n] - 1
-        slots[:n] = np.fromiter((seq.block_table[-1] for seq in seqs), np.int32, n)
-        slots[:n] = slots[:n] * self.block_size + pos[:n] % self.block_size
+        # One pass over the sequences (this runs every decode step): per row its last token,
+        # length, last block and block count.
+        per_seq = np.fromiter(chain.from_iterable(
+            (seq.last_token, seq.num_tokens, seq.block_table[-1], len(seq.block_table))
+            for seq in seqs), np.int32, 4 * n).reshape(n, 4)
+        ids[:n], ctx[:n] = per_seq[:, 0], per_seq[:, 1]
+        np.subtract(per_seq[:, 1], 1, out=pos[:n])
+        slots[:n] = per_seq[:, 2] * self.block_size + pos[:n] % self.block_size
         src[:n] = -1 if source_rows is None else source_rows
-        ids[n:], pos[n:], slots[n:], ctx[n:], src[n:] = 0, 0, -1, 0, -1
-        lens = np.fromiter((len(seq.block_table) for seq in seqs), np.int32, n)
-        flat = np.fromiter(chain.from_iterable(seq.block_table for seq in seqs), np.int32,
-                           int(lens.sum()))
+        if n < rows:
+            ids[n:], pos[n:], slots[n:], ctx[n:], src[n:] = 0, 0, -1, 0, -1
         tables.fill(-1)
-        tables[:n][np.arange(width) < lens[:, None]] = flat  # row-major, like `flat`
+        if n <= SMALL_BATCH:  # row by row: cheaper than the mask below for a few rows
+            for row, seq in zip(tables, seqs):
+                row[:len(seq.block_table)] = seq.block_table
+        else:
+            lens = per_seq[:, 3]
+            flat = np.fromiter(chain.from_iterable(seq.block_table for seq in seqs), np.int32,
+                               int(lens.sum()))
+            tables[:n][np.arange(width) < lens[:, None]] = flat  # row-major, like `flat`
         return buf
 
     def _split(self, turn: int, rows: int, width: int):

@@ -14,12 +14,14 @@ def _seq(num_tokens: int, blocks: list[int]) -> Sequence:
     return seq
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 8])
-def test_round_trip_and_alignment(rows: int) -> None:
-    seqs = [_seq(4 * i + 2, list(range(10 * i, 10 * i + i + 1))) for i in range(min(rows, 3))]
+@pytest.mark.parametrize("rows,num_seqs", [(1, 1), (2, 1), (3, 3), (5, 3), (6, 3), (8, 3),
+                                           (8, 7), (6, 6)])
+def test_round_trip_and_alignment(rows: int, num_seqs: int) -> None:
+    """Up to SMALL_BATCH sequences take pack()'s row-by-row tables, more the masked ones."""
+    seqs = [_seq(4 * i + 2, list(range(10 * i, 10 * i + i % 5 + 1))) for i in range(num_seqs)]
     width = 5
     inputs = DecodeInputs(8, width, BLOCK, pin=False)
-    source_rows = [2, -1, 0][:len(seqs)]
+    source_rows = [2, -1, 0, 5, 4, -1, 1][:len(seqs)]
     buf = inputs.pack(seqs, rows, width, source_rows).clone()  # as if copied to the device
     assert buf.numel() == DecodeInputs.size(rows, width)
     ids, pos, src, ctx = DecodeInputs.unpack(buf, rows, width)
