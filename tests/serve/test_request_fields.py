@@ -1,5 +1,7 @@
 """Every field of the request models works or is refused: the table, and the tests of the
 fields that streaming, echo and vLLM's extensions add."""
+import logging
+
 import pytest
 
 from nanovllm.serve.openai.protocol import (
@@ -171,3 +173,19 @@ def test_plain_text_response_format_is_served(app):  # noqa: F811
     client, _ = app
     response = client.post("/v1/chat/completions", json=chat(response_format={"type": "text"}))
     assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_unknown_fields_are_ignored_and_named_in_the_log(app, route, caplog):  # noqa: F811
+    """As vLLM: a request with fields no field reads is served, and the log names them (a
+    misspelt `temprature` would otherwise change nothing without a word)."""
+    client, _ = app
+    body = (chat if "chat" in route else completion)(temprature=0.5, user="me")
+    with caplog.at_level(logging.WARNING, logger="nanovllm.serve.openai.serving"):
+        response = client.post(route, json=body)
+    assert response.status_code == 200, response.text
+    assert "present in the request but ignored: ['temprature', 'user']" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="nanovllm.serve.openai.serving"):
+        assert client.post(route, json=(chat if "chat" in route else completion)()).is_success
+    assert "ignored" not in caplog.text

@@ -20,6 +20,8 @@ MAX_PROMPTS = 1024  # prompts in one completions request
 
 # Strict: no bool for a number, no string for an int (a float field still takes an int).
 STRICT = ConfigDict(extra="ignore", strict=True)
+# A request body keeps the fields no field reads, so that the server can name them (as vLLM).
+REQUEST = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(BaseModel):
@@ -30,9 +32,10 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingRequest(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions; unknown fields are ignored."""
+    """Fields shared by /v1/completions and /v1/chat/completions; unknown fields are ignored
+    (and logged: ignored_fields)."""
 
-    model_config = STRICT
+    model_config = REQUEST
 
     model: str | None = None
     max_tokens: int | None = None
@@ -109,6 +112,11 @@ class _SamplingRequest(BaseModel):
     def max_tokens_field(self) -> str:
         """The field that holds requested_max_tokens, for errors."""
         return "max_tokens"
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """The body's fields that no field of the request reads."""
+        return sorted(self.model_extra or ())
 
     @property
     def include_usage(self) -> bool:

@@ -1,5 +1,6 @@
 """What the /v1 routes do: requests to SamplingParams, AsyncLLM outputs to OpenAI responses."""
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
@@ -30,6 +31,8 @@ from nanovllm.serve.openai.responses import Choice, ChoiceOutput, ResponseFormat
 from nanovllm.serve.openai.structured import check_compiles
 from nanovllm.serve.openai.tool_calls import output_parser
 from nanovllm.serve.openai.validation import check_context
+
+logger = logging.getLogger(__name__)
 
 
 class ClientDisconnected(Exception):
@@ -86,6 +89,7 @@ class OpenAIServing:
         return Response(self.metrics.render(self.llm.stats), media_type=CONTENT_TYPE_LATEST)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        warn_ignored(body)
         lora = self.loras.resolve(body.model)
         try:
             prompts = body.prompts()
@@ -96,6 +100,7 @@ class OpenAIServing:
         return await self._serve(request, body, prompts, params, chat=False, lora=lora)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        warn_ignored(body)
         lora = self.loras.resolve(body.model)
         try:
             prompt = chat_prompt(self.llm, body)
@@ -174,6 +179,14 @@ def chat_prompt(llm: AsyncLLM, body: ChatCompletionRequest) -> list[int]:
     except Exception as e:  # a template may raise anything (jinja2's errors, its own)
         raise ValueError(f"messages: the chat template failed: {e}") from None
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def warn_ignored(body: _SamplingRequest) -> None:
+    """Name the fields a request carried that the server does not read (vLLM's warning): a
+    misspelt field would otherwise change nothing without a word."""
+    if body.ignored_fields:
+        logger.warning("The following fields were present in the request but ignored: %s",
+                       body.ignored_fields)
 
 
 async def collect(first: ChoiceOutput, outputs: AsyncIterator[ChoiceOutput],
