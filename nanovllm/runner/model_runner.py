@@ -81,27 +81,30 @@ class ModelRunner:
                                           max_loras=self.max_loras)
         # > 0: each start-up phase compiles its kernels on threads first (kernels.compile_ahead)
         self.compile_threads = compile_threads(config.device, self.world_size)
+        self.start_up()
+
+    def start_up(self) -> None:
+        """Warm up (the activations' peak), size the KV pool, measure the fused limits, compile
+        the kernels, capture the graphs; each phase's seconds go to startup_s."""
+        config = self.config
         calibrate = config.kv_cache_dtype == "fp8" and config.calculate_kv_scales
         if config.device == "cuda" or calibrate:
-            t0 = perf_counter()
-            warm_up_peak(self, calibrate)
-            self.startup_s["warmup"] = perf_counter() - t0
+            self._timed("warmup", warm_up_peak, self, calibrate)
         self.num_kvcache_blocks = self.allocate_kv_cache()
         if config.device == "cuda" and measures_fused_limits(self.backend.fast_path):
-            t0 = perf_counter()
-            self.calibrate_fused_limits()
-            self.startup_s["calibrate"] = perf_counter() - t0
+            self._timed("calibrate", self.calibrate_fused_limits)
         if needs_kernel_warmup(config.device, self.backend.runs_triton):
-            t0 = perf_counter()
             graph_sizes = graph_batch_sizes(config.max_num_seqs) if self.use_cuda_graph else []
-            warm_up_kernels(self, graph_sizes)
-            self.startup_s["kernels"] = perf_counter() - t0
+            self._timed("kernels", warm_up_kernels, self, graph_sizes)
         if self.use_cuda_graph:
-            t0 = perf_counter()
-            self.capture_cudagraph()
-            self.startup_s["capture"] = perf_counter() - t0
+            self._timed("capture", self.capture_cudagraph)
         logger.info("start-up: %s (compile-ahead threads: %d)", ", ".join(
             f"{k} {v:.1f}s" for k, v in self.startup_s.items()), self.compile_threads)
+
+    def _timed(self, phase: str, run, *args) -> None:
+        t0 = perf_counter()
+        run(*args)
+        self.startup_s[phase] = perf_counter() - t0
 
     def build_shard(self) -> torch.nn.Module:
         """This rank's shard of the model, built in the model dtype on its device, loaded."""
