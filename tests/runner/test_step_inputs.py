@@ -1,5 +1,6 @@
 """DecodeInputs: what pack() writes, unpack() reads back, every section 16-byte aligned."""
 import pytest
+import torch
 
 from nanovllm.runner.step_inputs import DecodeInputs
 from nanovllm.sampling_params import SamplingParams
@@ -59,3 +60,28 @@ def test_reused_buffers_hold_only_the_latest_step() -> None:
         for r in range(1, 9):
             inputs.pack(small, r, w)
     assert len(inputs._sections) <= 64
+
+
+def _view_tensors(views: tuple) -> list:
+    """input ids, positions, source rows and the context's tensors of unpack()'s views."""
+    context = views[3]
+    return [*views[:3], context.slot_mapping, context.context_lens, context.block_tables,
+            context.lora_slots]
+
+
+@pytest.mark.parametrize("max_loras", [0, 4])
+def test_graph_inputs_are_the_views_a_step_unpacks(max_loras: int) -> None:
+    """A graph step reuses the views its graph was captured with: they must be exactly what
+    unpacking its buffer gives (same memory, shapes), the capture's slots and adapters -1."""
+    from nanovllm.runner.cuda_graphs import _decode_inputs
+    rows, width = 6, 5
+    buf, captured = _decode_inputs(rows, width, max_loras, torch.device("cpu"))
+    unpacked = DecodeInputs.unpack(buf, rows, width, max_loras)
+    for a, b in zip(_view_tensors(captured), _view_tensors(unpacked), strict=True):
+        if a is None or b is None:  # lora_slots without LoRA
+            assert a is None and b is None and max_loras == 0
+        else:
+            assert a.data_ptr() == b.data_ptr() and a.shape == b.shape
+    assert captured[3].slot_mapping.tolist() == [-1] * rows
+    if max_loras:
+        assert captured[3].lora_slots.tolist() == [-1] * rows
