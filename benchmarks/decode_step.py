@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
     lm_head = shape["vocab_size"] * shape["hidden_size"]
     floor_us = 1e6 * ((step_params(shape, args.batch) - lm_head) * wbytes + lm_head * BYTES
                       + args.batch * context * kv_bytes_per_token(shape)) / args.bandwidth
-    print(f"\n{args.shape if not args.tiny else 'tiny'} {args.weight_format}, batch "
+    print(f"\n{'tiny' if args.tiny else f'{args.shape} {args.weight_format}'}, batch "
           f"{args.batch}{f', LoRA rank {args.lora_rank}' if args.lora_rank else ''}: "
           f"{run['wall_us']:.0f} us a decode step over {run['steps']} steps; GPU "
           f"{run['gpu_us']:.0f} us a step (median), idle {run['gap_us']:.0f} us between steps; "

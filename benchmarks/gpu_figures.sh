@@ -11,11 +11,15 @@
 #           bench.py'; it loads ~/huggingface/Qwen3-0.6B). A table of tok/s per config comes last.
 #   shapes  the standard workload on each shape of benchmarks/shapes.py (or --shapes), dummy bf16
 #           weights, 3 runs in one process, beside its floor at H200 rates (benchmarks/floor.py)
+#   decode  (named only) a batch-1 decode step phase by phase, beside its floor
+#           (benchmarks.decode_step --profile): Qwen3-0.6B alone and with a rank-16 adapter,
+#           Llama-3.1-8B in bf16 and FP8 per channel
 #   tests   every GPU-marked test (~3.5 min on an H200), then bf16 argmax agreement with
 #           transformers per backend (tests/accuracy/bf16_agreement.py); the kernel tests also
 #           run on CUDA when present, apart (`python -m pytest tests/kernels`: over 10 minutes)
 #   --tiny  a CPU smoke run of this script (CI): bench.py --tiny without the Triton config,
-#           shapes prints the floors without runs, tests only collects tests/gpu
+#           shapes prints the floors without runs, decode runs the tiny model, tests only
+#           collects tests/gpu
 #
 # No part named: all three, in that order. BENCH_FLAGS go to every bench.py run. Logs and JSON
 # land in DIR (default $OUT, else ./out). A part can exceed a machine's time limit: run the parts
@@ -33,7 +37,7 @@ while (($#)); do
     --upstream) upstream=$2; shift ;;
     --shapes) shape_list=$2; shift ;;
     --out) out=$2; shift ;;
-    bench | shapes | tests) parts+=("$1") ;;
+    bench | shapes | decode | tests) parts+=("$1") ;;
     --) shift; extra=("$@"); break ;;
     *) sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "$0"; exit 2 ;;
   esac
@@ -121,6 +125,18 @@ for name in names:
     print(f"| {name} | {d['environment']['attention_backend']} | {runs} | {median:,.0f} | "
           f"{bound:,.0f} | {median / bound:.0%} | {d['startup_s']:.1f} |")
 PY
+}
+
+decode() {
+  local runs=("" "--lora-rank 16" "--shape llama-3.1-8b"
+              "--shape llama-3.1-8b --weight-format fp8-channel") profile=(--profile)
+  [[ $tiny ]] && runs=("--tiny --tokens 8" "--tiny --tokens 8 --lora-rank 8") profile=()
+  for i in "${!runs[@]}"; do
+    # shellcheck disable=SC2086  # a run is several flags
+    python -m benchmarks.decode_step ${runs[i]} "${profile[@]}" > "$out/decode_$i.log" 2>&1 \
+      || { failed=1; echo "failed: $out/decode_$i.log"; }
+    sed -n '/a decode step over/,$p' "$out/decode_$i.log"
+  done
 }
 
 tests() {

@@ -70,6 +70,10 @@ def gpu_figures(tmp_path: Path) -> None:
     ok(proc, "== bench", "| default (", "| --kv-cache-dtype fp8 (",
        "| upstream nano-vLLM | 100 | 100 | 1.00x |", "| qwen3-0.6b | not run | | | 35,673 |",
        "== tests", " tests collected")
+    proc = run("bash", "benchmarks/gpu_figures.sh", "--tiny", "--out", str(tmp_path), "decode",
+               tmp_path=tmp_path)
+    ok(proc, "== decode", "tiny, batch 1: ", "tiny, batch 1, LoRA rank 8: ")
+    assert proc.stdout.count("| - - - pack |") == 2
     run0 = json.loads((tmp_path / "bench_r0_c1.json").read_text())
     assert run0["environment"]["kv_cache_dtype"] == "torch.float8_e4m3fn"
     assert run("bash", "benchmarks/gpu_figures.sh", "--no-such-flag",
