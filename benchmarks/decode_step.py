@@ -24,6 +24,7 @@ from time import perf_counter
 import torch
 
 from benchmarks.floor import BYTES, kv_bytes_per_token, step_params
+from benchmarks.shapes import SHAPES, WEIGHT_FORMATS
 from benchmarks.step_floor import StepRecorder
 
 # (label, depth, owner, attribute): owner names what _targets() resolves
@@ -163,8 +164,8 @@ def kernel_phases(llm, batch: int, steps: int, max_id: int, lora=None) -> dict[s
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="qwen3-0.6b")
-    p.add_argument("--weight-format", default="bf16")
+    p.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
+    p.add_argument("--weight-format", default="bf16", choices=sorted(WEIGHT_FORMATS))
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--lora-rank", type=int, default=0)
