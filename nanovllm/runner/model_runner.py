@@ -5,7 +5,6 @@ from functools import partial
 from time import perf_counter
 
 import torch
-import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.kernels.compile_ahead import compile_threads
@@ -22,6 +21,7 @@ from nanovllm.layers.sampling.sampler import Sampler
 from nanovllm.lora.manager import LoRAManager
 from nanovllm.models.registry import build_model
 from nanovllm.runner.cuda_graphs import capture_decode_graphs, graph_batch_sizes
+from nanovllm.runner.kv_cache import create_kv_cache, num_kv_blocks
 from nanovllm.runner.prompt_logprobs import prompt_logprobs, wants_prompt_logprobs
 from nanovllm.runner.sample_inputs import prepare_sample
 from nanovllm.runner.sampled_ids import SampledIds, StepLogits
@@ -33,7 +33,6 @@ from nanovllm.utils.loader import load_dummy_weights, load_model
 from nanovllm.utils.precision import check_float32_matmuls
 
 logger = logging.getLogger(__name__)
-CPU_KV_POOL_BYTES = 2 << 30  # CPU KV pool of all ranks together when num_kvcache_blocks is -1
 
 
 class ModelRunner:
@@ -143,49 +142,18 @@ class ModelRunner:
                     ", ".join(f"{name} {list(shape)}: {n}" for (name, shape), n in limits.items()))
 
     def allocate_kv_cache(self) -> int:
-        """Size the KV pool, allocate it (create_kv_cache) and return its block count."""
-        # On CUDA: blocks = (total * gpu_memory_utilization - used - peak + current) // block_bytes,
-        # used: everything on the GPU now; peak - current: the warm-up's activations on top.
+        """Size the KV pool (kv_cache.num_kv_blocks), allocate it and return its block count."""
         config, block_bytes = self.config, self.block_bytes()
-        if config.num_kvcache_blocks > 0:
-            num_blocks = config.num_kvcache_blocks
-        elif config.device == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            stats = torch.cuda.memory_stats(self.device)
-            peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
-            budget = total * config.gpu_memory_utilization - (total - free) - peak + current
-            num_blocks = int(budget) // block_bytes
-        else:
-            # Every rank's shard lives in the same host memory: split the budget between them;
-            # at least one max_model_len sequence must fit.
-            budget = CPU_KV_POOL_BYTES // self.world_size
-            num_blocks = max(budget // block_bytes, self.max_num_blocks)
-        if self.world_size > 1:
-            # Block ids must mean the same on every rank: all ranks take the smallest pool.
-            agreed = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-            num_blocks = int(agreed.item())
-        if num_blocks <= 0:
-            raise RuntimeError(
-                f"no room for the KV cache: one block needs {block_bytes} bytes; raise "
-                f"gpu_memory_utilization={config.gpu_memory_utilization} or lower "
-                f"max_num_batched_tokens / max_model_len")
+        num_blocks = num_kv_blocks(config, block_bytes, self.device, self.world_size)
         self.create_kv_cache(num_blocks)
         logger.info("KV cache: %d blocks of %d tokens, %.1f MiB each, %s", num_blocks,
                     self.block_size, block_bytes / 2**20, config.kv_cache_torch_dtype)
         return num_blocks
 
     def create_kv_cache(self, num_blocks: int) -> None:
-        """The pool [2, layers, blocks, block_size, kv_heads, head_dim], wired into each layer."""
-        layer = self.attn_layers[0]
-        # Zeroed, not empty: FlashAttention-3's paged prefill multiplies the masked keys' zero
-        # probabilities by V slots past the sequence in its last block, and 0 * NaN garbage
-        # (left by earlier allocations) is NaN. Written K/V are finite, so stale slots are safe.
-        self.kv_cache = torch.zeros(2, len(self.attn_layers), num_blocks, self.block_size,
-                                    layer.num_kv_heads, layer.head_dim,
-                                    dtype=self.config.kv_cache_torch_dtype, device=self.device)
-        for i, attn in enumerate(self.attn_layers):
-            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        """Allocate the pool of num_blocks blocks and wire it into the attention layers."""
+        self.kv_cache = create_kv_cache(self.attn_layers, num_blocks, self.block_size,
+                                        self.config.kv_cache_torch_dtype, self.device)
 
     def free_kv_cache_and_graphs(self) -> None:
         """Drop the CUDA graphs (their pool and buffers) and the KV pool."""
