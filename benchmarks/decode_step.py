@@ -14,6 +14,7 @@ adapter (4 slots). --profile sums 16 steps' GPU kernels by phase beside each pha
 floor (dense shapes). --tiny: a tiny random checkpoint on CPU (a smoke run).
 """
 import argparse
+import json
 import os
 import re
 import statistics
@@ -23,7 +24,7 @@ from time import perf_counter
 
 import torch
 
-from benchmarks.floor import BYTES, kv_bytes_per_token, step_params
+from benchmarks.floor import BYTES, head_dim, kv_bytes_per_token, step_params
 from benchmarks.shapes import SHAPES, WEIGHT_FORMATS
 from benchmarks.step_floor import StepRecorder
 
@@ -53,15 +54,17 @@ KERNEL_PHASES = (("qkv + q/k norm + RoPE + cache write", r"qkv|qk_norm|store_kvc
                  ("other", r"."))
 
 
+_INHERITED = object()  # HostPhases: the owner did not hold the attribute itself
+
+
 class HostPhases:
     """Wraps methods with timers: total seconds per phase label, until restore()."""
 
     def __init__(self):
         self.totals: dict[str, float] = defaultdict(float)
-        self._undo: list[tuple[object, str, object, bool]] = []
+        self._undo: list[tuple[object, str, object]] = []  # (owner, attribute, its own value)
 
     def wrap(self, owner: object, attribute: str, label: str) -> None:
-        own = attribute in vars(owner) if not isinstance(owner, type) else True
         fn = getattr(owner, attribute)
         totals = self.totals
 
@@ -72,18 +75,18 @@ class HostPhases:
             finally:
                 totals[label] += perf_counter() - t
 
-        self._undo.append((owner, attribute, vars(owner).get(attribute), own))
+        self._undo.append((owner, attribute, vars(owner).get(attribute, _INHERITED)))
         setattr(owner, attribute, timed)
 
     def reset(self) -> None:
         self.totals.clear()
 
     def restore(self) -> None:
-        for owner, attribute, before, own in reversed(self._undo):
-            if own:
-                setattr(owner, attribute, before)
-            else:
+        for owner, attribute, before in reversed(self._undo):
+            if before is _INHERITED:  # a method looked up on the class: drop the wrapper
                 delattr(owner, attribute)
+            else:
+                setattr(owner, attribute, before)
         self._undo.clear()
 
 
@@ -94,12 +97,17 @@ def _targets(llm) -> dict[str, object]:
                 inputs=runner.decode_inputs, ids=SampledIds)
 
 
-def run_decode(llm, batch: int, tokens: int, max_id: int, lora=None) -> dict:
-    """Decode `tokens` tokens for `batch` prompts; host µs per phase, GPU µs per step."""
+def add_requests(llm, batch: int, tokens: int, max_id: int, lora=None) -> None:
+    """`batch` distinct 128-token prompts, each decoding `tokens` greedy tokens."""
     from nanovllm import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     for i in range(batch):
         llm.add_request([(31 * i + 7 * j) % max_id + 1 for j in range(128)], params, lora)
+
+
+def run_decode(llm, batch: int, tokens: int, max_id: int, lora=None) -> dict:
+    """Decode `tokens` tokens for `batch` prompts; host µs per phase, GPU µs per step."""
+    add_requests(llm, batch, tokens, max_id, lora)
     phases, recorder = HostPhases(), StepRecorder(llm.model_runner)
     targets = _targets(llm)
     for label, _, owner, attribute in PHASES:
@@ -126,9 +134,8 @@ def run_decode(llm, batch: int, tokens: int, max_id: int, lora=None) -> dict:
 def phase_floors(shape: dict, batch: int, context: int, weight_bytes: float,
                  bandwidth: float) -> dict[str, float]:
     """µs to read each phase's weights (and the K/V) once: dense shapes only."""
-    hidden, layers = shape["hidden_size"], shape["num_hidden_layers"]
-    head_dim = shape.get("head_dim") or hidden // shape["num_attention_heads"]
-    q, kv = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
+    hidden, layers, dim = shape["hidden_size"], shape["num_hidden_layers"], head_dim(shape)
+    q, kv = shape["num_attention_heads"] * dim, shape["num_key_value_heads"] * dim
     inter = shape["intermediate_size"]
     params = {"qkv + q/k norm + RoPE + cache write": hidden * (q + 2 * kv),
               "o_proj, down_proj (split K)": q * hidden + inter * hidden,
@@ -143,10 +150,7 @@ def kernel_phases(llm, batch: int, steps: int, max_id: int, lora=None) -> dict[s
     """GPU µs per decode step by phase, from the profiler over `steps` steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    from nanovllm import SamplingParams
-    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
-    for i in range(batch):
-        llm.add_request([(17 * i + 3 * j) % max_id + 1 for j in range(128)], params, lora)
+    add_requests(llm, batch, steps + 1, max_id, lora)
     llm.step()  # the prefill
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -178,8 +182,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def open_llm(args: argparse.Namespace):
     """(LLM, checkpoint path, its shape, a LoRARequest or None)."""
-    import json
-
     from benchmarks.random_checkpoints import build_checkpoint
     from benchmarks.shapes import write_shape
     from nanovllm import LLM
