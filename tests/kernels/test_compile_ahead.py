@@ -6,6 +6,7 @@ that do what JITFunction.run does with `warmup` (Triton 3.6, runtime/jit.py): a 
 under AsyncCompileMode submits its compile and returns the future; any other launch runs.
 The warm-up's own steps under a compile-only pass are tested in
 tests/runner/test_warmup_variants.py."""
+import inspect
 import os
 import threading
 
@@ -40,8 +41,12 @@ class Kernel:
         Kernel.launches.append(warmup)
         mode = _async_compile.active_mode.get()
         if warmup and mode is not None:
+            # triton 3.9 added cleanup_fn (called with the future of a compile that failed)
+            cleanup = (lambda future: None,) * ("cleanup_fn" in inspect.signature(
+                mode.submit).parameters)
             return mode.submit(self.name, self.compile_fn,
-                               lambda binary: Kernel.compiled.__setitem__(self.name, binary))
+                               lambda binary: Kernel.compiled.__setitem__(self.name, binary),
+                               *cleanup)
         return None
 
     def __getitem__(self, grid):

@@ -95,7 +95,8 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, p
     if STORE_KV:  # store_kvcache fused in: saves a launch per layer
         # slot < 0 marks a padding row. The cache is contiguous [num_slots, Hkv, D]; int64, it
         # can exceed 2^31 elements.
-        mask &= slot >= 0
+        # one comparison, not mask & (slot >= 0): triton 3.9's interpreter makes that int32
+        mask = heads < tl.where(slot >= 0, NUM_KV_HEADS, 0)
         offs = (slot * NUM_KV_HEADS + heads) * HEAD_DIM + lo
         kv_dtype = k_cache_ptr.dtype.element_ty
         tl.store(k_cache_ptr + offs, quantize_kv(k1, k_inv_scale, kv_dtype, FP8), mask=mask)
