@@ -11,7 +11,9 @@ the LM head's launch, the sampler's inputs and launch; inside the commit the wai
 CUDA events around each launch give the GPU time of a step and the GPU's idle time between
 steps (the host's share of the step). --lora-rank R runs every prompt through one rank-R
 adapter (4 slots). --profile sums 16 steps' GPU kernels by phase beside each phase's bandwidth
-floor (dense shapes). --tiny: a tiny random checkpoint on CPU (a smoke run).
+floor (dense shapes), each kernel's time counted from the end of the GPU work before it (with
+programmatic dependent launch kernels overlap their predecessors' tails), and lists the costliest
+kernels. --tiny: a tiny random checkpoint on CPU (a smoke run).
 """
 import argparse
 import json
@@ -50,6 +52,7 @@ KERNEL_PHASES = (("qkv + q/k norm + RoPE + cache write", r"qkv|qk_norm|store_kvc
                  ("add + RMSNorm", r"rms_norm"),
                  ("LoRA shrink", r"shrink"),
                  ("sampler", r"race|argmax|sample"),
+                 ("FP8 GEMMs (cuBLAS, W8A8) + activation quant", r"w8a8|group_quant|e4m3|f8f8"),
                  ("LM head, other GEMMs", r"gemm|gemv|nvjet|cutlass|xmma|sm90"),
                  ("other", r"."))
 
@@ -146,8 +149,29 @@ def phase_floors(shape: dict, batch: int, context: int, weight_bytes: float,
     return out
 
 
-def kernel_phases(llm, batch: int, steps: int, max_id: int, lora=None) -> dict[str, float]:
-    """GPU µs per decode step by phase, from the profiler over `steps` steps."""
+def exclusive_times(kernels: list[tuple[str, float, float]]) -> dict[str, list[float]]:
+    """{name: [µs, launches]} of (name, start µs, end µs) kernels, each counted from when the
+    GPU's previous work ended: under programmatic dependent launch a kernel starts while its
+    predecessor runs and waits for it, so plain durations count that overlap twice."""
+    out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    busy_until = float("-inf")
+    for name, start, end in sorted(kernels, key=lambda k: k[1]):
+        out[name][0] += max(0.0, end - max(start, busy_until))
+        out[name][1] += 1
+        busy_until = max(busy_until, end)
+    return dict(out)
+
+
+def phase_of(kernel: str) -> str:
+    """The KERNEL_PHASES label of a kernel name (first match)."""
+    return next(p for p, pattern in KERNEL_PHASES if re.search(pattern, kernel))
+
+
+def kernel_phases(llm, batch: int, steps: int, max_id: int, lora=None
+                  ) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """(GPU µs per decode step by phase, {kernel: [µs, launches] per step}) over `steps`
+    steps, from the profiler's kernel intervals (exclusive_times)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     add_requests(llm, batch, steps + 1, max_id, lora)
@@ -157,12 +181,14 @@ def kernel_phases(llm, batch: int, steps: int, max_id: int, lora=None) -> dict[s
         while not llm.is_finished():
             llm.step()
         torch.cuda.synchronize()
-    out: dict[str, float] = defaultdict(float)
-    for event in prof.key_averages():
-        if event.device_time_total > 0:
-            label = next(p for p, pattern in KERNEL_PHASES if re.search(pattern, event.key))
-            out[label] += event.device_time_total / steps
-    return out
+    intervals = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                 if e.device_type == DeviceType.CUDA]
+    per_kernel = {name: [us / steps, n / steps]
+                  for name, (us, n) in exclusive_times(intervals).items()}
+    phases: dict[str, float] = defaultdict(float)
+    for name, (us, _) in per_kernel.items():
+        phases[phase_of(name)] += us
+    return phases, per_kernel
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -211,8 +237,8 @@ def main(argv: list[str] | None = None) -> dict:
     max_id = shape["vocab_size"] - 1
     try:
         run = run_decode(llm, args.batch, args.tokens, max_id, lora)
-        kernels = (kernel_phases(llm, args.batch, 16, max_id, lora)
-                   if args.profile and torch.cuda.is_available() else {})
+        kernels, per_kernel = (kernel_phases(llm, args.batch, 16, max_id, lora)
+                               if args.profile and torch.cuda.is_available() else ({}, {}))
     finally:
         llm.shutdown()
     context = 128 + args.tokens // 2
@@ -238,7 +264,12 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"| {label} | {kernels[label]:.1f} | "
                       f"{'-' if floor is None else f'{floor:.1f}'} |")
         print(f"| total | {sum(kernels.values()):.1f} | {floor_us:.1f} |")
-    return dict(run, kernels=dict(kernels), floor_us=floor_us)
+        print("\n| kernel (top 12, exclusive time) | us per step | launches per step |\n"
+              "|---|---|---|")
+        top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:12]
+        for name, (us, n) in top:
+            print(f"| {name[:70]} | {us:.1f} | {n:g} |")
+    return dict(run, kernels=dict(kernels), per_kernel=per_kernel, floor_us=floor_us)
 
 
 if __name__ == "__main__":

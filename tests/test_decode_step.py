@@ -2,7 +2,14 @@
 the phase floors add up to the step's floor (CPU, tiny model)."""
 import pytest
 
-from benchmarks.decode_step import PHASES, HostPhases, main, phase_floors
+from benchmarks.decode_step import (
+    PHASES,
+    HostPhases,
+    exclusive_times,
+    main,
+    phase_floors,
+    phase_of,
+)
 from benchmarks.floor import BYTES, kv_bytes_per_token, step_params
 from benchmarks.shapes import SHAPES
 
@@ -46,3 +53,20 @@ def test_phase_floors_cover_the_dense_step():
     total = 1e6 * (step_params(shape, batch) * BYTES
                    + batch * context * kv_bytes_per_token(shape)) / bw
     assert sum(floors.values()) == pytest.approx(total, rel=1e-3)
+
+
+def test_overlapping_kernels_count_once():
+    """A kernel launched early (PDL) is charged only from its predecessor's end; gaps and a
+    kernel inside another's span add nothing."""
+    times = exclusive_times([("gemm", 0.0, 10.0), ("norm", 4.0, 13.0), ("gemm", 20.0, 25.0),
+                             ("tiny", 21.0, 22.0)])
+    assert times == {"gemm": [15.0, 2], "norm": [3.0, 1], "tiny": [0.0, 1]}
+    assert sum(us for us, _ in times.values()) == 18.0  # the GPU's busy time
+
+
+def test_kernel_names_map_to_their_phases():
+    assert phase_of("_split_k_kernel") == "o_proj, down_proj (split K)"
+    assert phase_of("_w8a8_gemm_kernel").startswith("FP8 GEMMs")
+    assert phase_of("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n").startswith("FP8 GEMMs")
+    assert phase_of("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_TNN") == "LM head, other GEMMs"
+    assert phase_of("_rms_norm_kernel") == "add + RMSNorm"
