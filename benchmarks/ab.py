@@ -74,8 +74,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results: dict[str, list[dict]] = {name: [] for name in args.trees}
     for r in range(args.rounds):
         for name, tree in args.trees.items():
+            if name not in results:
+                continue
             path = os.path.join(args.out, f"ab_{name}_r{r}.json")
-            results[name].append(run_once(tree, bench_args, path))
+            try:
+                results[name].append(run_once(tree, bench_args, path))
+            except subprocess.CalledProcessError as e:
+                # One broken tree must not cost the others their rounds: it leaves the table.
+                print(f"ab: {name} failed in round {r} (exit {e.returncode}); dropped",
+                      file=sys.stderr)
+                del results[name]
+    if not results:
+        raise SystemExit("ab: every tree failed")
     rows = summary(results)
     print(f"\n{args.rounds} alternated rounds of bench.py {' '.join(bench_args)}")
     print("| tree | output tok/s (runs) | median | vs first | TPOT p50 ms | vs first |")

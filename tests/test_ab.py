@@ -49,3 +49,22 @@ def test_bad_trees_are_refused(tmp_path):
         parse_args([f"a={ROOT}", f"a={ROOT}"])
     with pytest.raises(SystemExit):
         parse_args([ROOT])
+
+
+def test_a_failing_tree_is_dropped_and_the_others_finish(tmp_path, capsys):
+    """A tree whose bench.py fails leaves the table; the other trees still run every round."""
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.mkdir()
+    bad.mkdir()
+    (good / "bench.py").write_text(
+        "import json, sys\n"
+        "path = sys.argv[sys.argv.index('--json') + 1]\n"
+        "json.dump({'median_output_tok_s': 100.0, 'runs': [{'tpot_p50_ms': 2.0}]}, open(path, 'w'))\n")
+    (bad / "bench.py").write_text("raise SystemExit(3)\n")
+    rows = main([f"good={good}", f"bad={bad}", "--rounds", "2", "--out", str(tmp_path / "o"),
+                 "--", "--tiny"])
+    assert [r["tree"] for r in rows] == ["good"]
+    assert rows[0]["tok_s"] == [100.0, 100.0]
+    assert "bad failed in round 0 (exit 3)" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="every tree failed"):
+        main([f"bad={bad}", "--rounds", "1", "--out", str(tmp_path / "p"), "--", "--tiny"])
