@@ -72,14 +72,24 @@ def scale_args(weight: torch.Tensor, w_scale: torch.Tensor | None,
 
 
 @triton.jit
+def as_fp16(x):
+    """x in float16, bf16 saturated at float16's largest finite value (bf16 values inside it
+    convert exactly, but for those below float16's normal range)."""
+    if x.dtype == tl.bfloat16:
+        x = tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return x
+
+
+@triton.jit
 def scaled_dot(w, x, acc, s_row, k, BLOCK_K: tl.constexpr, W_SCALE: tl.constexpr):
     """acc + w @ x for a weight tile w [64, BLOCK_K] and activations x [BLOCK_K, T]: FP8 codes
-    converted to x's dtype first and, per block, the step's product times its block's scale
-    (s_row: the tile's row of block scales; k: the step's first column)."""
+    and activations as float16 first (sm_90 converts e4m3 pairs to float16 in one instruction,
+    to bf16 in three) and, per block, the step's product times its block's scale (s_row: the
+    tile's row of block scales; k: the step's first column)."""
     if W_SCALE == PER_BLOCK:
-        acc += tl.dot(w.to(x.dtype), x) * tl.load(s_row + k // BLOCK_K)
+        acc += tl.dot(w.to(tl.float16), as_fp16(x)) * tl.load(s_row + k // BLOCK_K)
     elif W_SCALE == PER_CHANNEL:  # its scales multiply the accumulator after the loop
-        acc = tl.dot(w.to(x.dtype), x, acc)
+        acc = tl.dot(w.to(tl.float16), as_fp16(x), acc)
     else:
         acc = tl.dot(w, x, acc)
     return acc
