@@ -59,7 +59,8 @@ def test_a_failing_tree_is_dropped_and_the_others_finish(tmp_path, capsys):
     (good / "bench.py").write_text(
         "import json, sys\n"
         "path = sys.argv[sys.argv.index('--json') + 1]\n"
-        "json.dump({'median_output_tok_s': 100.0, 'runs': [{'tpot_p50_ms': 2.0}]}, open(path, 'w'))\n")
+        "run = {'median_output_tok_s': 100.0, 'runs': [{'tpot_p50_ms': 2.0}]}\n"
+        "json.dump(run, open(path, 'w'))\n")
     (bad / "bench.py").write_text("raise SystemExit(3)\n")
     rows = main([f"good={good}", f"bad={bad}", "--rounds", "2", "--out", str(tmp_path / "o"),
                  "--", "--tiny"])
