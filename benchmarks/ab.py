@@ -1,12 +1,14 @@
 """Source trees alternated in one call: bench.py from each, round by round.
 
-python -m benchmarks.ab NAME=DIR NAME=DIR [...] [--rounds 3] [--out DIR] -- BENCH_ARGS...
+python -m benchmarks.ab NAME=DIR[@VAR=VALUE...] NAME=DIR[...] [--rounds 3] [--out DIR] -- ARGS
 
 Each round runs `python bench.py BENCH_ARGS --json FILE` once per tree, in the order given, each
 in its own process with the tree as the working directory and first on PYTHONPATH, so that a
 branch checked out with `git worktree add DIR BRANCH` runs its own code. Alternating puts the
 machine's drift on every tree alike. The table gives each tree's median output tok/s and TPOT p50
 over the rounds, and their ratio to the first tree's; the JSON of every run lands in --out.
+`@VAR=VALUE` sets an environment variable for that tree's processes, so one checkout can be
+alternated against itself with a switch flipped (`nopf=.@NANOVLLM_L2_PREFETCH_MB=0`).
 
     git worktree add ../fp8stages fp8stages
     python -m benchmarks.ab main=. fp8stages=../fp8stages -- --shape llama-3.1-8b \\
@@ -27,25 +29,31 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     split = argv.index("--") if "--" in argv else len(argv)
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("trees", nargs="+", metavar="NAME=DIR")
+    p.add_argument("trees", nargs="+", metavar="NAME=DIR[@VAR=VALUE...]")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=os.environ.get("OUT") or tempfile.mkdtemp(prefix="ab-"))
     args = p.parse_args(argv[:split])
     trees = []
     for spec in args.trees:
-        name, sep, path = spec.partition("=")
+        name, sep, rest = spec.partition("=")
+        path, *assignments = rest.split("@")
         if not (sep and name and os.path.isfile(os.path.join(path, "bench.py"))):
             p.error(f"{spec!r}: each tree is NAME=DIR, with DIR holding bench.py")
-        trees.append((name, os.path.abspath(path)))
+        if not all(a.partition("=")[0] and "=" in a for a in assignments):
+            p.error(f"{spec!r}: each setting after @ is VAR=VALUE")
+        env = dict(a.split("=", 1) for a in assignments)
+        trees.append((name, (os.path.abspath(path), env)))
     args.trees = dict(trees)
     if len(args.trees) != len(trees):
         p.error("tree names must differ")
     return args, argv[split + 1:]
 
 
-def run_once(tree: str, bench_args: list[str], json_path: str) -> dict:
-    """One bench.py process in `tree`: its JSON (output tok/s and TPOT p50 of its runs)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+def run_once(tree: str, bench_args: list[str], json_path: str,
+             settings: dict[str, str] | None = None) -> dict:
+    """One bench.py process in `tree`, with `settings` in its environment: its JSON (output
+    tok/s and TPOT p50 of its runs)."""
+    env = dict(os.environ, **(settings or {}), PYTHONPATH=os.pathsep.join(
         [tree] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     subprocess.run([sys.executable, "bench.py", *bench_args, "--json", json_path], cwd=tree,
                    env=env, check=True)
@@ -73,12 +81,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     os.makedirs(args.out, exist_ok=True)
     results: dict[str, list[dict]] = {name: [] for name in args.trees}
     for r in range(args.rounds):
-        for name, tree in args.trees.items():
+        for name, (tree, settings) in args.trees.items():
             if name not in results:
                 continue
             path = os.path.join(args.out, f"ab_{name}_r{r}.json")
             try:
-                results[name].append(run_once(tree, bench_args, path))
+                results[name].append(run_once(tree, bench_args, path, settings))
             except subprocess.CalledProcessError as e:
                 # One broken tree must not cost the others their rounds: it leaves the table.
                 print(f"ab: {name} failed in round {r} (exit {e.returncode}); dropped",

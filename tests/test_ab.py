@@ -59,7 +59,9 @@ def test_a_failing_tree_is_dropped_and_the_others_finish(tmp_path, capsys):
     (good / "bench.py").write_text(
         "import json, sys\n"
         "path = sys.argv[sys.argv.index('--json') + 1]\n"
-        "run = {'median_output_tok_s': 100.0, 'runs': [{'tpot_p50_ms': 2.0}]}\n"
+        "import os\n"
+        "tok_s = float(os.environ.get('FAKE_TOK_S', '100'))\n"
+        "run = {'median_output_tok_s': tok_s, 'runs': [{'tpot_p50_ms': 2.0}]}\n"
         "json.dump(run, open(path, 'w'))\n")
     (bad / "bench.py").write_text("raise SystemExit(3)\n")
     rows = main([f"good={good}", f"bad={bad}", "--rounds", "2", "--out", str(tmp_path / "o"),
@@ -69,3 +71,22 @@ def test_a_failing_tree_is_dropped_and_the_others_finish(tmp_path, capsys):
     assert "bad failed in round 0 (exit 3)" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="every tree failed"):
         main([f"bad={bad}", "--rounds", "1", "--out", str(tmp_path / "p"), "--", "--tiny"])
+
+
+def test_a_tree_can_run_with_a_setting_flipped(tmp_path):
+    """NAME=DIR@VAR=VALUE: the same checkout alternated against itself, VAR set for one name."""
+    tree = tmp_path / "t"
+    tree.mkdir()
+    (tree / "bench.py").write_text(
+        "import json, os, sys\n"
+        "path = sys.argv[sys.argv.index('--json') + 1]\n"
+        "tok_s = float(os.environ.get('FAKE_TOK_S', '100'))\n"
+        "json.dump({'median_output_tok_s': tok_s, 'runs': [{'tpot_p50_ms': 2.0}]}, "
+        "open(path, 'w'))\n")
+    rows = main([f"base={tree}", f"flipped={tree}@FAKE_TOK_S=150@OTHER=a=b", "--rounds", "1",
+                 "--out", str(tmp_path / "o"), "--", "--tiny"])
+    assert [(r["tree"], r["median_tok_s"]) for r in rows] == [("base", 100.0), ("flipped", 150.0)]
+    assert rows[1]["tok_s_ratio"] == 1.5
+    for bad in (f"x={tree}@NOVALUE", f"x={tree}@=1"):
+        with pytest.raises(SystemExit):
+            parse_args([bad])
