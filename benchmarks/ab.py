@@ -81,9 +81,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     os.makedirs(args.out, exist_ok=True)
     results: dict[str, list[dict]] = {name: [] for name in args.trees}
     for r in range(args.rounds):
-        for name, (tree, settings) in args.trees.items():
-            if name not in results:
-                continue
+        for name in list(results):  # the trees still in the table
+            tree, settings = args.trees[name]
             path = os.path.join(args.out, f"ab_{name}_r{r}.json")
             try:
                 results[name].append(run_once(tree, bench_args, path, settings))

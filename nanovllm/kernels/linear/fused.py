@@ -34,6 +34,7 @@ from nanovllm.kernels.linear.fused_fp8 import (
     fits_weight,
     scale_args,
     scaled_dot,
+    weight_stages,
 )
 from nanovllm.kernels.linear.lora import LoRASlots, add_lora, fused_lora_args, lora_keep
 from nanovllm.kernels.pdl import launch_options, wait_then_release
@@ -203,15 +204,15 @@ def fits_gate_up(hidden_size: int, intermediate_size: int, dtype: torch.dtype,
         and intermediate_size % ROWS == 0 and hidden_size % 64 == 0
 
 
-def _launch(num_tokens: int, lora: bool = False, fp8: bool = False
+def _launch(num_tokens: int, weight: torch.Tensor, lora: bool = False
             ) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_K, STAGES, num_warps) for a batch (swept on the H200 by the probe
     fused_linear_probe, docs/benchmarks.md); with LoRA's A tiles, fewer stages fit in shared
-    memory (gate_up_proj's two A tiles and 64-token x tiles: 80 KB a stage). FP8 tiles are half
-    a 16-bit tile's bytes: up to 16 tokens twice the stages keep as many bytes in flight."""
+    memory (gate_up_proj's two A tiles and 64-token x tiles: 80 KB a stage)."""
+    stages = weight_stages(num_tokens, weight)
     if num_tokens <= 16:
-        return 16, K_STEP, 3 if lora else 8 if fp8 else 4, 4
-    return (32 if num_tokens <= 128 else 64), K_STEP, 2 if lora else 4, 4
+        return 16, K_STEP, 3 if lora else stages, 4
+    return (32 if num_tokens <= 128 else 64), K_STEP, 2 if lora else stages, 4
 
 
 def _descriptors(x: torch.Tensor, weight: torch.Tensor, block_t: int, block_k: int):
@@ -237,8 +238,7 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.stride(-1) == 1
     q = torch.empty(num_tokens, num_q_heads, head_dim, dtype=x.dtype, device=x.device)
-    block_t, block_k, stages, warps = _launch(num_tokens, lora is not None,
-                                               weight.dtype == FP8_DTYPE)
+    block_t, block_k, stages, warps = _launch(num_tokens, weight, lora is not None)
     scales = scale_args(weight, w_scale, w_block)
     w_desc, x_desc = _descriptors(x, weight, block_t, block_k)
     norm = q_norm is not None
@@ -265,8 +265,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     inter = weight.shape[0] // 2
     assert fits_gate_up(hidden, inter, x.dtype, weight.dtype, w_block)
     out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
-    block_t, block_k, stages, warps = _launch(num_tokens, lora is not None,
-                                               weight.dtype == FP8_DTYPE)
+    block_t, block_k, stages, warps = _launch(num_tokens, weight, lora is not None)
     w_desc, x_desc = _descriptors(x, weight, block_t, block_k)
     scales = scale_args(weight, w_scale, w_block)
     _gate_up_silu_kernel[(inter // ROWS, triton.cdiv(num_tokens, block_t))](

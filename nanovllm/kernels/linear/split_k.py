@@ -18,6 +18,7 @@ from nanovllm.kernels.linear.fused_fp8 import (
     fits_weight,
     scale_args,
     scaled_dot,
+    weight_stages,
 )
 from nanovllm.kernels.linear.lora import LoRASlots, add_lora, fused_lora_args, lora_keep
 from nanovllm.kernels.pdl import launch_options, wait_then_release
@@ -82,14 +83,12 @@ def _num_splits(output_size: int, input_size: int, token_tiles: int, num_tokens:
     return splits
 
 
-def _stages(k_steps: int, num_tokens: int, lora: LoRASlots | None, fp8: bool = False) -> int:
+def _stages(k_steps: int, num_tokens: int, lora: LoRASlots | None, weight: torch.Tensor
+            ) -> int:
     """Pipeline stages of a split's K loop. LoRA's A tiles make a stage 36 KB at 16 tokens:
-    stages past the loop's own K steps then only cost programs per SM (measured: docs/lora.md).
-    FP8 tiles are half a 16-bit tile's bytes: twice the stages keep as many bytes in flight, up
-    to 16 tokens (at 128 tokens the x tile alone is 32 KB: 8 stages need 320 KB of the H200's
-    227 KB of shared memory)."""
+    stages past the loop's own K steps then only cost programs per SM (measured: docs/lora.md)."""
     if lora is None:
-        return 8 if fp8 and num_tokens <= 16 else 4
+        return weight_stages(num_tokens, weight)
     return min(3, k_steps + 1) if num_tokens <= 16 else 2
 
 
@@ -115,6 +114,6 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, *, w_scale: torch.Tens
         TensorDescriptor.from_tensor(x, [block_t, K_STEP]), part, num_tokens, output_size,
         input_size // splits, *scales[:3], **fused_lora_args(lora, K_STEP), BLOCK_T=block_t,
         BLOCK_K=K_STEP,
-        STAGES=_stages(input_size // splits // K_STEP, num_tokens, lora, not k_major),
+        STAGES=_stages(input_size // splits // K_STEP, num_tokens, lora, weight),
         K_MAJOR=k_major, W_SCALE=scales[3], num_warps=4, **launch_options())
     return part
