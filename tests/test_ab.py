@@ -51,19 +51,25 @@ def test_bad_trees_are_refused(tmp_path):
         parse_args([ROOT])
 
 
+# a stand-in bench.py: its JSON gives FAKE_TOK_S (default 100) output tok/s
+FAKE_BENCH = ("import json, os, sys\n"
+              "path = sys.argv[sys.argv.index('--json') + 1]\n"
+              "tok_s = float(os.environ.get('FAKE_TOK_S', '100'))\n"
+              "run = {'median_output_tok_s': tok_s, 'runs': [{'tpot_p50_ms': 2.0}]}\n"
+              "json.dump(run, open(path, 'w'))\n")
+
+
+def _tree(path, bench: str = FAKE_BENCH):
+    """A directory holding only a bench.py."""
+    path.mkdir()
+    (path / "bench.py").write_text(bench)
+    return path
+
+
 def test_a_failing_tree_is_dropped_and_the_others_finish(tmp_path, capsys):
     """A tree whose bench.py fails leaves the table; the other trees still run every round."""
-    good, bad = tmp_path / "good", tmp_path / "bad"
-    good.mkdir()
-    bad.mkdir()
-    (good / "bench.py").write_text(
-        "import json, sys\n"
-        "path = sys.argv[sys.argv.index('--json') + 1]\n"
-        "import os\n"
-        "tok_s = float(os.environ.get('FAKE_TOK_S', '100'))\n"
-        "run = {'median_output_tok_s': tok_s, 'runs': [{'tpot_p50_ms': 2.0}]}\n"
-        "json.dump(run, open(path, 'w'))\n")
-    (bad / "bench.py").write_text("raise SystemExit(3)\n")
+    good = _tree(tmp_path / "good")
+    bad = _tree(tmp_path / "bad", "raise SystemExit(3)\n")
     rows = main([f"good={good}", f"bad={bad}", "--rounds", "2", "--out", str(tmp_path / "o"),
                  "--", "--tiny"])
     assert [r["tree"] for r in rows] == ["good"]
@@ -75,14 +81,7 @@ def test_a_failing_tree_is_dropped_and_the_others_finish(tmp_path, capsys):
 
 def test_a_tree_can_run_with_a_setting_flipped(tmp_path):
     """NAME=DIR@VAR=VALUE: the same checkout alternated against itself, VAR set for one name."""
-    tree = tmp_path / "t"
-    tree.mkdir()
-    (tree / "bench.py").write_text(
-        "import json, os, sys\n"
-        "path = sys.argv[sys.argv.index('--json') + 1]\n"
-        "tok_s = float(os.environ.get('FAKE_TOK_S', '100'))\n"
-        "json.dump({'median_output_tok_s': tok_s, 'runs': [{'tpot_p50_ms': 2.0}]}, "
-        "open(path, 'w'))\n")
+    tree = _tree(tmp_path / "t")
     rows = main([f"base={tree}", f"flipped={tree}@FAKE_TOK_S=150@OTHER=a=b", "--rounds", "1",
                  "--out", str(tmp_path / "o"), "--", "--tiny"])
     assert [(r["tree"], r["median_tok_s"]) for r in rows] == [("base", 100.0), ("flipped", 150.0)]
