@@ -10,9 +10,15 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from nanovllm.kernels.linear.fp8_gemm import fp8_linear, per_token_group_quant, w8a8_gemm  # noqa: E402
+from nanovllm.kernels.linear.fp8_gemm import (  # noqa: E402
+    DECODE_TOKENS,
+    fp8_linear,
+    per_token_group_quant,
+    w8a8_gemm,
+)
 from nanovllm.kernels.linear.fp8_reference import (  # noqa: E402
     FP8_DTYPE,
+    dequantize_groups,
     fp8_linear_torch,
     per_token_group_quant_torch,
     quantize_groups,
@@ -73,6 +79,35 @@ def test_fp8_linear_matches_the_reference(block):
     torch.testing.assert_close(out, ref, rtol=0.05, atol=0.02 * ref.abs().max().item())
 
 
+def _w8a16(x, weight, weight_scale, block, bias=None):
+    """The decode sizes' reference: unquantized activations times the dequantized weight."""
+    w = dequantize_groups(weight, weight_scale, *(block or (1, weight.shape[1])))
+    y = x.float() @ w.t()
+    return y if bias is None else y + bias.float()
+
+
+# The interpreter's TMA loads garble bf16 (numpy has none): float16 on CPU
+@pytest.mark.parametrize("m", [1, DECODE_TOKENS, pytest.param(DECODE_TOKENS + 1, marks=[
+    pytest.mark.gpu, pytest.mark.skipif(DEVICE == "cpu", reason="the interpreter's W8A8 codes "
+                                        "round off (MIN_EXACT_CODES): W8A8 is tested above")])])
+@pytest.mark.parametrize("block", [(128, 128), None])
+def test_decode_sizes_run_w8a16_split_k(m, block):
+    """Up to DECODE_TOKENS tokens the activations stay unquantized (split-K W8A16): the result
+    is the W8A16 product, further from W8A8's than the GEMM's own rounding; above, W8A8."""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    x = _activations(m, 256, dtype)
+    weight, weight_scale = _weight(128, 256, block)
+    bias = torch.randn(128, device=DEVICE, dtype=dtype)
+    out = fp8_linear(x, weight, weight_scale, block, bias).float()
+    w8a16 = _w8a16(x, weight, weight_scale, block, bias)
+    w8a8 = fp8_linear_torch(x.float(), weight, weight_scale, block, bias.float())
+    near, far = (w8a16, w8a8) if m <= DECODE_TOKENS else (w8a8, w8a16)
+    assert out.dtype == torch.float32 and out.shape == (m, 128)
+    err_near, err_far = ((out - ref).abs().max().item() for ref in (near, far))
+    assert err_near < 0.02 * near.abs().max().item() and err_near < err_far / 4, (err_near,
+                                                                                  err_far)
+
+
 def test_a_transposed_block_scale_is_caught():
     """The comparison above can fail: the same codes with the weight's scale grid transposed."""
     x = _activations(4, 64)
@@ -87,11 +122,15 @@ def test_a_transposed_block_scale_is_caught():
 @pytest.mark.parametrize("block", [(128, 128), None])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
 def test_layer_sized_fp8_linear_on_cuda(m, block, n, k):
-    """Llama-3.1-8B's qkv_proj and down_proj shapes in bf16: the Triton block GEMM, and
-    torch._scaled_mm per channel, against the torch reference on the GPU."""
+    """Llama-3.1-8B's qkv_proj and down_proj shapes in bf16: split-K W8A16 up to
+    DECODE_TOKENS, then the Triton block GEMM, and torch._scaled_mm per channel, against the
+    torch references on the GPU."""
     x = _activations(m, k, torch.bfloat16)
     weight, weight_scale = _weight(n, k, block)
     bias = torch.randn(n, device=DEVICE, dtype=torch.bfloat16)
     out = fp8_linear(x, weight, weight_scale, block, bias).float()
-    ref = fp8_linear_torch(x, weight, weight_scale, block, bias).float()
+    if m <= DECODE_TOKENS:  # W8A16 split over K
+        ref = _w8a16(x, weight, weight_scale, block, bias)
+    else:
+        ref = fp8_linear_torch(x, weight, weight_scale, block, bias).float()
     torch.testing.assert_close(out, ref, rtol=0.02, atol=0.01 * ref.abs().max().item())
