@@ -127,6 +127,15 @@ def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
                                                                        torch.float16)
 
 
+def _runs_split_k(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
+    """Whether fp8_linear takes split-K W8A16: 1 to DECODE_TOKENS rows, shapes it takes, and
+    TMA (sm_90 and newer, or the CPU interpreter, which emulates it)."""
+    n, k = weight.shape
+    tma = not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9
+    return 0 < x.shape[0] <= DECODE_TOKENS and tma and weight.is_contiguous() \
+        and fits_split_k(k, n, x.dtype, weight.dtype, block)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                block: tuple[int, int] | None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b) in x's dtype, as kernels.linear.fp8_reference.fp8_linear_torch (W8A8); x
@@ -136,7 +145,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     x2 = x.reshape(-1, k)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    if x2.shape[0] <= DECODE_TOKENS and fits_split_k(k, n, x.dtype, weight.dtype, block):
+    if _runs_split_k(x2, weight, block):
         y = split_k_linear(x2, weight, w_scale=weight_scale, w_block=block).sum(0)
         y = (y if bias is None else y + bias).to(x.dtype)
         return y.reshape(*x.shape[:-1], n)
