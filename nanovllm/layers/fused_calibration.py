@@ -30,6 +30,7 @@ from nanovllm.layers.linear import (
     RowParallelLinear,
 )
 from nanovllm.utils.context import Context, forward_context
+from nanovllm.utils.graph_capture import keep_caches
 
 CALIBRATION_MAX_TOKENS = 256  # beyond, the GEMMs' own tiles fill the GPU (never measured to win)
 _CALLS_PER_STEP, _REPLAYS = 8, 3
@@ -144,15 +145,19 @@ def cuda_graph_times(steps: list[Step], compile_threads: int = 0) -> list[float]
     # chose limits that slowed batch-1 decode by 19% on the H200 (2026-12-02).
     if compile_threads:
         compile_in_parallel(steps, compile_threads)
-    return [_graph_time(step) for step in steps]
+    # ~120 captures for Qwen3-0.6B, in one memory pool: each graph's replays end before the
+    # next capture reuses its memory
+    pool = torch.cuda.graph_pool_handle()
+    with keep_caches():
+        return [_graph_time(step, pool) for step in steps]
 
 
-def _graph_time(step: Step) -> float:
+def _graph_time(step: Step, pool: tuple | None = None) -> float:
     """Seconds per call of step, from a CUDA graph of _CALLS_PER_STEP calls."""
     step()  # loads (or compiles) its kernels, outside the graph
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool):
         for _ in range(_CALLS_PER_STEP):
             step()
     graph.replay()  # untimed: the first replay uploads the graph
