@@ -9,9 +9,10 @@ from nanovllm.utils.graph_capture import keep_caches
 
 
 def test_graph_entry_flushes_through_the_patched_names():
-    """The patch has teeth only while torch.cuda.graph calls these two by attribute."""
+    """The patch has teeth only while torch.cuda.graph calls the flushes by attribute."""
     src = inspect.getsource(torch.cuda.graphs.graph.__enter__)
-    assert "torch.cuda.empty_cache()" in src and "torch._C._host_emptyCache()" in src
+    assert "torch.cuda.empty_cache()" in src
+    assert hasattr(torch._C, "_host_emptyCache") == ("torch._C._host_emptyCache()" in src)
 
 
 def test_flushes_are_kept_inside_and_restored_after(monkeypatch):

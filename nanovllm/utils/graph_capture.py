@@ -1,6 +1,6 @@
 """A run of CUDA graph captures without the allocator flush each one starts with."""
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from unittest import mock
 
 import torch
@@ -16,6 +16,8 @@ def keep_caches() -> Iterator[None]:
     host caches, which the next allocations then fill again from the driver; a run of captures
     (start-up's timing graphs, the decode graphs) flushes once, before the first."""
     torch.cuda.empty_cache()
-    with mock.patch.object(torch.cuda, "empty_cache", _keep), \
-            mock.patch.object(torch._C, "_host_emptyCache", _keep):
+    with ExitStack() as patches:
+        patches.enter_context(mock.patch.object(torch.cuda, "empty_cache", _keep))
+        if hasattr(torch._C, "_host_emptyCache"):  # the pinned cache's flush (newer torch)
+            patches.enter_context(mock.patch.object(torch._C, "_host_emptyCache", _keep))
         yield
