@@ -146,20 +146,24 @@ def cuda_graph_times(steps: list[Step], compile_threads: int = 0) -> list[float]
     if compile_threads:
         compile_in_parallel(steps, compile_threads)
     # ~120 captures for Qwen3-0.6B, in one memory pool: each graph's replays end before the
-    # next capture reuses its memory
-    pool = torch.cuda.graph_pool_handle()
+    # next capture reuses its memory. The graphs live until the last is timed: a dropped
+    # graph's pool waits for empty_cache, which the run skips, to be released
+    pool, graphs = torch.cuda.graph_pool_handle(), []
     with keep_caches():
-        return [_graph_time(step, pool) for step in steps]
+        return [_graph_time(step, pool, graphs) for step in steps]
 
 
-def _graph_time(step: Step, pool: tuple | None = None) -> float:
-    """Seconds per call of step, from a CUDA graph of _CALLS_PER_STEP calls."""
+def _graph_time(step: Step, pool: tuple | None = None, keep: list | None = None) -> float:
+    """Seconds per call of step, from a CUDA graph of _CALLS_PER_STEP calls (captured in pool,
+    appended to keep)."""
     step()  # loads (or compiles) its kernels, outside the graph
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool):
         for _ in range(_CALLS_PER_STEP):
             step()
+    if keep is not None:
+        keep.append(graph)
     graph.replay()  # untimed: the first replay uploads the graph
     times = []
     for _ in range(_REPLAYS):

@@ -8,7 +8,6 @@ from nanovllm.config import Config
 from nanovllm.kernels.compile_ahead import compile_in_parallel
 from nanovllm.runner.step_inputs import DecodeInputs
 from nanovllm.utils.context import Context, forward_context
-from nanovllm.utils.graph_capture import keep_caches
 
 # Powers of two and their midpoints: 1, 2, 3, 4, 6, 8, 12, ... 384, 512
 BATCH_LADDER = sorted({b * m // 2 for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) for m in (2, 3)})
@@ -69,22 +68,14 @@ def capture_decode_graphs(model: nn.Module, config: Config, max_num_blocks: int,
     outputs = torch.zeros(graph_bs[-1], config.hf_config.hidden_size, dtype=config.torch_dtype,
                           device=device)
     graphs, inputs, pool = {}, {}, None
-    with keep_caches():
-        for bs in reversed(graph_bs):
-            input_ids, positions, context = _model_inputs(steps[bs])
-            graphs[bs], pool = _capture(model, input_ids, positions, context, outputs, pool)
-            inputs[bs] = steps[bs]
+    for bs in reversed(graph_bs):
+        input_ids, positions, context = _model_inputs(steps[bs])
+        graph = torch.cuda.CUDAGraph()
+        with forward_context(context):
+            outputs[:bs] = model(input_ids, positions)  # warm up
+            with torch.cuda.graph(graph, pool):
+                outputs[:bs] = model(input_ids, positions)
+        pool = pool or graph.pool()
+        graphs[bs], inputs[bs] = graph, steps[bs]
+        torch.cuda.synchronize()
     return graphs, inputs, outputs
-
-
-def _capture(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
-             context: Context, outputs: torch.Tensor, pool) -> tuple[torch.cuda.CUDAGraph, tuple]:
-    """One decode graph writing outputs[:bs], in pool (None: its own, returned)."""
-    bs = input_ids.shape[0]
-    graph = torch.cuda.CUDAGraph()
-    with forward_context(context):
-        outputs[:bs] = model(input_ids, positions)  # warm up
-        with torch.cuda.graph(graph, pool):
-            outputs[:bs] = model(input_ids, positions)
-    torch.cuda.synchronize()
-    return graph, pool or graph.pool()
