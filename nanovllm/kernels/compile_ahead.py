@@ -86,3 +86,18 @@ def compile_in_parallel(steps: Iterable[Callable[[], object]], threads: int,
             # an error this thread's launches would otherwise keep queueing compiles.
             if _async_compile.active_mode.get() is mode:
                 _async_compile.active_mode.set(None)
+        build_launchers([future.result() for future in mode.future_kernels.values()], pool)
+
+
+def build_launchers(kernels: Iterable[object], pool: ThreadPoolExecutor) -> None:
+    """Build each compiled kernel's launcher on the pool, where its first launch would build
+    it on this thread: Triton 3.6 compiles a C launcher per kernel signature with gcc (~0.3 s
+    each, a quarter of a cold start-up serially) and caches it in TRITON_CACHE_DIR, where the
+    launch then finds it. Newer Triton's launchers build nothing: this costs nothing there."""
+    todo = [k for k in kernels if getattr(k, "module", None) is None and hasattr(k, "src")]
+    if not todo:  # (the driver is looked up only for real kernels: CPU tests have none)
+        return
+    from triton.runtime import driver
+    make = driver.active.launcher_cls
+    for _ in pool.map(lambda k: make(k.src, k.metadata), todo):  # errors raise here
+        pass

@@ -159,3 +159,50 @@ def test_compile_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET")
     monkeypatch.delattr(triton, "AsyncCompileMode")
     assert compile_threads("cuda", 1) == 0
+
+
+class Compiled:
+    """A stand-in CompiledKernel: its source and metadata, no module loaded yet."""
+
+    def __init__(self, src: str, module: object = None) -> None:
+        self.src, self.metadata, self.module = src, {"name": src}, module
+
+
+class Launchers:
+    """A stand-in driver whose launcher_cls records what it built, optionally meeting others."""
+
+    def __init__(self, parties: int = 0, fail: str = "") -> None:
+        self.built: list[str] = []
+        self.barrier = threading.Barrier(parties, timeout=2) if parties else None
+        self.fail = fail
+
+    def launcher_cls(self, src: str, metadata: dict) -> str:
+        if src == self.fail:
+            raise RuntimeError(f"gcc failed on {src}")
+        if self.barrier:
+            self.barrier.wait()
+        self.built.append(metadata["name"])
+        return "launcher"
+
+
+def _compiled_by(kernels: list[Kernel], launchers: Launchers, threads: int,
+                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from triton.runtime import driver
+    monkeypatch.setattr(driver, "_active", launchers)
+    compile_in_parallel([lambda k=k: k[(1,)]() for k in kernels], threads, kernel_type=Kernel)
+
+
+def test_launchers_build_on_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each compiled kernel's launcher is built before compile_in_parallel returns, two at once
+    (each build waits for the other); a kernel already loaded is left alone."""
+    launchers = Launchers(parties=2)
+    kernels = [Kernel("a", lambda: Compiled("a")), Kernel("b", lambda: Compiled("b")),
+               Kernel("c", lambda: Compiled("c", module="loaded"))]
+    _compiled_by(kernels, launchers, 2, monkeypatch)
+    assert sorted(launchers.built) == ["a", "b"]
+
+
+def test_a_launcher_error_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    kernels = [Kernel("a", lambda: Compiled("a")), Kernel("b", lambda: Compiled("b"))]
+    with pytest.raises(RuntimeError, match="gcc failed on b"):
+        _compiled_by(kernels, Launchers(fail="b"), 2, monkeypatch)
