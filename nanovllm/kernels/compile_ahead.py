@@ -86,7 +86,8 @@ def compile_in_parallel(steps: Iterable[Callable[[], object]], threads: int,
             # an error this thread's launches would otherwise keep queueing compiles.
             if _async_compile.active_mode.get() is mode:
                 _async_compile.active_mode.set(None)
-        build_launchers([future.result() for future in mode.future_kernels.values()], pool)
+        futures = getattr(mode, "future_kernels", {})  # Triton 3.6's record of its compiles
+        build_launchers([future.result() for future in futures.values()], pool)
 
 
 def build_launchers(kernels: Iterable[object], pool: ThreadPoolExecutor) -> None:
