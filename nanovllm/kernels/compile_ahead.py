@@ -81,13 +81,14 @@ def compile_in_parallel(steps: Iterable[Callable[[], object]], threads: int,
             with mode, launches_compile_only(kernel_type or JITFunction):
                 for step in steps:
                     step()
+                # read before the exit: newer Triton empties the record there
+                compiles = list(getattr(mode, "future_kernels", {}).values())
         finally:
             # Triton 3.6's exit deactivates the mode only once every compile succeeded: after
             # an error this thread's launches would otherwise keep queueing compiles.
             if _async_compile.active_mode.get() is mode:
                 _async_compile.active_mode.set(None)
-        futures = getattr(mode, "future_kernels", {})  # Triton 3.6's record of its compiles
-        build_launchers([future.result() for future in futures.values()], pool)
+        build_launchers([future.result() for future in compiles], pool)
 
 
 def build_launchers(kernels: Iterable[object], pool: ThreadPoolExecutor) -> None:

@@ -6,8 +6,9 @@
 3. bind_backend: each layer gets what it runs; layers and models never choose kernels.
 
 A backend has one interface: `rope_and_store` (q/k norm, RoPE, the K/V write), `prefill`,
-`decode`, `fused_moe` and `fp8_linear` (FP8 weights, W8A8: layers.quantization; the fused decode
-projections take FP8 weights as W8A16, kernels.linear.fused_fp8). "torch" runs
+`decode`, `fused_moe` and `fp8_linear` (FP8 weights: W8A16 split-K up to 16 tokens, else W8A8;
+layers.quantization; the fused decode projections take FP8 weights as W8A16,
+kernels.linear.fused_fp8). "torch" runs
 anywhere and is the reference; the others run the Triton kernels on CUDA. Kernel modules are
 imported lazily: CPU runs never import Triton.
 

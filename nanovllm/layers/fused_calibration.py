@@ -11,8 +11,9 @@ bound is the step size up to which the fused kernel runs with the least summed t
     gate_up_proj:  gate_up_silu                    vs  GEMM + SiLU-and-mul
     o/down_proj:   split_k_linear + partials norm  vs  GEMM + add + RMSNorm
 
-The GEMM is the layer's own (LinearBase.linear): for FP8 weights the W8A8 path (activation
-quantization + FP8 GEMM) against the fused kernels' W8A16, so FP8 models get their own limits.
+The GEMM is the layer's own (LinearBase.linear): for FP8 weights W8A16 split-K up to 16 tokens,
+beyond that W8A8 (activation quantization + FP8 GEMM), against the fused kernels' W8A16, so FP8
+models get their own limits.
 
 Their kernels compile on threads first; the captures are what is left (~120 for Qwen3-0.6B).
 """
@@ -153,7 +154,7 @@ def cuda_graph_times(steps: list[Step], compile_threads: int = 0) -> list[float]
         return [_graph_time(step, pool, graphs) for step in steps]
 
 
-def _graph_time(step: Step, pool: tuple | None = None, keep: list | None = None) -> float:
+def _graph_time(step: Step, pool: tuple, keep: list) -> float:
     """Seconds per call of step, from a CUDA graph of _CALLS_PER_STEP calls (captured in pool,
     appended to keep)."""
     step()  # loads (or compiles) its kernels, outside the graph
@@ -162,8 +163,7 @@ def _graph_time(step: Step, pool: tuple | None = None, keep: list | None = None)
     with torch.cuda.graph(graph, pool):
         for _ in range(_CALLS_PER_STEP):
             step()
-    if keep is not None:
-        keep.append(graph)
+    keep.append(graph)
     graph.replay()  # untimed: the first replay uploads the graph
     times = []
     for _ in range(_REPLAYS):

@@ -14,8 +14,9 @@ def _keep() -> None:
 def keep_caches() -> Iterator[None]:
     """Entering torch.cuda.graph synchronizes and empties the allocator's device and pinned
     host caches, which the next allocations then fill again from the driver; a run of captures
-    (start-up's ~120 timing graphs) flushes once, before the first. The decode graphs keep
-    the flush: their warm-up runs' cached blocks would stay out of the capture's reach."""
+    (start-up's ~120 timing graphs) flushes the device cache once, before the first. The decode
+    graphs keep the flush: their warm-up runs' cached blocks would stay out of the capture's
+    reach."""
     torch.cuda.empty_cache()
     with ExitStack() as patches:
         patches.enter_context(mock.patch.object(torch.cuda, "empty_cache", _keep))
