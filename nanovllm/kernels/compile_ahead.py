@@ -101,5 +101,4 @@ def build_launchers(kernels: Iterable[object], pool: ThreadPoolExecutor) -> None
         return
     from triton.runtime import driver
     make = driver.active.launcher_cls
-    for _ in pool.map(lambda k: make(k.src, k.metadata), todo):  # errors raise here
-        pass
+    list(pool.map(lambda k: make(k.src, k.metadata), todo))  # errors raise here

@@ -130,10 +130,12 @@ def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _runs_split_k(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
     """Whether fp8_linear takes split-K W8A16: 1 to DECODE_TOKENS rows, shapes it takes, and
     TMA (sm_90 and newer, or the CPU interpreter, which emulates it)."""
+    # the row count first: a prefill step's call stops there, before any device query
+    if not 0 < x.shape[0] <= DECODE_TOKENS or not weight.is_contiguous():
+        return False
     n, k = weight.shape
     tma = not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9
-    return 0 < x.shape[0] <= DECODE_TOKENS and tma and weight.is_contiguous() \
-        and fits_split_k(k, n, x.dtype, weight.dtype, block)
+    return tma and fits_split_k(k, n, x.dtype, weight.dtype, block)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
