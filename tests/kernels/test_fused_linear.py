@@ -2,6 +2,8 @@
 on CPU)."""
 
 import os
+import subprocess
+import sys
 
 import torch
 
@@ -14,6 +16,7 @@ import torch.nn.functional as F  # noqa: E402
 from nanovllm.kernels.attention.kv_quant import FP8_DTYPE  # noqa: E402
 from nanovllm.kernels.attention.store_kvcache import store_kvcache_torch  # noqa: E402
 from nanovllm.kernels.linear.fused import (  # noqa: E402
+    _launch,
     fits_gate_up,
     fits_qkv,
     gate_up_silu,
@@ -146,3 +149,50 @@ def test_split_k_linear(dtype: torch.dtype, num_tokens: int, input_size: int,
     assert parts.dtype == torch.float32 and parts.shape == (splits, num_tokens, output)
     want = F.linear(x.float(), weight.float())
     torch.testing.assert_close(parts.sum(0), want, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype,alone,shared", [(torch.bfloat16, 4, 3), (FP8_DTYPE, 8, 5)])
+def test_decode_launch_keeps_its_programs_resident(dtype, alone, shared) -> None:
+    """Up to 16 tokens, more programs than SMs get the stages that fit them all at once (two a
+    SM for Llama-3.1-8B's 224 gate_up programs on 132 SMs; at least 2); else the stages alone."""
+    w = torch.empty(1, dtype=dtype)
+    assert [_launch(1, w, False, n, 132)[2] for n in (48, 132)] == [alone, alone]
+    assert [_launch(16, w, False, n, 132)[2] for n in (133, 224)] == [shared, shared]
+    assert _launch(1, w, False, 448, 132)[2] == 2
+    assert _launch(1, w, False, 224, 0)[2] == alone  # off CUDA: no SMs, no limit
+    assert _launch(17, w, False, 224, 132)[2] == 4  # beyond 16 tokens: as before
+    assert _launch(1, w, True, 224, 132)[2] == 3  # LoRA: its own rule
+
+
+_RESIDENT_SM90 = """
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from nanovllm.kernels.linear import fused
+T = dict(x_desc="tensordesc<bf16[16, 128]>", s_ptr="*fp32", out_ptr="*bf16", bias_ptr="*bf16")
+for dtype, name, w_scale in ((torch.bfloat16, "bf16", 0), (torch.float8_e4m3fn, "fp8e4nv", 1)):
+    kernel = fused._gate_up_silu_kernel
+    block_t, block_k, stages, warps = fused._launch(1, torch.empty(1, dtype=dtype), False, 224, 132)
+    consts = dict(HAS_BIAS=False, LORA_K=0, RANK=1, BLOCK_T=block_t, BLOCK_K=block_k,
+                  STAGES=stages, USE_PDL=True, W_SCALE=w_scale, a_desc=None, b_desc=None,
+                  lora_slots_ptr=None)
+    names = [p.name for p in kernel.params]
+    types = dict(T, w_desc=f"tensordesc<{name}[64, 128]>")
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    src = ASTSource(fn=kernel, signature=sig,
+                    constexprs={(names.index(n),): v for n, v in consts.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    print(name, stages, k.metadata.shared)
+"""
+
+
+def test_sm90_two_resident_programs_fit() -> None:
+    """Compiled for sm_90 (no GPU needed), two 8B gate_up programs at the stages _launch gives
+    fit one SM's 228 KB of shared memory (each block also reserves 1 KB)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _RESIDENT_SM90], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line.split() for line in out.stdout.splitlines()]
+    assert [(name, int(stages)) for name, stages, _ in lines] == [("bf16", 3), ("fp8e4nv", 5)]
+    assert all(2 * (int(shared) + 1024) <= 228 * 1024 for *_, shared in lines), out.stdout

@@ -17,6 +17,8 @@ scales applied to the float32 accumulator (kernels.linear.fused_fp8 says how, an
 LoRA slots (16-bit weights) add their delta inside the same K loop
 (kernels.linear.lora.add_lora)."""
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -204,15 +206,33 @@ def fits_gate_up(hidden_size: int, intermediate_size: int, dtype: torch.dtype,
         and intermediate_size % ROWS == 0 and hidden_size % 64 == 0
 
 
-def _launch(num_tokens: int, weight: torch.Tensor, lora: bool = False
-            ) -> tuple[int, int, int, int]:
+# Shared memory a program's pipeline may fill (the H200's 227 KB a block, less the epilogue's)
+PIPELINE_BYTES = 220 * 1024
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """The device's SMs; 0 off CUDA (no residency limit)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count \
+        if device.type == "cuda" else 0
+
+
+def _launch(num_tokens: int, weight: torch.Tensor, lora: bool = False, programs: int = 0,
+            sms: int = 0) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_K, STAGES, num_warps) for a batch (swept on the H200 by the probe
     fused_linear_probe, docs/benchmarks.md); with LoRA's A tiles, fewer stages fit in shared
-    memory (gate_up_proj's two A tiles and 64-token x tiles: 80 KB a stage)."""
+    memory (gate_up_proj's two A tiles and 64-token x tiles: 80 KB a stage). Up to 16 tokens,
+    a launch of more programs than SMs gets the stages that keep them all resident at once:
+    one wave, not a second, partial one behind the first."""
     stages = weight_stages(num_tokens, weight)
-    if num_tokens <= 16:
-        return 16, K_STEP, 3 if lora else stages, 4
-    return (32 if num_tokens <= 128 else 64), K_STEP, 2 if lora else stages, 4
+    if num_tokens > 16:
+        return (32 if num_tokens <= 128 else 64), K_STEP, 2 if lora else stages, 4
+    if lora:
+        return 16, K_STEP, 3, 4
+    if sms and programs > sms:
+        stage = 2 * ROWS * K_STEP * weight.element_size() + 16 * K_STEP * 2  # 2 W tiles + x
+        stages = max(2, min(stages, PIPELINE_BYTES // (-(-programs // sms) * stage)))
+    return 16, K_STEP, stages, 4
 
 
 def _descriptors(x: torch.Tensor, weight: torch.Tensor, block_t: int, block_k: int):
@@ -238,11 +258,13 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.stride(-1) == 1
     q = torch.empty(num_tokens, num_q_heads, head_dim, dtype=x.dtype, device=x.device)
-    block_t, block_k, stages, warps = _launch(num_tokens, weight, lora is not None)
+    heads = num_q_heads + 2 * num_kv_heads
+    block_t, block_k, stages, warps = _launch(num_tokens, weight, lora is not None, heads,
+                                              num_sms(x.device))
     scales = scale_args(weight, w_scale, w_block)
     w_desc, x_desc = _descriptors(x, weight, block_t, block_k)
     norm = q_norm is not None
-    grid = (num_q_heads + 2 * num_kv_heads, triton.cdiv(num_tokens, block_t))
+    grid = (heads, triton.cdiv(num_tokens, block_t))
     _qkv_rope_store_kernel[grid](
         w_desc, x_desc, bias if bias is not None else weight, q,
         q_norm if norm else cos_sin_cache, k_norm if norm else cos_sin_cache, positions,
@@ -265,7 +287,8 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     inter = weight.shape[0] // 2
     assert fits_gate_up(hidden, inter, x.dtype, weight.dtype, w_block)
     out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
-    block_t, block_k, stages, warps = _launch(num_tokens, weight, lora is not None)
+    block_t, block_k, stages, warps = _launch(num_tokens, weight, lora is not None,
+                                              inter // ROWS, num_sms(x.device))
     w_desc, x_desc = _descriptors(x, weight, block_t, block_k)
     scales = scale_args(weight, w_scale, w_block)
     _gate_up_silu_kernel[(inter // ROWS, triton.cdiv(num_tokens, block_t))](
