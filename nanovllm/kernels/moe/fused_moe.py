@@ -24,6 +24,9 @@ from nanovllm.kernels.linear.fp8_gemm import per_token_group_quant
 
 BLOCK_N = 64
 BLOCK_K = 64
+# FP8 experts step K 128 wide (a weight-scale block's width): half a 16-bit tile's bytes per step
+# at 64 would leave too few bytes in flight for the halved weights to pay
+FP8_BLOCK_K = 128
 
 
 @triton.jit
@@ -215,7 +218,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     fp8 = w13_scale is not None
     # FP8 groups (rows, cols) of each weight's scales; a step of BLOCK_K stays in one group
     g13, g2 = (block, block) if block is not None else ((1, hidden), (1, inter))
-    block_k = min(BLOCK_K, g13[1]) if fp8 and block is not None else BLOCK_K
+    block_k = BLOCK_K if not fp8 else min(FP8_BLOCK_K, g13[1]) if block else FP8_BLOCK_K
     block_m = block_m_for(num_slots, num_experts)
     sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, num_experts, block_m)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
