@@ -26,7 +26,7 @@ from time import perf_counter
 
 import torch
 
-from benchmarks.floor import BYTES, head_dim, kv_bytes_per_token, step_params
+from benchmarks.floor import BYTES, head_dim, kv_bytes_per_token, weight_bytes
 from benchmarks.shapes import SHAPES, WEIGHT_FORMATS
 from benchmarks.step_floor import StepRecorder
 
@@ -243,8 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
         llm.shutdown()
     context = 128 + args.tokens // 2
     wbytes = 1 if args.weight_format.startswith("fp8") else BYTES
-    lm_head = shape["vocab_size"] * shape["hidden_size"]
-    floor_us = 1e6 * ((step_params(shape, args.batch) - lm_head) * wbytes + lm_head * BYTES
+    floor_us = 1e6 * (weight_bytes(shape, args.batch, wbytes)
                       + args.batch * context * kv_bytes_per_token(shape)) / args.bandwidth
     print(f"\n{'tiny' if args.tiny else f'{args.shape} {args.weight_format}'}, batch "
           f"{args.batch}{f', LoRA rank {args.lora_rank}' if args.lora_rank else ''}: "

@@ -10,8 +10,12 @@ Mixture-of-experts shapes read only the experts a step routes to: with B tokens 
 K of E experts, E * (1 - (1 - K/E)^B) experts per sparse layer on average (uniform routing,
 which dummy weights give); the matmul bound counts the K experts of each token.
 
+With `--weight-format fp8` the layers' weights are one byte (the LM head stays bf16) and their
+prefill matmuls run at twice the FLOP rate (FP8 MMAs); the K/V and attention stay bf16.
+
     python -m benchmarks.floor                       # every shape, H200 figures
     python -m benchmarks.floor llama-3.1-8b --bandwidth 4.27e12 --flops 793e12
+    python -m benchmarks.floor llama-3.1-8b qwen3-30b-a3b --weight-format fp8
 """
 import argparse
 import random
@@ -77,6 +81,13 @@ def matmul_params(shape: dict) -> int:
     return layers * (attn + norms) + mlp + hidden + shape["vocab_size"] * hidden
 
 
+def weight_bytes(shape: dict, tokens: int, weight_itemsize: int = BYTES) -> float:
+    """Bytes of weights a decode step of `tokens` sequences reads: the layers' at
+    weight_itemsize (1 for FP8 weights), the LM head's always in bf16."""
+    lm_head = shape["vocab_size"] * shape["hidden_size"]
+    return (step_params(shape, tokens) - lm_head) * weight_itemsize + lm_head * BYTES
+
+
 def head_dim(shape: dict) -> int:
     return shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]
 
@@ -94,40 +105,47 @@ def attention_flops(shape: dict, num_new: int, num_cached: int = 0) -> float:
 
 
 def step_seconds(shape: dict, tokens: int, kv_tokens: int, attn_flops: float,
-                 bandwidth: float, flops: float, kv_itemsize: int = BYTES) -> float:
+                 bandwidth: float, flops: float, kv_itemsize: int = BYTES,
+                 weight_itemsize: int = BYTES) -> float:
     """Floor of one step computing `tokens` tokens whose queries read `kv_tokens` tokens' K/V:
     (weights + K/V bytes) / bandwidth or matmul FLOPs / FLOP rate, whichever is larger."""
-    read = step_params(shape, tokens) * BYTES + kv_tokens * kv_bytes_per_token(shape, kv_itemsize)
+    read = weight_bytes(shape, tokens, weight_itemsize) \
+        + kv_tokens * kv_bytes_per_token(shape, kv_itemsize)
     work = 2 * active_params(shape) * tokens + attn_flops
     return max(read / bandwidth, work / flops)
 
 
-def floor(shape: dict, bandwidth: float, flops: float) -> dict:
-    """Seconds and tok/s bounds of the workload for one shape."""
+def floor(shape: dict, bandwidth: float, flops: float, weight_itemsize: int = BYTES) -> dict:
+    """Seconds and tok/s bounds of the workload for one shape; FP8 weights (weight_itemsize 1)
+    run their matmuls at twice flops."""
     prompt_lens, outputs = workload()
     params = active_params(shape)
     window = shape.get("sliding_window") if shape["architectures"][0] == "MistralForCausalLM" \
         else None
-    prefill_flops = sum(2 * params * n + attention_flops(shape, n) for n in prompt_lens)
+    matmul_rate = flops * BYTES / weight_itemsize
+    t_prefill = sum(2 * params * n / matmul_rate + attention_flops(shape, n) / flops
+                    for n in prompt_lens)
     t_decode = 0.0
     for step in range(max(outputs)):
         live = [n for n, m in zip(prompt_lens, outputs) if m > step + 1]
         if not live:
             break
         kv_tokens = sum(min(n + step, window or n + step) for n in live)
-        t_decode += step_seconds(shape, len(live), kv_tokens, 0.0, bandwidth, flops)
-    t_prefill = prefill_flops / flops
+        t_decode += step_seconds(shape, len(live), kv_tokens, 0.0, bandwidth, matmul_rate,
+                                 weight_itemsize=weight_itemsize)
     total = sum(outputs)
-    return dict(params=step_params(shape, 256), prefill_s=t_prefill, decode_s=t_decode,
+    return dict(weight_gb=weight_bytes(shape, 256, weight_itemsize) / 1e9, prefill_s=t_prefill,
+                decode_s=t_decode,
                 tok_s=total / (t_prefill + t_decode), output_tokens=total)
 
 
-def step_floor(shape: dict, batch: int, context_len: int, bandwidth: float) -> dict:
+def step_floor(shape: dict, batch: int, context_len: int, bandwidth: float,
+               weight_itemsize: int = BYTES) -> dict:
     """Bandwidth bound of one decode step of `batch` sequences of `context_len` tokens each."""
     kv_bytes = batch * context_len * kv_bytes_per_token(shape)
-    weight_bytes = step_params(shape, batch) * BYTES
-    return dict(weight_gb=weight_bytes / 1e9, kv_gb=kv_bytes / 1e9,
-                ms=(weight_bytes + kv_bytes) / bandwidth * 1e3)
+    weights = weight_bytes(shape, batch, weight_itemsize)
+    return dict(weight_gb=weights / 1e9, kv_gb=kv_bytes / 1e9,
+                ms=(weights + kv_bytes) / bandwidth * 1e3)
 
 
 def main() -> None:
@@ -139,15 +157,18 @@ def main() -> None:
     p.add_argument("--steps", type=int, nargs="*", metavar="BATCH",
                    help="also print one decode step's floor at these batch sizes")
     p.add_argument("--context", type=int, default=1024, help="tokens per sequence for --steps")
+    p.add_argument("--weight-format", choices=["bf16", "fp8"], default="bf16",
+                   help="fp8: the layers' weights one byte each")
     args = p.parse_args()
     unknown = sorted(set(args.shapes) - set(SHAPES))
     if unknown:
         p.error(f"unknown shape(s) {unknown}; choose from {list(SHAPES)}")
+    itemsize = 1 if args.weight_format == "fp8" else BYTES
     print("| shape | weights read/step (GB) | prefill >= s | decode >= s | floor tok/s |")
     print("|---|---|---|---|---|")
     for name in args.shapes or list(SHAPES):
-        f = floor(SHAPES[name], args.bandwidth, args.flops)
-        print(f"| {name} | {f['params'] * BYTES / 1e9:.2f} | {f['prefill_s']:.3f} | "
+        f = floor(SHAPES[name], args.bandwidth, args.flops, itemsize)
+        print(f"| {name} | {f['weight_gb']:.2f} | {f['prefill_s']:.3f} | "
               f"{f['decode_s']:.3f} | {f['tok_s']:,.0f} |")
     if args.steps:
         print(f"\n| shape | batch | weights read (GB) | K/V read (GB) | step >= ms |"
@@ -155,7 +176,7 @@ def main() -> None:
         print("|---|---|---|---|---|")
         for name in args.shapes or list(SHAPES):
             for batch in args.steps:
-                f = step_floor(SHAPES[name], batch, args.context, args.bandwidth)
+                f = step_floor(SHAPES[name], batch, args.context, args.bandwidth, itemsize)
                 print(f"| {name} | {batch} | {f['weight_gb']:.2f} | {f['kv_gb']:.2f} | "
                       f"{f['ms']:.3f} |")
 

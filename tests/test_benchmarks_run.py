@@ -61,6 +61,9 @@ def floor(tmp_path: Path) -> None:
     proc = run(sys.executable, "-m", "benchmarks.floor", "--steps", "1", "256",
                tmp_path=tmp_path)
     ok(proc, "| qwen3-0.6b | 1.19 | ", "| 35,673 |", "| qwen3-30b-a3b | 256 |")
+    proc = run(sys.executable, "-m", "benchmarks.floor", "llama-3.1-8b", "--weight-format", "fp8",
+               tmp_path=tmp_path)
+    ok(proc, "| llama-3.1-8b | 8.03 | ", "| 19,106 |")
 
 
 def gpu_figures(tmp_path: Path) -> None:

@@ -33,3 +33,17 @@ def test_moe_step_reads_only_the_routed_experts():
     assert step_params(shape, 1) == pytest.approx(active_params(shape))
     assert 127.9 * experts < step_params(shape, 256) - active_params(shape) + 8 * experts \
         <= 128 * experts
+
+
+def test_fp8_weights_floor():
+    """FP8 weights: the layers' bytes halve, the bf16 LM head's do not; prefill's matmuls run
+    at twice the rate; the K/V stays, so the workload's bound gains less than 2x."""
+    from benchmarks.floor import step_params, weight_bytes
+    shape = SHAPES["llama-3.1-8b"]
+    head = shape["vocab_size"] * shape["hidden_size"]
+    assert weight_bytes(shape, 1) == 2 * step_params(shape, 1)
+    assert weight_bytes(shape, 1, 1) == step_params(shape, 1) + head
+    bf16, fp8 = floor(shape, 4.27e12, 793e12), floor(shape, 4.27e12, 793e12, 1)
+    assert fp8["prefill_s"] == pytest.approx(bf16["prefill_s"] / 2, rel=0.02)
+    assert bf16["decode_s"] - fp8["decode_s"] > 0
+    assert 1.3 < fp8["tok_s"] / bf16["tok_s"] < 1.6
