@@ -134,7 +134,7 @@ def run_decode(llm, batch: int, tokens: int, max_id: int, lora=None) -> dict:
                 gap_us=1e6 * statistics.median(s["gap_s"] for s in steps))
 
 
-def phase_floors(shape: dict, batch: int, context: int, weight_bytes: float,
+def phase_floors(shape: dict, batch: int, context: int, weight_itemsize: float,
                  bandwidth: float) -> dict[str, float]:
     """µs to read each phase's weights (and the K/V) once: dense shapes only."""
     hidden, layers, dim = shape["hidden_size"], shape["num_hidden_layers"], head_dim(shape)
@@ -143,7 +143,7 @@ def phase_floors(shape: dict, batch: int, context: int, weight_bytes: float,
     params = {"qkv + q/k norm + RoPE + cache write": hidden * (q + 2 * kv),
               "o_proj, down_proj (split K)": q * hidden + inter * hidden,
               "gate_up + SiLU": 2 * hidden * inter}
-    out = {k: 1e6 * layers * n * weight_bytes / bandwidth for k, n in params.items()}
+    out = {k: 1e6 * layers * n * weight_itemsize / bandwidth for k, n in params.items()}
     out["attention"] = 1e6 * batch * context * kv_bytes_per_token(shape) / bandwidth
     out["LM head, other GEMMs"] = 1e6 * shape["vocab_size"] * hidden * BYTES / bandwidth
     return out

@@ -11,6 +11,8 @@ is the reference and describes the layout).
   for many tokens: a 1-token step gave cuBLAS 48 programs for Llama-3.1-8B's qkv_proj, 18 us
   against its 6 us of bytes, plus the activations' quantization kernel.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -134,8 +136,13 @@ def _runs_split_k(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] 
     if not 0 < x.shape[0] <= DECODE_TOKENS or not weight.is_contiguous():
         return False
     n, k = weight.shape
-    tma = not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9
-    return tma and fits_split_k(k, n, x.dtype, weight.dtype, block)
+    return _has_tma(x.device) and fits_split_k(k, n, x.dtype, weight.dtype, block)
+
+
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    """sm_90 and newer, or the CPU interpreter, which emulates TMA (asked once a device)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -216,9 +216,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     num_slots = num_tokens * top_k
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
     fp8 = w13_scale is not None
-    # FP8 groups (rows, cols) of each weight's scales; a step of BLOCK_K stays in one group
+    # FP8 groups (rows, cols) of each weight's scales; a K step stays inside one group
     g13, g2 = (block, block) if block is not None else ((1, hidden), (1, inter))
-    block_k = BLOCK_K if not fp8 else min(FP8_BLOCK_K, g13[1]) if block else FP8_BLOCK_K
+    block_k = min(FP8_BLOCK_K, g13[1]) if fp8 else BLOCK_K
     block_m = block_m_for(num_slots, num_experts)
     sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, num_experts, block_m)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
