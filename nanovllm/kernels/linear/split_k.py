@@ -16,6 +16,8 @@ from nanovllm.kernels.linear.fused_fp8 import (
     channel_scaled,
     channel_scales,
     fits_weight,
+    num_sms,
+    resident_stages,
     scale_args,
     scaled_dot,
     weight_stages,
@@ -83,12 +85,17 @@ def _num_splits(output_size: int, input_size: int, token_tiles: int, num_tokens:
     return splits
 
 
-def _stages(k_steps: int, num_tokens: int, lora: LoRASlots | None, weight: torch.Tensor
-            ) -> int:
-    """Pipeline stages of a split's K loop. LoRA's A tiles make a stage 36 KB at 16 tokens:
-    stages past the loop's own K steps then only cost programs per SM (measured: docs/lora.md)."""
+def _stages(k_steps: int, num_tokens: int, lora: LoRASlots | None, weight: torch.Tensor,
+            programs: int, sms: int) -> int:
+    """Pipeline stages of a split's K loop: up to 16 tokens as many as keep all programs
+    resident (fused._launch's rule). LoRA's A tiles make a stage 36 KB at 16 tokens: stages past
+    the loop's own K steps then only cost programs per SM (measured: docs/lora.md)."""
     if lora is None:
-        return weight_stages(num_tokens, weight)
+        stages = weight_stages(num_tokens, weight)
+        if num_tokens > 16:
+            return stages
+        stage = ROWS * K_STEP * weight.element_size() + 16 * K_STEP * 2  # a W tile + x
+        return resident_stages(stages, programs, sms, stage)
     return min(3, k_steps + 1) if num_tokens <= 16 else 2
 
 
@@ -109,11 +116,14 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, *, w_scale: torch.Tens
     splits = _num_splits(output_size, input_size, tiles, num_tokens)
     part = torch.empty(splits, num_tokens, output_size, dtype=torch.float32, device=x.device)
     scales = scale_args(weight, w_scale, w_block)
-    _split_k_kernel[(output_size // ROWS, splits, tiles)](
+    grid = (output_size // ROWS, splits, tiles)
+    stages = _stages(input_size // splits // K_STEP, num_tokens, lora, weight,
+                     grid[0] * splits * tiles, num_sms(x.device))
+    _split_k_kernel[grid](
         TensorDescriptor.from_tensor(stored, [K_STEP, ROWS] if k_major else [ROWS, K_STEP]),
         TensorDescriptor.from_tensor(x, [block_t, K_STEP]), part, num_tokens, output_size,
         input_size // splits, *scales[:3], **fused_lora_args(lora, K_STEP), BLOCK_T=block_t,
         BLOCK_K=K_STEP,
-        STAGES=_stages(input_size // splits // K_STEP, num_tokens, lora, weight),
+        STAGES=stages,
         K_MAJOR=k_major, W_SCALE=scales[3], num_warps=4, **launch_options())
     return part
