@@ -169,6 +169,15 @@ def test_decode_launch_keeps_its_programs_resident(dtype, alone, shared) -> None
     assert _launch(1, w, True, 224, 132)[2] == 3  # LoRA: its own rule
 
 
+def _compile_for_sm90(script: str) -> str:
+    """A script's stdout, run outside the interpreter (it compiles for sm_90; no GPU needed)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
 _RESIDENT_SM90 = """
 import torch, triton
 from triton.backends.compiler import GPUTarget
@@ -194,13 +203,10 @@ for dtype, name, w_scale in ((torch.bfloat16, "bf16", 0), (torch.float8_e4m3fn, 
 def test_sm90_two_resident_programs_fit() -> None:
     """Compiled for sm_90 (no GPU needed), two 8B gate_up programs at the stages _launch gives
     fit one SM's 228 KB of shared memory (each block also reserves 1 KB)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _RESIDENT_SM90], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = [line.split() for line in out.stdout.splitlines()]
+    stdout = _compile_for_sm90(_RESIDENT_SM90)
+    lines = [line.split() for line in stdout.splitlines()]
     assert [(name, int(stages)) for name, stages, _ in lines] == [("bf16", 3), ("fp8e4nv", 5)]
-    assert all(2 * (int(shared) + 1024) <= 228 * 1024 for *_, shared in lines), out.stdout
+    assert all(2 * (int(shared) + 1024) <= 228 * 1024 for *_, shared in lines), stdout
 
 
 def test_split_k_keeps_its_programs_resident() -> None:
@@ -235,9 +241,6 @@ print(stages, k.metadata.shared)
 def test_sm90_three_resident_split_k_programs_fit() -> None:
     """Compiled for sm_90, three FP8 split-K programs at the stages _stages gives 384 of them
     fit one SM's 228 KB of shared memory (each block also reserves 1 KB)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _SPLIT_K_SM90], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    stages, shared = map(int, out.stdout.split())
-    assert stages == 6 and 3 * (shared + 1024) <= 228 * 1024, out.stdout
+    stdout = _compile_for_sm90(_SPLIT_K_SM90)
+    stages, shared = map(int, stdout.split())
+    assert stages == 6 and 3 * (shared + 1024) <= 228 * 1024, stdout
