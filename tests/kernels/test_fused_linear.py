@@ -27,6 +27,7 @@ from nanovllm.kernels.linear.split_k import (  # noqa: E402
     _stages,
     fits_split_k,
     split_k_linear,
+    sum_partials,
 )
 from nanovllm.layers.activation import SiluAndMul  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
@@ -154,6 +155,23 @@ def test_split_k_linear(dtype: torch.dtype, num_tokens: int, input_size: int,
     assert parts.dtype == torch.float32 and parts.shape == (splits, num_tokens, output)
     want = F.linear(x.float(), weight.float())
     torch.testing.assert_close(parts.sum(0), want, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32])  # the interpreter truncates to bf16
+@pytest.mark.parametrize("splits,num_tokens,output_size,bias", [(4, 1, 1500, True),
+                                                                (2, 5, 96, False),
+                                                                (1, 16, 2048, True)])
+def test_sum_partials(dtype, splits, num_tokens, output_size, bias) -> None:
+    """The splits summed in order in float32, plus the bias, rounded once to dtype (exact)."""
+    part = torch.randn(splits, num_tokens, output_size, device=DEVICE) * 100
+    b = torch.randn(output_size, device=DEVICE, dtype=dtype) if bias else None
+    ref = torch.zeros(num_tokens, output_size, device=DEVICE)
+    for split in part:
+        ref += split
+    ref = (ref if b is None else ref + b.float()).to(dtype)
+    out = sum_partials(part, dtype, b)
+    assert out.dtype == dtype and out.shape == (num_tokens, output_size)
+    assert torch.equal(out, ref)
 
 
 @pytest.mark.parametrize("dtype,alone,shared", [(torch.bfloat16, 4, 3), (FP8_DTYPE, 8, 5)])

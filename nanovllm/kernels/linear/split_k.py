@@ -67,6 +67,34 @@ def _split_k_kernel(w_desc, x_desc, part_ptr, M, N, K_SPLIT, s_ptr, stride_s, sc
     tl.store(part_ptr + (split * M + toks).to(tl.int64) * N + cols, acc, mask=toks < M)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _sum_partials_kernel(part_ptr, bias_ptr, out_ptr, M, N, SPLITS: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """Grid (M, N / BLOCK): out = sum of the splits in order (+ bias), rounded once."""
+    wait_then_release(USE_PDL)
+    row, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for split in tl.static_range(SPLITS):
+        acc += tl.load(part_ptr + (split * M + row) * N + cols, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=mask).to(tl.float32)
+    tl.store(out_ptr + row * N + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sum_partials(part: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """split_k_linear's partials [S, M, N] summed (+ bias) into [M, N] of dtype in one PDL
+    launch: torch's sum and cast were two launches that waited for split-K to end."""
+    splits, num_tokens, output_size = part.shape
+    out = torch.empty(num_tokens, output_size, dtype=dtype, device=part.device)
+    block = min(1024, triton.next_power_of_2(output_size))
+    _sum_partials_kernel[(num_tokens, triton.cdiv(output_size, block))](
+        part, part if bias is None else bias, out, num_tokens, output_size, SPLITS=splits,
+        HAS_BIAS=bias is not None, BLOCK=block, **launch_options())
+    return out
+
+
 def fits_split_k(input_size: int, output_size: int, dtype: torch.dtype,
                  weight_dtype: torch.dtype | None = None, w_block: Block = None) -> bool:
     """Whether split_k_linear takes these sizes."""
