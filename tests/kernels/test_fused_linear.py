@@ -22,7 +22,13 @@ from nanovllm.kernels.linear.fused import (  # noqa: E402
     gate_up_silu,
     qkv_rope_store,
 )
-from nanovllm.kernels.linear.split_k import _num_splits, fits_split_k, split_k_linear  # noqa: E402
+from nanovllm.kernels.linear.split_k import (  # noqa: E402
+    _num_splits,
+    _stages,
+    fits_split_k,
+    split_k_linear,
+    sum_partials,
+)
 from nanovllm.layers.activation import SiluAndMul  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
 from nanovllm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
@@ -151,6 +157,23 @@ def test_split_k_linear(dtype: torch.dtype, num_tokens: int, input_size: int,
     torch.testing.assert_close(parts.sum(0), want, atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32])  # the interpreter truncates to bf16
+@pytest.mark.parametrize("splits,num_tokens,output_size,bias", [(4, 1, 1500, True),
+                                                                (2, 5, 96, False),
+                                                                (1, 16, 2048, True)])
+def test_sum_partials(dtype, splits, num_tokens, output_size, bias) -> None:
+    """The splits summed in order in float32, plus the bias, rounded once to dtype (exact)."""
+    part = torch.randn(splits, num_tokens, output_size, device=DEVICE) * 100
+    b = torch.randn(output_size, device=DEVICE, dtype=dtype) if bias else None
+    ref = torch.zeros(num_tokens, output_size, device=DEVICE)
+    for split in part:
+        ref += split
+    ref = (ref if b is None else ref + b.float()).to(dtype)
+    out = sum_partials(part, dtype, b)
+    assert out.dtype == dtype and out.shape == (num_tokens, output_size)
+    assert torch.equal(out, ref)
+
+
 @pytest.mark.parametrize("dtype,alone,shared", [(torch.bfloat16, 4, 3), (FP8_DTYPE, 8, 5)])
 def test_decode_launch_keeps_its_programs_resident(dtype, alone, shared) -> None:
     """Up to 16 tokens, more programs than SMs get the stages that fit them all at once (two a
@@ -162,6 +185,15 @@ def test_decode_launch_keeps_its_programs_resident(dtype, alone, shared) -> None
     assert _launch(1, w, False, 224, 0)[2] == alone  # off CUDA: no SMs, no limit
     assert _launch(17, w, False, 224, 132)[2] == 4  # beyond 16 tokens: as before
     assert _launch(1, w, True, 224, 132)[2] == 3  # LoRA: its own rule
+
+
+def _compile_for_sm90(script: str) -> str:
+    """A script's stdout, run outside the interpreter (it compiles for sm_90; no GPU needed)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
 
 
 _RESIDENT_SM90 = """
@@ -189,10 +221,44 @@ for dtype, name, w_scale in ((torch.bfloat16, "bf16", 0), (torch.float8_e4m3fn, 
 def test_sm90_two_resident_programs_fit() -> None:
     """Compiled for sm_90 (no GPU needed), two 8B gate_up programs at the stages _launch gives
     fit one SM's 228 KB of shared memory (each block also reserves 1 KB)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _RESIDENT_SM90], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = [line.split() for line in out.stdout.splitlines()]
+    stdout = _compile_for_sm90(_RESIDENT_SM90)
+    lines = [line.split() for line in stdout.splitlines()]
     assert [(name, int(stages)) for name, stages, _ in lines] == [("bf16", 3), ("fp8e4nv", 5)]
-    assert all(2 * (int(shared) + 1024) <= 228 * 1024 for *_, shared in lines), out.stdout
+    assert all(2 * (int(shared) + 1024) <= 228 * 1024 for *_, shared in lines), stdout
+
+
+def test_split_k_keeps_its_programs_resident() -> None:
+    """Split-K takes fused._launch's rule: Llama-3.1-8B's FP8 qkv_proj at batch 1 (96 column
+    tiles x 4 splits) runs 3 a SM at 6 stages, not 1.45 waves at 8; 256 programs keep 8."""
+    fp8, bf16 = torch.empty(1, dtype=FP8_DTYPE), torch.empty(1, dtype=torch.bfloat16)
+    assert [_stages(8, 1, None, fp8, n, 132) for n in (132, 256, 384)] == [8, 8, 6]
+    assert [_stages(8, 16, None, bf16, n, 132) for n in (256, 384)] == [4, 3]
+    assert _stages(8, 1, None, fp8, 384, 0) == 8  # off CUDA: no SMs, no limit
+    assert _stages(8, 17, None, fp8, 384, 132) == 4  # beyond 16 tokens: as before
+
+
+_SPLIT_K_SM90 = """
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from nanovllm.kernels.linear import split_k
+stages = split_k._stages(8, 1, None, torch.empty(1, dtype=torch.float8_e4m3fn), 384, 132)
+consts = dict(a_desc=None, b_desc=None, lora_slots_ptr=None, BLOCK_T=16, BLOCK_K=128,
+              STAGES=stages, USE_PDL=True, K_MAJOR=False, W_SCALE=1, LORA_K=0, RANK=1)
+types = dict(w_desc="tensordesc<fp8e4nv[64, 128]>", x_desc="tensordesc<bf16[16, 128]>",
+             part_ptr="*fp32", s_ptr="*fp32")
+names = [p.name for p in split_k._split_k_kernel.params]
+sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+src = ASTSource(fn=split_k._split_k_kernel, signature=sig,
+                constexprs={(names.index(n),): v for n, v in consts.items()})
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+print(stages, k.metadata.shared)
+"""
+
+
+def test_sm90_three_resident_split_k_programs_fit() -> None:
+    """Compiled for sm_90, three FP8 split-K programs at the stages _stages gives 384 of them
+    fit one SM's 228 KB of shared memory (each block also reserves 1 KB)."""
+    stdout = _compile_for_sm90(_SPLIT_K_SM90)
+    stages, shared = map(int, stdout.split())
+    assert stages == 6 and 3 * (shared + 1024) <= 228 * 1024, stdout

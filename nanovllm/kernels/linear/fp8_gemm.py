@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.linear.fp8_reference import FP8_DTYPE, SCALE_EPS
-from nanovllm.kernels.linear.split_k import fits_split_k, split_k_linear
+from nanovllm.kernels.linear.split_k import fits_split_k, split_k_linear, sum_partials
 
 DECODE_TOKENS = 16  # up to here fp8_linear runs W8A16 split over K (weight_stages' FP8 range)
 
@@ -155,9 +155,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     if _runs_split_k(x2, weight, block):
-        y = split_k_linear(x2, weight, w_scale=weight_scale, w_block=block).sum(0)
-        y = (y if bias is None else y + bias).to(x.dtype)
-        return y.reshape(*x.shape[:-1], n)
+        part = split_k_linear(x2, weight, w_scale=weight_scale, w_block=block)
+        return sum_partials(part, x.dtype, bias).reshape(*x.shape[:-1], n)
     groups = block if block is not None else (1, k)
     codes, scales = per_token_group_quant(x2, groups[1])
     if block is None and _scaled_mm_fits(x2, weight):

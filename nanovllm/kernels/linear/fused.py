@@ -17,8 +17,6 @@ scales applied to the float32 accumulator (kernels.linear.fused_fp8 says how, an
 LoRA slots (16-bit weights) add their delta inside the same K loop
 (kernels.linear.lora.add_lora)."""
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -34,6 +32,8 @@ from nanovllm.kernels.linear.fused_fp8 import (
     channel_scaled,
     channel_scales,
     fits_weight,
+    num_sms,
+    resident_stages,
     scale_args,
     scaled_dot,
     weight_stages,
@@ -206,17 +206,6 @@ def fits_gate_up(hidden_size: int, intermediate_size: int, dtype: torch.dtype,
         and intermediate_size % ROWS == 0 and hidden_size % 64 == 0
 
 
-# Shared memory a program's pipeline may fill (the H200's 227 KB a block, less the epilogue's)
-PIPELINE_BYTES = 220 * 1024
-
-
-@functools.cache
-def num_sms(device: torch.device) -> int:
-    """The device's SMs; 0 off CUDA (no residency limit)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count \
-        if device.type == "cuda" else 0
-
-
 def _launch(num_tokens: int, weight: torch.Tensor, lora: bool = False, programs: int = 0,
             sms: int = 0) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_K, STAGES, num_warps) for a batch (swept on the H200 by the probe
@@ -229,10 +218,8 @@ def _launch(num_tokens: int, weight: torch.Tensor, lora: bool = False, programs:
         return (32 if num_tokens <= 128 else 64), K_STEP, 2 if lora else stages, 4
     if lora:
         return 16, K_STEP, 3, 4
-    if sms and programs > sms:
-        stage = 2 * ROWS * K_STEP * weight.element_size() + 16 * K_STEP * 2  # 2 W tiles + x
-        stages = max(2, min(stages, PIPELINE_BYTES // (-(-programs // sms) * stage)))
-    return 16, K_STEP, stages, 4
+    stage = 2 * ROWS * K_STEP * weight.element_size() + 16 * K_STEP * 2  # 2 W tiles + x
+    return 16, K_STEP, resident_stages(stages, programs, sms, stage), 4
 
 
 def _descriptors(x: torch.Tensor, weight: torch.Tensor, block_t: int, block_k: int):

@@ -22,6 +22,8 @@ The two scale layouts of layers.quantization.fp8 (kernels.linear.fp8_reference d
 The kernels take a weight's scales as (s_ptr, stride_s, scale_rows): weight row r's scales
 start at s_ptr + r // scale_rows * stride_s (scale_args).
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -46,6 +48,25 @@ def weight_stages(num_tokens: int, weight: torch.Tensor) -> int:
     bytes in flight (at 128 tokens the x tile alone is 32 KB: 8 stages need 320 KB of the
     H200's 227 KB of shared memory)."""
     return 8 if weight.dtype == FP8_DTYPE and num_tokens <= 16 else 4
+
+
+# Shared memory a program's pipeline may fill (the H200's 227 KB a block, less the epilogue's)
+PIPELINE_BYTES = 220 * 1024
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """The device's SMs; 0 off CUDA (no residency limit)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count \
+        if device.type == "cuda" else 0
+
+
+def resident_stages(stages: int, programs: int, sms: int, stage_bytes: int) -> int:
+    """At most `stages`, as many as keep all `programs` resident at once (at least 2): one
+    wave, not a second, partial one behind the first."""
+    if not sms or programs <= sms:
+        return stages
+    return max(2, min(stages, PIPELINE_BYTES // (-(-programs // sms) * stage_bytes)))
 
 
 def fits_weight(dtype: torch.dtype, weight_dtype: torch.dtype, block: Block) -> bool:

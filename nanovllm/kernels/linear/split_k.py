@@ -16,6 +16,8 @@ from nanovllm.kernels.linear.fused_fp8 import (
     channel_scaled,
     channel_scales,
     fits_weight,
+    num_sms,
+    resident_stages,
     scale_args,
     scaled_dot,
     weight_stages,
@@ -65,6 +67,34 @@ def _split_k_kernel(w_desc, x_desc, part_ptr, M, N, K_SPLIT, s_ptr, stride_s, sc
     tl.store(part_ptr + (split * M + toks).to(tl.int64) * N + cols, acc, mask=toks < M)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _sum_partials_kernel(part_ptr, bias_ptr, out_ptr, M, N, SPLITS: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """Grid (M, N / BLOCK): out = sum of the splits in order (+ bias), rounded once."""
+    wait_then_release(USE_PDL)
+    row, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for split in tl.static_range(SPLITS):
+        acc += tl.load(part_ptr + (split * M + row) * N + cols, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=mask).to(tl.float32)
+    tl.store(out_ptr + row * N + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sum_partials(part: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """split_k_linear's partials [S, M, N] summed (+ bias) into [M, N] of dtype in one PDL
+    launch: torch's sum and cast were two launches that waited for split-K to end."""
+    splits, num_tokens, output_size = part.shape
+    out = torch.empty(num_tokens, output_size, dtype=dtype, device=part.device)
+    block = min(1024, triton.next_power_of_2(output_size))
+    _sum_partials_kernel[(num_tokens, triton.cdiv(output_size, block))](
+        part, part if bias is None else bias, out, num_tokens, output_size, SPLITS=splits,
+        HAS_BIAS=bias is not None, BLOCK=block, **launch_options())
+    return out
+
+
 def fits_split_k(input_size: int, output_size: int, dtype: torch.dtype,
                  weight_dtype: torch.dtype | None = None, w_block: Block = None) -> bool:
     """Whether split_k_linear takes these sizes."""
@@ -83,12 +113,17 @@ def _num_splits(output_size: int, input_size: int, token_tiles: int, num_tokens:
     return splits
 
 
-def _stages(k_steps: int, num_tokens: int, lora: LoRASlots | None, weight: torch.Tensor
-            ) -> int:
-    """Pipeline stages of a split's K loop. LoRA's A tiles make a stage 36 KB at 16 tokens:
-    stages past the loop's own K steps then only cost programs per SM (measured: docs/lora.md)."""
+def _stages(k_steps: int, num_tokens: int, lora: LoRASlots | None, weight: torch.Tensor,
+            programs: int, sms: int) -> int:
+    """Pipeline stages of a split's K loop: up to 16 tokens as many as keep all programs
+    resident (fused._launch's rule). LoRA's A tiles make a stage 36 KB at 16 tokens: stages past
+    the loop's own K steps then only cost programs per SM (measured: docs/lora.md)."""
     if lora is None:
-        return weight_stages(num_tokens, weight)
+        stages = weight_stages(num_tokens, weight)
+        if num_tokens > 16:
+            return stages
+        stage = ROWS * K_STEP * weight.element_size() + 16 * K_STEP * 2  # a W tile + x
+        return resident_stages(stages, programs, sms, stage)
     return min(3, k_steps + 1) if num_tokens <= 16 else 2
 
 
@@ -109,11 +144,14 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, *, w_scale: torch.Tens
     splits = _num_splits(output_size, input_size, tiles, num_tokens)
     part = torch.empty(splits, num_tokens, output_size, dtype=torch.float32, device=x.device)
     scales = scale_args(weight, w_scale, w_block)
-    _split_k_kernel[(output_size // ROWS, splits, tiles)](
+    grid = (output_size // ROWS, splits, tiles)
+    stages = _stages(input_size // splits // K_STEP, num_tokens, lora, weight,
+                     grid[0] * splits * tiles, num_sms(x.device))
+    _split_k_kernel[grid](
         TensorDescriptor.from_tensor(stored, [K_STEP, ROWS] if k_major else [ROWS, K_STEP]),
         TensorDescriptor.from_tensor(x, [block_t, K_STEP]), part, num_tokens, output_size,
         input_size // splits, *scales[:3], **fused_lora_args(lora, K_STEP), BLOCK_T=block_t,
         BLOCK_K=K_STEP,
-        STAGES=_stages(input_size // splits // K_STEP, num_tokens, lora, weight),
+        STAGES=stages,
         K_MAJOR=k_major, W_SCALE=scales[3], num_warps=4, **launch_options())
     return part
