@@ -108,6 +108,13 @@ def add_requests(llm, batch: int, tokens: int, max_id: int, lora=None) -> None:
         llm.add_request([(31 * i + 7 * j) % max_id + 1 for j in range(128)], params, lora)
 
 
+def prefill(llm) -> None:
+    """Step until every prompt is prefilled: a large batch's prompts take several steps."""
+    llm.step()
+    while llm.scheduler.waiting:
+        llm.step()
+
+
 def run_decode(llm, batch: int, tokens: int, max_id: int, lora=None) -> dict:
     """Decode `tokens` tokens for `batch` prompts; host µs per phase, GPU µs per step."""
     add_requests(llm, batch, tokens, max_id, lora)
@@ -116,7 +123,7 @@ def run_decode(llm, batch: int, tokens: int, max_id: int, lora=None) -> dict:
     for label, _, owner, attribute in PHASES:
         phases.wrap(targets[owner], attribute, label)
     try:
-        llm.step()  # the prefill, untimed
+        prefill(llm)  # untimed
         phases.reset()
         first = len(recorder.steps)
         t0, num_steps = perf_counter(), 0
@@ -175,15 +182,17 @@ def kernel_phases(llm, batch: int, steps: int, max_id: int, lora=None
     from torch.profiler import ProfilerActivity, profile
 
     add_requests(llm, batch, steps + 1, max_id, lora)
-    llm.step()  # the prefill
+    prefill(llm)
     torch.cuda.synchronize()
+    num_steps = 0  # `steps`, or one fewer where a partly prefilled batch decoded meanwhile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         while not llm.is_finished():
             llm.step()
+            num_steps += 1
         torch.cuda.synchronize()
     intervals = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                  if e.device_type == DeviceType.CUDA]
-    per_kernel = {name: [us / steps, n / steps]
+    per_kernel = {name: [us / num_steps, n / num_steps]
                   for name, (us, n) in exclusive_times(intervals).items()}
     phases: dict[str, float] = defaultdict(float)
     for name, (us, _) in per_kernel.items():
