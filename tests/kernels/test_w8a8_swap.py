@@ -75,17 +75,21 @@ def test_layer_sized_w8a8_swap_on_cuda(m, block):
                                atol=2e-2 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("m,swapped", [(DECODE_TOKENS + 1, True), (SWAP_TOKENS + 1, False)])
-def test_fp8_linear_swaps_operands_above_decode_tokens(m, swapped, monkeypatch):
-    """fp8_linear takes the swapped GEMM from DECODE_TOKENS + 1 to SWAP_TOKENS tokens, and
-    its result is the product of its own activation codes (the interpreter rounds a few codes
-    off the reference's, see test_fp8_gemm) and the dequantized weight."""
+@pytest.mark.parametrize("m,block,swapped", [(DECODE_TOKENS + 1, None, True),
+                                             (SWAP_TOKENS + 1, None, False),
+                                             (SWAP_TOKENS + 1, (128, 128), True)])
+def test_fp8_linear_swaps_operands_above_decode_tokens(m, block, swapped, monkeypatch):
+    """fp8_linear takes the swapped GEMM from DECODE_TOKENS + 1 tokens (per channel up to
+    SWAP_TOKENS), and its result is the product of its own activation codes (the interpreter
+    rounds a few codes off the reference's, see test_fp8_gemm) and the dequantized weight."""
     calls = []
     monkeypatch.setattr(fp8_gemm, "w8a8_swap",
                         lambda *a, **kw: calls.append(a[0].shape) or w8a8_swap(*a, **kw))
-    x, weight, weight_scale = _operands(m, 128, 256, None)
-    out = fp8_gemm.fp8_linear(x, weight, weight_scale, None)
-    codes, scales = fp8_gemm.per_token_group_quant(x, 256)
-    ref = (codes.float() * scales) @ dequantize_groups(weight, weight_scale, 1, 256).t()
+    x, weight, weight_scale = _operands(m, 128, 256, block)
+    out = fp8_gemm.fp8_linear(x, weight, weight_scale, block)
+    groups = block or (1, 256)
+    codes, scales = fp8_gemm.per_token_group_quant(x, groups[1])
+    ref = (codes.float() * scales.repeat_interleave(groups[1], 1)) \
+        @ dequantize_groups(weight, weight_scale, *groups).t()
     assert bool(calls) == swapped
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=TOLERANCE * ref.abs().max().item())

@@ -2,13 +2,15 @@
 then a GEMM of FP8 codes that applies both scales in its epilogue (kernels.linear.fp8_reference
 is the reference and describes the layout).
 
-- Block-scaled weights (Qwen's FP8 releases, [128, 128] blocks): our Triton GEMM, one K step per
-  block, each step's partial product times its token-group and weight-block scales.
+- Block-scaled weights (Qwen's FP8 releases, [128, 128] blocks) the swapped GEMM below does not
+  take: our Triton GEMM, one K step per block, each step's partial product times its
+  token-group and weight-block scales.
 - Per-channel weights: torch._scaled_mm (cuBLAS, rowwise scales) where it takes the shapes and
   dtype, else the same Triton GEMM with one group spanning all of K.
-- DECODE_TOKENS to SWAP_TOKENS tokens (sm_90): the weight's rows on the MMA's M side
-  (kernels.linear.w8a8_tma), K split for short N: cuBLAS gave Llama-3.1-8B's o_proj 64
-  programs, 13 us against its 4 us of bytes at any batch up to 256.
+- From DECODE_TOKENS + 1 tokens (sm_90): the weight's rows on the MMA's M side
+  (kernels.linear.w8a8_tma), K split for short N, for block scales at any size and per
+  channel up to SWAP_TOKENS: cuBLAS gave Llama-3.1-8B's o_proj 64 programs, 13 us against its
+  4 us of bytes at any batch up to 256.
 - Up to DECODE_TOKENS tokens: W8A16 split over K instead (kernels.linear.split_k, as the fused
   decode projections run FP8 weights), its partials summed. Both GEMMs above tile the weight
   for many tokens: a 1-token step gave cuBLAS 48 programs for Llama-3.1-8B's qkv_proj, 18 us
@@ -25,7 +27,7 @@ from nanovllm.kernels.linear.split_k import fits_split_k, split_k_linear, sum_pa
 from nanovllm.kernels.linear.w8a8_tma import fits_w8a8_swap, w8a8_swap
 
 DECODE_TOKENS = 16  # up to here fp8_linear runs W8A16 split over K (weight_stages' FP8 range)
-SWAP_TOKENS = 128  # up to here W8A8 with swapped operands; at 256 cuBLAS was as fast
+SWAP_TOKENS = 128  # per channel, W8A8 swapped up to here; at 256 cuBLAS was as fast
 
 
 @triton.jit
@@ -144,6 +146,15 @@ def _runs_split_k(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] 
     return _has_tma(x.device) and fits_split_k(k, n, x.dtype, weight.dtype, block)
 
 
+def _runs_swap(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
+    """Whether fp8_linear takes the swapped W8A8 GEMM: with TMA, for shapes it takes; per
+    channel up to SWAP_TOKENS (cuBLAS from there), block-scaled at any size (our other GEMM,
+    w8a8_gemm, took twice as long at 256 tokens)."""
+    n, k = weight.shape
+    return (block is not None or x.shape[0] <= SWAP_TOKENS) and fits_w8a8_swap(n, k, block) \
+        and weight.is_contiguous() and _has_tma(x.device)
+
+
 @functools.cache
 def _has_tma(device: torch.device) -> bool:
     """sm_90 and newer, or the CPU interpreter, which emulates TMA (asked once a device)."""
@@ -164,8 +175,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         return sum_partials(part, x.dtype, bias).reshape(*x.shape[:-1], n)
     groups = block if block is not None else (1, k)
     codes, scales = per_token_group_quant(x2, groups[1])
-    if x2.shape[0] <= SWAP_TOKENS and fits_w8a8_swap(n, k, block) and _has_tma(x2.device) \
-            and weight.is_contiguous():
+    if _runs_swap(x2, weight, block):
         y = w8a8_swap(codes, scales, weight, weight_scale, block, bias, x.dtype)
     elif block is None and _scaled_mm_fits(x2, weight):
         y = torch._scaled_mm(codes, weight.t(), scale_a=scales, scale_b=weight_scale.view(1, n),
