@@ -109,7 +109,9 @@ def add_requests(llm, batch: int, tokens: int, max_id: int, lora=None) -> None:
 
 
 def prefill(llm) -> None:
-    """Step until every prompt is prefilled: a large batch's prompts take several steps."""
+    """Step until every prompt is prefilled: a large batch's prompts take several steps, and
+    the scheduler runs a decode step for those already prefilled between them (so these
+    finish that many steps early)."""
     llm.step()
     while llm.scheduler.waiting:
         llm.step()
@@ -181,18 +183,18 @@ def kernel_phases(llm, batch: int, steps: int, max_id: int, lora=None
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    add_requests(llm, batch, steps + 1, max_id, lora)
+    add_requests(llm, batch, 2 * steps, max_id, lora)  # tokens left for `steps` full steps
     prefill(llm)
     torch.cuda.synchronize()
-    num_steps = 0  # `steps`, or one fewer where a partly prefilled batch decoded meanwhile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        while not llm.is_finished():
+        for _ in range(steps):
             llm.step()
-            num_steps += 1
         torch.cuda.synchronize()
+    while not llm.is_finished():
+        llm.step()
     intervals = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                  if e.device_type == DeviceType.CUDA]
-    per_kernel = {name: [us / num_steps, n / num_steps]
+    per_kernel = {name: [us / steps, n / steps]
                   for name, (us, n) in exclusive_times(intervals).items()}
     phases: dict[str, float] = defaultdict(float)
     for name, (us, _) in per_kernel.items():

@@ -157,7 +157,7 @@ def test_split_k_linear(dtype: torch.dtype, num_tokens: int, input_size: int,
     torch.testing.assert_close(parts.sum(0), want, atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("dtype", DTYPES + [torch.float32])  # the interpreter truncates to bf16
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32])
 @pytest.mark.parametrize("splits,num_tokens,output_size,bias", [(4, 1, 1500, True),
                                                                 (2, 5, 96, False),
                                                                 (1, 16, 2048, True)])

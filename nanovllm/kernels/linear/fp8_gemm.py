@@ -7,14 +7,14 @@ is the reference and describes the layout).
   token-group and weight-block scales.
 - Per-channel weights: torch._scaled_mm (cuBLAS, rowwise scales) where it takes the shapes and
   dtype, else the same Triton GEMM with one group spanning all of K.
-- From DECODE_TOKENS + 1 tokens (sm_90): the weight's rows on the MMA's M side
-  (kernels.linear.w8a8_tma), K split for short N, for block scales at any size and per
-  channel up to SWAP_TOKENS: cuBLAS gave Llama-3.1-8B's o_proj 64 programs, 13 us against its
-  4 us of bytes at any batch up to 256.
-- Up to DECODE_TOKENS tokens: W8A16 split over K instead (kernels.linear.split_k, as the fused
-  decode projections run FP8 weights), its partials summed. Both GEMMs above tile the weight
-  for many tokens: a 1-token step gave cuBLAS 48 programs for Llama-3.1-8B's qkv_proj, 18 us
-  against its 6 us of bytes, plus the activations' quantization kernel.
+- With TMA (sm_90), where split-K below does not run: the operands swapped, the weight's rows
+  on the MMA's M side (kernels.linear.w8a8_swap), K split for short N; for block scales at any
+  size, per channel up to SWAP_TOKENS. cuBLAS gave Llama-3.1-8B's o_proj 64 programs, 13 us
+  against its 4 us of bytes at any batch up to 256.
+- Up to DECODE_TOKENS tokens of 16-bit activations: W8A16 split over K instead
+  (kernels.linear.split_k, as the fused decode projections run FP8 weights), its partials
+  summed. The GEMMs above quantize the activations in a launch of their own, and cuBLAS's
+  took 18 us of a 6 us byte floor for Llama-3.1-8B's qkv_proj at 1 token.
 """
 import functools
 
@@ -24,7 +24,7 @@ import triton.language as tl
 
 from nanovllm.kernels.linear.fp8_reference import FP8_DTYPE, SCALE_EPS
 from nanovllm.kernels.linear.split_k import fits_split_k, split_k_linear, sum_partials
-from nanovllm.kernels.linear.w8a8_tma import fits_w8a8_swap, w8a8_swap
+from nanovllm.kernels.linear.w8a8_swap import fits_w8a8_swap, w8a8_swap
 
 DECODE_TOKENS = 16  # up to here fp8_linear runs W8A16 split over K (weight_stages' FP8 range)
 SWAP_TOKENS = 128  # per channel, W8A8 swapped up to here; at 256 cuBLAS was as fast
@@ -151,8 +151,8 @@ def _runs_swap(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | N
     channel up to SWAP_TOKENS (cuBLAS from there), block-scaled at any size (our other GEMM,
     w8a8_gemm, took twice as long at 256 tokens)."""
     n, k = weight.shape
-    return (block is not None or x.shape[0] <= SWAP_TOKENS) and fits_w8a8_swap(n, k, block) \
-        and weight.is_contiguous() and _has_tma(x.device)
+    return 0 < x.shape[0] and (block is not None or x.shape[0] <= SWAP_TOKENS) \
+        and fits_w8a8_swap(n, k, block) and weight.is_contiguous() and _has_tma(x.device)
 
 
 @functools.cache

@@ -84,8 +84,9 @@ def _sum_partials_kernel(part_ptr, bias_ptr, out_ptr, M, N, SPLITS: tl.constexpr
 
 def sum_partials(part: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None
                  ) -> torch.Tensor:
-    """split_k_linear's partials [S, M, N] summed (+ bias) into [M, N] of dtype in one PDL
-    launch: torch's sum and cast were two launches that waited for split-K to end."""
+    """Split partials [S, M, N] (split_k_linear's, w8a8_swap's) summed (+ bias) into [M, N]
+    of dtype in one PDL launch: torch's sum and cast were two launches that waited for
+    split-K to end."""
     splits, num_tokens, output_size = part.shape
     out = torch.empty(num_tokens, output_size, dtype=dtype, device=part.device)
     block = min(1024, triton.next_power_of_2(output_size))
@@ -151,7 +152,6 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, *, w_scale: torch.Tens
         TensorDescriptor.from_tensor(stored, [K_STEP, ROWS] if k_major else [ROWS, K_STEP]),
         TensorDescriptor.from_tensor(x, [block_t, K_STEP]), part, num_tokens, output_size,
         input_size // splits, *scales[:3], **fused_lora_args(lora, K_STEP), BLOCK_T=block_t,
-        BLOCK_K=K_STEP,
-        STAGES=stages,
-        K_MAJOR=k_major, W_SCALE=scales[3], num_warps=4, **launch_options())
+        BLOCK_K=K_STEP, STAGES=stages, K_MAJOR=k_major, W_SCALE=scales[3], num_warps=4,
+        **launch_options())
     return part

@@ -1,8 +1,9 @@
-"""W8A8 GEMM of FP8 codes for 17 to a few hundred tokens (a large decode batch), operands
-swapped: the weight's rows fill the MMA's M side, the tokens its N side, so that every program
-reads a distinct slab of the weight by TMA and the tokens' codes, shared by all programs, come
-from L2. Splitting K gives o_proj/down_proj's few thousand rows enough programs for every SM;
-split partials are float32, summed by split_k.sum_partials."""
+"""W8A8 GEMM of FP8 codes with the operands swapped: the weight's rows fill the MMA's M side,
+the tokens its N side, so that every program reads a distinct slab of the weight by TMA and the
+tokens' codes, shared by all programs, come from L2. Splitting K gives o_proj/down_proj's few
+thousand rows enough programs for every SM; split partials are float32, summed by
+split_k.sum_partials. fp8_gemm.fp8_linear picks it (for how many tokens, see there). Not a PDL
+launch: with PDL it and the quantization before it were slower (docs/benchmarks.md)."""
 import torch
 import triton
 import triton.language as tl
@@ -60,15 +61,16 @@ def fits_w8a8_swap(n: int, k: int, block: tuple[int, int] | None) -> bool:
 
 def swap_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_W, BLOCK_T, splits, stages, warps) for m tokens, the H200 sweep's rule
-    (docs/quantization.md): one token tile up to 128; 128-row weight tiles where 64-row ones
-    would give over two programs a SM; K split while the programs stay under two a SM and
-    each split keeps at least 2,048 columns."""
+    (docs/quantization.md): token tiles of up to 128; 128-row weight tiles where 64-row ones
+    would give over two programs a SM; K halved while that keeps at most two programs a SM
+    and each split at least 2,048 columns."""
     block_t = max(16, min(128, triton.next_power_of_2(m)))
     tiles = triton.cdiv(m, block_t)
-    block_w = 128 if n // 64 * tiles > 2 * sms else 64
+    most = 2 * sms
+    block_w = 128 if n // 64 * tiles > most else 64
     programs = n // block_w * tiles
     splits = 1
-    while programs * splits * 2 <= 2 * sms and k % (splits * 2 * 128) == 0 \
+    while programs * splits * 2 <= most and k % (splits * 2 * 128) == 0 \
             and k // (splits * 2) >= 2048:
         splits *= 2
     wide = block_w * block_t >= 128 * 128
@@ -83,6 +85,10 @@ def w8a8_swap(codes: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor,
     m, k = codes.shape
     n = weight.shape[0]
     block_w, block_t, splits, stages, warps = config or swap_config(m, n, k, num_sms(codes.device))
+    assert m > 0 and fits_w8a8_swap(n, k, block) and k % (splits * 128) == 0, (m, n, k, splits)
+    assert codes.is_contiguous() and weight.is_contiguous() and scales.stride(1) == 1
+    assert weight_scale.is_contiguous() and weight_scale.shape == (
+        (n // 128, k // 128) if block is not None else (n, 1)), weight_scale.shape
     if splits > 1:
         out = torch.empty(splits, m, n, dtype=torch.float32, device=codes.device)
     else:
