@@ -65,7 +65,7 @@ def test_swap_config_follows_the_sweep():
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU")
 @pytest.mark.parametrize("block", [None, (128, 128)])
-@pytest.mark.parametrize("m", [24, 100, 256])
+@pytest.mark.parametrize("m", [24, 100, 256, 1000])  # 1000: a prefill chunk (blocks)
 def test_layer_sized_w8a8_swap_on_cuda(m, block):
     """An 8B o_proj-sized GEMM with swap_config's own tiles and splits, against the reference."""
     n, k = 4096, 4096
