@@ -15,18 +15,16 @@ FP8 experts (W8A8, kernels.linear.fp8_reference's layout): both GEMMs read FP8 c
 activations (quantized per token group beforehand) and of the weights, and scale each K step's
 product by its token group's and weight block's scales, as kernels.linear.fp8_gemm does for one
 linear layer.
+
+Tile sizes and launch options come from kernels.moe.config: a table measured per shape on the
+GPU (benchmarks/moe_sweep.py), else a fixed default.
 """
 import torch
 import triton
 import triton.language as tl
 
 from nanovllm.kernels.linear.fp8_gemm import per_token_group_quant
-
-BLOCK_N = 64
-BLOCK_K = 64
-# FP8 experts step K 128 wide (a weight-scale block's width): half a 16-bit tile's bytes per step
-# at 64 would leave too few bytes in flight for the halved weights to pay
-FP8_BLOCK_K = 128
+from nanovllm.kernels.moe.config import MoEConfig, moe_config
 
 
 @triton.jit
@@ -122,12 +120,6 @@ def _down_kernel(h_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ids_ptr, expert_ids
                  mask=row_mask[:, None] & n_mask[None, :])
 
 
-def block_m_for(num_slots: int, num_experts: int) -> int:
-    """Rows per block: small when each expert gets few slots (decode), to waste little padding."""
-    per_expert = num_slots / num_experts
-    return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
-
-
 @triton.jit(do_not_specialize=["num_slots"])
 def _count_kernel(ids_ptr, counts_ptr, num_slots, BLOCK: tl.constexpr):
     """counts[e] += the slots of this chunk routed to expert e."""
@@ -202,13 +194,13 @@ def _fp8_inputs(x: torch.Tensor, scale: torch.Tensor | None, group_k: int
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None,
-              block: tuple[int, int] | None = None) -> torch.Tensor:
+              w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+              config: MoEConfig | None = None) -> torch.Tensor:
     """sum_k topk_weights[:, k] * expert_{topk_ids[:, k]}(x), as kernels.moe.reference.
 
     x [M, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; topk_* [M, K]. With
     scales (FP8 experts): [E, 2I/bn, H/bk] and [E, H/bn, I/bk] for block (bn, bk), else
-    [E, 2I, 1] and [E, H, 1] per channel.
+    [E, 2I, 1] and [E, H, 1] per channel. config: tiles and launch options (else moe_config's).
     """
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
@@ -216,29 +208,31 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     num_slots = num_tokens * top_k
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
     fp8 = w13_scale is not None
+    if config is None:
+        config = moe_config(num_slots, num_experts, hidden, inter, fp8)
     # FP8 groups (rows, cols) of each weight's scales; a K step stays inside one group
     g13, g2 = (block, block) if block is not None else ((1, hidden), (1, inter))
-    block_k = min(FP8_BLOCK_K, g13[1]) if fp8 else BLOCK_K
-    block_m = block_m_for(num_slots, num_experts)
+    block_k = min(config.block_k, g13[1]) if fp8 else config.block_k
+    assert block is None or block[1] % block_k == 0, (block, block_k)
+    block_m = config.block_m
     sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, num_experts, block_m)
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    consts = dict(PRECISION="ieee" if x.dtype == torch.float32 else "tf32", FP8=fp8,
+                  BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
+                  num_warps=config.num_warps, num_stages=config.num_stages)
+    row_blocks = sorted_ids.numel() // block_m
     a, a_scale, stride_as = _fp8_inputs(x, w13_scale, g13[1])
     s13 = w13_scale if fp8 else x
     h = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
-    grid = (sorted_ids.numel() // block_m, triton.cdiv(inter, BLOCK_N))
-    _gate_up_silu_kernel[grid](
+    _gate_up_silu_kernel[(row_blocks, triton.cdiv(inter, config.block_n))](
         a, w13, h, sorted_ids, expert_ids, num_padded, num_slots, top_k, inter, hidden,
         a.stride(0), w13.stride(0), w13.stride(1), h.stride(0), a_scale, s13, stride_as,
-        s13.stride(0) if fp8 else 0, s13.stride(1) if fp8 else 0, g13[0], g13[1],
-        PRECISION=precision, FP8=fp8, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k)
+        s13.stride(0) if fp8 else 0, s13.stride(1) if fp8 else 0, g13[0], g13[1], **consts)
     h_in, h_scale, stride_hs = _fp8_inputs(h, w2_scale, g2[1])
     s2 = w2_scale if fp8 else x
     out = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
-    grid = (sorted_ids.numel() // block_m, triton.cdiv(hidden, BLOCK_N))
-    _down_kernel[grid](
+    _down_kernel[(row_blocks, triton.cdiv(hidden, config.block_n))](
         h_in, w2, out, topk_weights.contiguous().flatten(), sorted_ids, expert_ids, num_padded,
         num_slots, hidden, inter, h_in.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         h_scale, s2, stride_hs, s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
-        g2[0], g2[1], PRECISION=precision, FP8=fp8, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        BLOCK_K=block_k)
+        g2[0], g2[1], **consts)
     return out.view(num_tokens, top_k, hidden).sum(dim=1)
