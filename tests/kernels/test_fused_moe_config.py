@@ -46,16 +46,18 @@ def test_tuned_table_is_consulted_by_slot_bucket(monkeypatch):
 
 
 def test_fused_moe_launches_the_tuned_config(monkeypatch):
-    """fused_moe asks moe_config when given no config, and takes a given one as it is."""
+    """fused_moe asks moe_config when given no config (16-bit activations: the tables' own),
+    and takes a given one as it is."""
     tuned = MoEConfig(64, 128, 64, 8, 2)
     monkeypatch.setattr(moe_cfg, "_TUNED", {(moe_cfg.shape_key(4, 64, 32, False), 1 << 20): tuned})
     seen, align = [], module.moe_align_block_size
     monkeypatch.setattr(module, "moe_align_block_size",
                         lambda ids, e, block_m: seen.append(block_m) or align(ids, e, block_m))
-    x, w13, w2, weights, ids = _inputs("float32", 3, 4, 2, 64, 32)
+    x, w13, w2, weights, ids = _inputs("bfloat16", 3, 4, 2, 64, 32)
     fused_moe(x, w13, w2, weights, ids)
     fused_moe(x, w13, w2, weights, ids, config=MoEConfig(32, 64, 64))
-    assert seen == [64, 32]
+    fused_moe(x.float(), w13.float(), w2.float(), weights.float(), ids)  # float32: the default
+    assert seen == [64, 32, 16]
 
 
 def _inputs(kind: str, tokens: int, experts: int, top_k: int, hidden: int, inter: int):
