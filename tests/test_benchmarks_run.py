@@ -124,9 +124,16 @@ def lora(tmp_path: Path) -> None:
 
 
 # File -> its smallest CPU case, run here.
+def moe_sweep(tmp_path: Path) -> None:
+    """The sweep's grid without a GPU (tests/kernels/test_fused_moe_config.py runs its table)."""
+    proc = run(sys.executable, "-m", "benchmarks.moe_sweep", "--dry-run", "--quick",
+               tmp_path=tmp_path)
+    ok(proc, "fp8         8192 tokens:", "192 timings of 36 kernel configurations")
+
+
 CASES = {"cold_compiles.py": cold_compiles, "floor.py": floor, "gpu_figures.sh": gpu_figures,
-         "lora.py": lora, "plot.py": plot, "profile_steps.py": profile_steps, "shapes.py": shapes,
-         "soak.py": soak}
+         "lora.py": lora, "moe_sweep.py": moe_sweep, "plot.py": plot,
+         "profile_steps.py": profile_steps, "shapes.py": shapes, "soak.py": soak}
 SLOW = {"gpu_figures.sh", "profile_steps.py"}  # each takes ~20-30 s on CPU
 
 
