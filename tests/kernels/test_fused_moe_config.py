@@ -178,3 +178,21 @@ def test_sweep_writes_what_the_loader_reads(tmp_path, capsys):
     assert moe_cfg.load_tuned(tmp_path) == {("E128_H2048_I768_bf16", 256): MoEConfig(**best)}
     assert all(moe_sweep.default_for(m, t) in moe_sweep.grid(m, t, quick=True)
                for m in moe_sweep.MODES for t in moe_sweep.TOKENS)
+
+
+@pytest.mark.parametrize("budget,max_num_seqs", [(16384, 512), (3000, 64), (512, 256)])
+def test_warm_up_reaches_every_tuned_bucket(budget, max_num_seqs):
+    """Each table entry is one kernel variant: start-up's steps (runner.warmup's prefill
+    lengths, the decode graphs' batch sizes) reach every bucket a run can reach, so no tuned
+    variant first compiles inside a user's run (top 8 of Qwen3-30B-A3B)."""
+    from nanovllm.runner.cuda_graphs import graph_batch_sizes
+    from nanovllm.runner.warmup import prefill_lengths
+    top_k = 8
+    warm = {top_k * n for n in [1, *graph_batch_sizes(max_num_seqs), *prefill_lengths(budget)]}
+    reachable = range(top_k, top_k * max(budget, max_num_seqs) + 1, top_k)
+    for key in {k for k, _ in moe_cfg._TUNED}:
+        buckets = sorted(b for k, b in moe_cfg._TUNED if k == key)
+        bounds = list(zip([0, *buckets[:-1]], buckets[:-1] + [float("inf")]))
+        for low, high in bounds:  # a bucket's slot range (the largest serves everything above)
+            if any(low < s <= high for s in reachable):
+                assert any(low < s <= high for s in warm), (key, low, high)
