@@ -194,7 +194,7 @@ def format_row(s: dict) -> str:
 
 
 def report(args, records: list, summary: list, elapsed: float, compile_s: float) -> None:
-    """Write the raw timings, then print _TUNED entries and, last, the table."""
+    """Write the raw timings and the tables asked for, then print the table."""
     with open(args.out, "w") as f:
         json.dump(dict(shape=dict(E=E, H=H, I=INTER, top_k=TOP_K), quick=args.quick,
                        elapsed_s=elapsed, compile_s=compile_s, summary=summary,

@@ -63,10 +63,13 @@ def _tuned(key: str, num_slots: int) -> MoEConfig | None:
     return _TUNED[key, next((b for b in buckets if num_slots <= b), buckets[-1])]
 
 
-def moe_config(num_slots: int, num_experts: int, hidden: int, inter: int,
-               fp8: bool) -> MoEConfig:
-    """The launch configuration for these shapes: a tuned one where _TUNED has the shape."""
-    if _TUNED and os.environ.get("NANOVLLM_MOE_TUNED", "1") != "0":  # =0: A/B runs
+def moe_config(num_slots: int, num_experts: int, hidden: int, inter: int, fp8: bool,
+               act_bytes: int = 2) -> MoEConfig:
+    """The launch configuration for these shapes: a tuned one where _TUNED has the shape. The
+    tables hold 16-bit activations' launches (act_bytes 2): float32 tiles take twice the
+    shared memory, so wider activations keep the default."""
+    # NANOVLLM_MOE_TUNED=0: the default everywhere (A/B runs), read per call
+    if _TUNED and act_bytes == 2 and os.environ.get("NANOVLLM_MOE_TUNED", "1") != "0":
         tuned = _tuned(shape_key(num_experts, hidden, inter, fp8), num_slots)
         if tuned is not None:
             return tuned

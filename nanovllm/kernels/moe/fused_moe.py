@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.linear.fp8_gemm import per_token_group_quant
-from nanovllm.kernels.moe.config import MoEConfig, default_config, moe_config
+from nanovllm.kernels.moe.config import MoEConfig, moe_config
 
 
 @triton.jit
@@ -208,9 +208,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     num_slots = num_tokens * top_k
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
     fp8 = w13_scale is not None
-    if config is None:  # tables hold 16-bit activations' launches: float32 tiles are twice as big
-        config = moe_config(num_slots, num_experts, hidden, inter, fp8) \
-            if x.element_size() == 2 else default_config(num_slots, num_experts, fp8)
+    if config is None:
+        config = moe_config(num_slots, num_experts, hidden, inter, fp8, x.element_size())
     # FP8 groups (rows, cols) of each weight's scales; a K step stays inside one group
     g13, g2 = (block, block) if block is not None else ((1, hidden), (1, inter))
     block_k = min(config.block_k, g13[1]) if fp8 else config.block_k
