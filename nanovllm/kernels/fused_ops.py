@@ -4,42 +4,75 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.linear.lora import LoRAAhead, shrink_chunk
 from nanovllm.kernels.pdl import launch_options, wait_then_release
 
 
-@triton.jit(do_not_specialize=["stride_split"])  # tokens x hidden: changes every step
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res,
-                     stride_split, eps, H: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr,
-                     PARTIALS: tl.constexpr, USE_PDL: tl.constexpr):
-    """Grid (N,): normalise one row; with ADD, first add the residual row and store the sum.
-    With PARTIALS > 0, x is that many float32 split-K partial rows (kernels.linear.fused),
-    summed in order and rounded as the GEMM's own output would be."""
-    wait_then_release(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)  # int64 offsets: no overflow on long prefills
-    cols = tl.arange(0, BLOCK)
-    mask = cols < H  # H need not be a power of two; padded lanes load 0 and add nothing
-    dtype = out_ptr.dtype.element_ty
+@triton.jit
+def _load_row(x_ptr, res_ptr, row, cols, mask, stride_x, stride_res, stride_split, dtype,
+              ADD: tl.constexpr, PARTIALS: tl.constexpr):
+    """float32 x[row, cols] (+ the residual's), as the norm normalises it: split-K partials
+    summed in order and rounded as the GEMM's own output would be; the sum with the residual
+    not rounded."""
     if PARTIALS:
-        x = tl.zeros([BLOCK], tl.float32)
+        x = tl.zeros(cols.shape, tl.float32)
         for split in tl.static_range(PARTIALS):
             x += tl.load(x_ptr + split * stride_split + row * stride_x + cols, mask=mask,
                          other=0.0)
         x = x.to(dtype).to(tl.float32)
     else:
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    # Loaded before the residual store: no load may pass a store the compiler cannot prove
-    # apart from it, and the weight would then cost one more memory round trip.
-    w = tl.load(w_ptr + cols, mask=mask).to(tl.float32)
     if ADD:
-        # add_rms_forward: the float32 sum is rounded for the residual but normalised unrounded.
         x += tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(res_out_ptr + row * H + cols, x.to(dtype), mask=mask)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
-    # As rms_forward: round to the input dtype, then multiply by the weight in that dtype. For
-    # bf16/fp16 the float32 product of two such values is exact, so rounding it once equals
-    # their own multiply (for float32 the casts are no-ops).
-    y = (x * rstd).to(dtype).to(tl.float32) * w
-    tl.store(out_ptr + row * H + cols, y.to(dtype), mask=mask)
+    return x
+
+
+@triton.jit(do_not_specialize=["stride_split", "M"])  # tokens x hidden: changes every step
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res,
+                     stride_split, eps, a_ptr, slots_ptr, ahead_ptr, rstd_ptr, M,
+                     H: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr,
+                     PARTIALS: tl.constexpr, LORA_SR: tl.constexpr, SR_PAD: tl.constexpr,
+                     NUM_SLOTS: tl.constexpr, RANK: tl.constexpr, CHUNK: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    """Grid (N, 1 + chunks with LoRA): program 0 normalises one row; with ADD, first adds the
+    residual row and stores the sum. With PARTIALS > 0, x is that many float32 split-K partial
+    rows (kernels.linear.fused). With LoRA (LORA_SR > 0) program 0 also stores the row's rstd
+    and each other program one chunk of the next projection's shrink
+    (kernels.linear.lora.shrink_chunk)."""
+    wait_then_release(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)  # int64 offsets: no overflow on long prefills
+    chunk = tl.program_id(1)
+    dtype = out_ptr.dtype.element_ty
+    if chunk == 0:
+        cols = tl.arange(0, BLOCK)
+        mask = cols < H  # H need not be a power of two; padded lanes load 0 and add nothing
+        # The weight is loaded before the residual store: no load may pass a store the
+        # compiler cannot prove apart from it, and it would then cost one more round trip.
+        x = _load_row(x_ptr, res_ptr, row, cols, mask, stride_x, stride_res, stride_split,
+                      dtype, ADD, PARTIALS)
+        w = tl.load(w_ptr + cols, mask=mask).to(tl.float32)
+        if ADD:  # add_rms_forward: the sum is rounded for the residual, normalised unrounded
+            tl.store(res_out_ptr + row * H + cols, x.to(dtype), mask=mask)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
+        if LORA_SR:
+            tl.store(rstd_ptr + row, rstd)
+        # As rms_forward: round to the input dtype, then multiply by the weight in that dtype.
+        # For bf16/fp16 the float32 product of two such values is exact, so rounding it once
+        # equals their own multiply (for float32 the casts are no-ops).
+        y = (x * rstd).to(dtype).to(tl.float32) * w
+        tl.store(out_ptr + row * H + cols, y.to(dtype), mask=mask)
+    elif LORA_SR:
+        slot = tl.load(slots_ptr + row)
+        if slot >= 0:  # a row without an adapter: the projection reads none of its chunks
+            cols = (chunk - 1) * CHUNK + tl.arange(0, CHUNK)
+            mask = cols < H
+            x = _load_row(x_ptr, res_ptr, row, cols, mask, stride_x, stride_res,
+                          stride_split, dtype, ADD, PARTIALS)
+            w = tl.load(w_ptr + cols, mask=mask).to(tl.float32)
+            part = shrink_chunk(x, w, a_ptr, slot, cols, mask, H, LORA_SR, SR_PAD, NUM_SLOTS,
+                                RANK)
+            r = tl.arange(0, SR_PAD)
+            tl.store(ahead_ptr + ((chunk - 1) * M + row) * LORA_SR + r, part, mask=r < LORA_SR)
 
 
 @triton.jit
@@ -66,9 +99,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float, partials: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 eps: float, partials: int = 0, lora: LoRAAhead | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Shared wrapper of rms_norm and add_rms_norm: new contiguous outputs shaped like the
-    residual (x, or x's rows, without one)."""
+    residual (x, or x's rows, without one); with lora, its buffers filled too."""
     like = x if residual is None else residual
     hidden = like.shape[-1]
     assert weight.shape == (hidden,) and weight.dtype == like.dtype, "weight in the input dtype"
@@ -80,32 +114,42 @@ def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     num_rows = res2.shape[0] if partials else x2.shape[0]
     if num_rows > 0:
         block = triton.next_power_of_2(hidden)
-        _rms_norm_kernel[(num_rows,)](
+        chunks, sr, slots, rank = 0, 0, 0, 1
+        if lora is not None:
+            slices, slots, rank, _ = lora.lora_a.shape
+            chunks, sr = lora.parts.shape[0], slices * rank
+            assert lora.lora_a.is_contiguous() and lora.parts.shape[1] == num_rows
+        _rms_norm_kernel[(num_rows, 1 + chunks)](
             x2, x2 if res2 is None else res2, weight, out, out if res_out is None else res_out,
             x2.stride(-2), 0 if res2 is None else res2.stride(0), x2.stride(0), eps,
-            H=hidden, BLOCK=block, ADD=residual is not None, PARTIALS=partials,
+            *(lora or (None,) * 4), num_rows, H=hidden, BLOCK=block, ADD=residual is not None,
+            PARTIALS=partials, LORA_SR=sr, SR_PAD=triton.next_power_of_2(max(sr, 1)),
+            NUM_SLOTS=slots, RANK=rank, CHUNK=block // max(chunks, 1),
             num_warps=8 if block >= 4096 else 4, **launch_options())
     return out, res_out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of x (any leading shape), as RMSNorm.rms_forward."""
-    return _launch_norm(x, None, weight, eps)[0]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             lora: LoRAAhead | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim of x (any leading shape), as RMSNorm.rms_forward; with lora,
+    the next projection's shrink computed into its buffers."""
+    return _launch_norm(x, None, weight, eps, lora=lora)[0]
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 lora: LoRAAhead | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual), x + residual) as new tensors, as RMSNorm.add_rms_forward."""
     assert residual.shape == x.shape and residual.dtype == x.dtype
-    return _launch_norm(x, residual, weight, eps)
+    return _launch_norm(x, residual, weight, eps, lora=lora)
 
 
 def add_partials_rms_norm(partials: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                          eps: float, lora: LoRAAhead | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """add_rms_norm of split_k_linear's partials [S, *residual.shape], summed in order."""
     assert partials.shape[1:] == residual.shape and partials.dtype == torch.float32
     assert partials.is_contiguous() and residual.dim() == 2
-    return _launch_norm(partials, residual, weight, eps, partials=partials.shape[0])
+    return _launch_norm(partials, residual, weight, eps, partials=partials.shape[0], lora=lora)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -62,7 +62,8 @@ class Attention(nn.Module):
                            self.k_norm.weight if norm else None,
                            self.q_norm.eps if norm else 0.0, self.rotary_emb.cos_sin_cache,
                            self.k_cache, self.v_cache, ctx.slot_mapping, kv_scales,
-                           lora=qkv_proj.lora_slots(), **qkv_proj.fused_scales())
+                           lora=qkv_proj.lora_slots(), ahead=qkv_proj.take_lora_ahead(x),
+                           **qkv_proj.fused_scales())
         return self.backend.decode(q, self.k_cache, self.v_cache, ctx, self.scale,
                                    self.sliding_window, kv_scales)
 

@@ -12,6 +12,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.fused = False
         self.weight = nn.Parameter(torch.ones(hidden_size))
+        # (the projection this norm feeds,) when its LoRA shrink may be computed here, in the
+        # fused kernel (kernels.linear.lora); a tuple, so that it stays registered where it is
+        self.feeds: tuple = ()
 
     def rms_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The torch path: normalise the last dim of x (any leading shape)."""
@@ -33,12 +36,23 @@ class RMSNorm(nn.Module):
         if self.fused:
             # Imported here: CPU-only runs never import Triton (as for the sampler's kernel).
             from nanovllm.kernels.fused_ops import add_rms_norm, rms_norm
+            ahead = self._lora_ahead(x.numel() // x.shape[-1])
             if residual is None:
-                return rms_norm(x, self.weight, self.eps)
-            return add_rms_norm(x, residual, self.weight, self.eps)
+                return self._handed(rms_norm(x, self.weight, self.eps, ahead), ahead)
+            return self._handed(add_rms_norm(x, residual, self.weight, self.eps, ahead), ahead)
         if residual is None:
             return self.rms_forward(x)
         return self.add_rms_forward(x, residual)
+
+    def _lora_ahead(self, num_tokens: int):
+        """The buffers of the shrink the projection fed wants computed here, or None."""
+        return self.feeds[0].lora_ahead_buffers(num_tokens) if self.feeds else None
+
+    def _handed(self, out, ahead):
+        """out, after handing the projection fed its shrink for the normed tensor."""
+        if ahead is not None:
+            self.feeds[0].lora_ahead = (out if isinstance(out, torch.Tensor) else out[0], ahead)
+        return out
 
     def add_partials(self, partials: torch.Tensor,
                      residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,5 +60,7 @@ class RMSNorm(nn.Module):
         # The sum is rounded to the residual's dtype, as the GEMM's own output would be.
         if self.fused:
             from nanovllm.kernels.fused_ops import add_partials_rms_norm
-            return add_partials_rms_norm(partials, residual, self.weight, self.eps)
+            ahead = self._lora_ahead(residual.shape[0])
+            return self._handed(add_partials_rms_norm(partials, residual, self.weight, self.eps,
+                                                      ahead), ahead)
         return self.add_rms_forward(partials.sum(0).to(residual.dtype), residual)

@@ -56,6 +56,8 @@ class LinearBase(nn.Module):
         self.register_buffer("lora_a", None, persistent=False)
         self.register_buffer("lora_b", None, persistent=False)
         self.lora_shrink = self.lora_expand = None
+        # (the normed input, its shrink) computed by the RMSNorm before (lora_ahead_buffers)
+        self.lora_ahead: tuple | None = None
 
     def lora_slice_sizes(self) -> tuple[int, ...]:
         """This rank's output features of each fused projection (one unless packed)."""
@@ -79,8 +81,26 @@ class LinearBase(nn.Module):
         slots = get_context().lora_slots
         return None if slots is None else (self.lora_a, self.lora_b, slots)
 
+    def lora_ahead_buffers(self, num_tokens: int):
+        """LoRAAhead buffers for the RMSNorm before to fill with this projection's shrink, when
+        a step of num_tokens runs its fused kernel with one (kernels.linear.lora), else None."""
+        if self.lora_shrink is None or not self.fused_decode_max_tokens:
+            return None
+        from nanovllm.kernels.linear.lora import AHEAD_MAX_TOKENS, lora_ahead_buffers
+        ctx = get_context()
+        if ctx.lora_slots is None or ctx.is_prefill or ctx.slot_mapping is None \
+                or num_tokens > min(self.fused_decode_max_tokens, AHEAD_MAX_TOKENS):
+            return None
+        return lora_ahead_buffers(self.lora_a, ctx.lora_slots)
+
+    def take_lora_ahead(self, x: torch.Tensor):
+        """The shrink the RMSNorm before computed for x (LoRAAhead), once; else None."""
+        pending, self.lora_ahead = self.lora_ahead, None
+        return pending[1] if pending is not None and pending[0] is x else None
+
     def apply_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y plus this step's adapter deltas (in place; rows without an adapter unchanged)."""
+        self.lora_ahead = None  # a shrink computed ahead serves the fused kernels only
         lora = self.lora_slots()
         if lora is not None:
             shrunk = self.lora_shrink(x, self.lora_a, lora[2])
@@ -187,7 +207,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         """SiluAndMul()(self(x)) as one kernel, for the steps runs_fused_decode picks."""
         from nanovllm.kernels.linear.fused import gate_up_silu
         return gate_up_silu(x, self.weight, self.bias, lora=self.lora_slots(),
-                            **self.fused_scales())
+                            ahead=self.take_lora_ahead(x), **self.fused_scales())
 
     def shard(self, shard_id: int) -> tuple[Rows, Cols]:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size

@@ -145,6 +145,10 @@ class DecoderLayer(nn.Module):
             self.mlp = DecoderMLP(config, spec, prefix)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # the projections these norms feed, whose LoRA shrink a decode step may compute with them
+        self.input_layernorm.feeds = (self.self_attn.qkv_proj,)
+        if isinstance(self.mlp, DecoderMLP):
+            self.post_attention_layernorm.feeds = (self.mlp.gate_up_proj,)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 residual: torch.Tensor, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,11 +10,16 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from nanovllm.kernels.fused_ops import (  # noqa: E402
+    add_partials_rms_norm,
+    add_rms_norm,
+    rms_norm,
+)
 from nanovllm.kernels.linear.fused import (  # noqa: E402
     gate_up_silu,
     qkv_rope_store,
 )
-from nanovllm.kernels.linear.lora import LoRASlots, fits_lora  # noqa: E402
+from nanovllm.kernels.linear.lora import LoRASlots, fits_lora, lora_ahead_buffers  # noqa: E402
 from nanovllm.kernels.linear.lora_reference import lora_expand, lora_shrink_torch  # noqa: E402
 from nanovllm.kernels.linear.split_k import split_k_linear  # noqa: E402
 from nanovllm.layers.activation import SiluAndMul  # noqa: E402
@@ -130,3 +135,60 @@ def test_qkv_rope_store_with_lora(dtype, num_tokens, max_loras, rank, rows):
     torch.testing.assert_close(flat_k[slots].float(), k_ref.float(), **tol)
     torch.testing.assert_close(flat_v[slots].float(), v.reshape(-1, kv_heads, head_dim).float(),
                                **tol)
+
+
+def _norm(kind: str, x: torch.Tensor, weight: torch.Tensor, lora=None):
+    """(normed, residual out or None) of fused_ops' norm `kind` over x's rows, lora's buffers
+    filled too: "rms" (x alone), "add" (x + a residual), "partials" (3 split-K partials)."""
+    g = torch.Generator().manual_seed(x.shape[0])
+    residual = (torch.randn(x.shape, generator=g) * 2).to(DEVICE, x.dtype)
+    if kind == "rms":
+        return rms_norm(x, weight, 1e-6, lora), None
+    if kind == "add":
+        return add_rms_norm(x, residual, weight, 1e-6, lora)
+    parts = torch.stack([x.float() / 3] * 3).contiguous()
+    return add_partials_rms_norm(parts, residual, weight, 1e-6, lora)
+
+
+def _projection(slice_sizes: tuple[int, ...], x: torch.Tensor):
+    """A function running gate_up_silu (two slices) or qkv_rope_store (three: 2 q heads, 1 kv
+    head) on x with given LoRA slots."""
+    weight = (torch.randn(sum(slice_sizes), x.shape[1], device=DEVICE) * x.shape[1] ** -0.5
+              ).to(x.dtype)
+    if len(slice_sizes) == 2:
+        return lambda lora, **kw: gate_up_silu(x, weight, None, lora=lora, **kw)
+    rope = RotaryEmbedding(128, 64, {"rope_type": "default", "rope_theta": 1e4}).to(DEVICE)
+    cache = torch.zeros(16, 16, 1, 128, device=DEVICE, dtype=x.dtype)
+    positions = torch.arange(x.shape[0], device=DEVICE)
+    return lambda lora, **kw: qkv_rope_store(x, weight, None, 2, 1, positions, None, None, 0.0,
+                                             rope.cos_sin_cache, cache, cache.clone(),
+                                             positions, lora=lora, **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["rms", "add", "partials"])
+@pytest.mark.parametrize("num_tokens,hidden,max_loras,rank,rows", [
+    (1, 256, 4, 16, "one"), (5, 256, 4, 16, "mixed"), (16, 320, 2, 8, "mixed"),
+    (3, 256, 4, 16, "none")])
+def test_shrink_ahead_from_the_norm(dtype, kind, num_tokens, hidden, max_loras, rank, rows):
+    """The RMSNorm's shrink chunks (kernels.linear.lora.shrink_chunk) read by gate_up_silu and
+    qkv_rope_store give their in-loop shrink's result, and the norm's own outputs unchanged
+    (320: a hidden size that is not a power of two, its last chunk partial)."""
+    x = _x(num_tokens, hidden, dtype)
+    norm_w = (1 + 0.2 * torch.randn(hidden, device=DEVICE)).to(dtype)
+    plain = _norm(kind, x, norm_w)
+    for slice_sizes in ((128, 128), (256, 128, 128)):
+        lora, _ = _lora(num_tokens, hidden, slice_sizes, max_loras, rank, dtype, x, rows)
+        ahead = lora_ahead_buffers(lora.lora_a, lora.slots)
+        assert ahead.parts.shape[0] == (2 if hidden == 256 else 4)  # chunks of 128 columns
+        normed, res_out = _norm(kind, x, norm_w, ahead)
+        torch.testing.assert_close(normed, plain[0], atol=0, rtol=0)
+        if res_out is not None:
+            torch.testing.assert_close(res_out, plain[1], atol=0, rtol=0)
+        run = _projection(slice_sizes, normed)
+        got, in_loop = run(lora, ahead=ahead).float(), run(lora).float()
+        # in bf16 the in-loop shrink reads the normed rows rounded, the norm's chunks do not
+        torch.testing.assert_close(got, in_loop, rtol=2e-2,
+                                   atol=2e-2 * max(1.0, in_loop.abs().max().item()))
+        without = run(lora._replace(lora_a=torch.zeros_like(lora.lora_a)))
+        _has_delta(got, without.float(), rows)

@@ -38,7 +38,15 @@ from nanovllm.kernels.linear.fused_fp8 import (
     scaled_dot,
     weight_stages,
 )
-from nanovllm.kernels.linear.lora import LoRASlots, add_lora, fused_lora_args, lora_keep
+from nanovllm.kernels.linear.lora import (
+    LoRAAhead,
+    LoRASlots,
+    add_lora,
+    ahead_args,
+    ahead_shrunk,
+    fused_lora_args,
+    lora_keep,
+)
 from nanovllm.kernels.pdl import launch_options, wait_then_release
 
 ROWS = TILE_ROWS  # weight rows per MMA tile: a half head, or a gate or up slice
@@ -46,15 +54,17 @@ ROWS = TILE_ROWS  # weight rows per MMA tile: a half head, or a gate or up slice
 
 @triton.jit
 def _pair_gemm(w_desc, x_desc, row_a, row_b, tok0, K, s_ptr, stride_s, scale_rows, a_desc,
-               b_desc, slots_ptr, M, lora_row_a, lora_row_b, BLOCK_T: tl.constexpr,
-               BLOCK_K: tl.constexpr, STAGES: tl.constexpr, W_SCALE: tl.constexpr,
-               LORA_K: tl.constexpr, RANK: tl.constexpr, PAIR_SLICES: tl.constexpr):
+               b_desc, slots_ptr, ahead_ptr, rstd_ptr, M, slice_a, slice_b,
+               BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+               W_SCALE: tl.constexpr, LORA_K: tl.constexpr, RANK: tl.constexpr,
+               PAIR_SLICES: tl.constexpr, AHEAD: tl.constexpr):
     """(W[row_a:+64] @ x.T, W[row_b:+64] @ x.T) for tokens tok0:+BLOCK_T, float32 [64, T]
     each (token rows past the batch load as zeros); FP8 codes times their scales (W_SCALE). The
     epilogues work in this orientation: transposing the accumulators costs more than the
     stores' poorer coalescing. With LoRA (LORA_K = slots x rank > 0) each adds its delta
-    (kernels.linear.lora.add_lora): the shrink is 64 more MMA rows in the K loop (A's rows from
-    lora_row_a; PAIR_SLICES: the second accumulator's slice from lora_row_b, else the first's)."""
+    (kernels.linear.lora.add_lora) of LoRA slice slice_a (PAIR_SLICES: the second accumulator's
+    is slice_b, else slice_a too): the shrink is 64 more MMA rows in the K loop, or with AHEAD
+    (the norm's chunks) read from the RMSNorm before (kernels.linear.lora.ahead_shrunk)."""
     s_a = s_ptr + row_a // scale_rows * stride_s  # the tiles' rows of scales
     s_b = s_ptr + row_b // scale_rows * stride_s
     scale_a, scale_b = channel_scales(s_a, W_SCALE), channel_scales(s_b, W_SCALE)
@@ -66,14 +76,21 @@ def _pair_gemm(w_desc, x_desc, row_a, row_b, tok0, K, s_ptr, stride_s, scale_row
         keep = lora_keep(slots_ptr, tok0, M, LORA_K, RANK, BLOCK_T)
         b_a = b_desc.load([row_a, 0])
         b_b = b_desc.load([row_b, 0])
+        if AHEAD:
+            sr: tl.constexpr = (2 if PAIR_SLICES else 3) * RANK  # gate/up or q/k/v slices
+            shrunk_a = ahead_shrunk(ahead_ptr, rstd_ptr, keep, tok0, M, slice_a, sr, RANK,
+                                    AHEAD, BLOCK_T)
+            if PAIR_SLICES:
+                shrunk_b = ahead_shrunk(ahead_ptr, rstd_ptr, keep, tok0, M, slice_b, sr, RANK,
+                                        AHEAD, BLOCK_T)
     for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         x = x_desc.load([tok0, k]).T
         acc_a = scaled_dot(w_desc.load([row_a, k]), x, acc_a, s_a, k, BLOCK_K, W_SCALE)
         acc_b = scaled_dot(w_desc.load([row_b, k]), x, acc_b, s_b, k, BLOCK_K, W_SCALE)
-        if LORA_K > 0:
-            shrunk_a = tl.dot(a_desc.load([lora_row_a, k]), x, shrunk_a)
+        if LORA_K > 0 and not AHEAD:
+            shrunk_a = tl.dot(a_desc.load([slice_a * LORA_K, k]), x, shrunk_a)
             if PAIR_SLICES:
-                shrunk_b = tl.dot(a_desc.load([lora_row_b, k]), x, shrunk_b)
+                shrunk_b = tl.dot(a_desc.load([slice_b * LORA_K, k]), x, shrunk_b)
     acc_a = channel_scaled(acc_a, scale_a, W_SCALE)
     acc_b = channel_scaled(acc_b, scale_b, W_SCALE)
     if LORA_K > 0:
@@ -91,12 +108,13 @@ def _pair_gemm(w_desc, x_desc, row_a, row_b, tok0, K, s_ptr, stride_s, scale_row
 def _qkv_rope_store_kernel(w_desc, x_desc, bias_ptr, q_out_ptr, qn_w_ptr, kn_w_ptr, pos_ptr,
                            cs_ptr, stride_cs, k_cache_ptr, v_cache_ptr, slot_ptr, M, K, eps,
                            k_inv_scale, v_inv_scale, s_ptr, stride_s, scale_rows, a_desc,
-                           b_desc, lora_slots_ptr, NUM_Q_HEADS: tl.constexpr,
+                           b_desc, lora_slots_ptr, ahead_ptr, rstd_ptr,
+                           NUM_Q_HEADS: tl.constexpr,
                            NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                            HAS_BIAS: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                            USE_PDL: tl.constexpr, W_SCALE: tl.constexpr, LORA_K: tl.constexpr,
-                           RANK: tl.constexpr):
+                           RANK: tl.constexpr, AHEAD: tl.constexpr):
     """Grid (q + k + v heads, token tiles): one head's projection for BLOCK_T tokens; q heads
     normed, rotated and stored to q_out, k heads normed, rotated and written to the cache, v
     heads written to the cache (slot < 0: a padding row, not written)."""
@@ -127,14 +145,14 @@ def _qkv_rope_store_kernel(w_desc, x_desc, bias_ptr, q_out_ptr, qn_w_ptr, kn_w_p
     if HAS_BIAS:
         b1 = tl.load(bias_ptr + head * HEAD_DIM + lo).to(tl.float32)
         b2 = tl.load(bias_ptr + head * HEAD_DIM + HALF + lo).to(tl.float32)
-    # the first A row of the head's LoRA slice: q, k or v
-    lora_row = tl.where(head < NUM_Q_HEADS, 0, tl.where(head < NUM_Q_HEADS + NUM_KV_HEADS,
-                                                        LORA_K, 2 * LORA_K))
+    # the head's LoRA slice: q, k or v
+    lora_slice = tl.where(head < NUM_Q_HEADS, 0, tl.where(head < NUM_Q_HEADS + NUM_KV_HEADS,
+                                                          1, 2))
     # [D/2, tokens]: neox RoPE pairs dim i with i + D/2, the two accumulators
     x1, x2 = _pair_gemm(w_desc, x_desc, head * HEAD_DIM, head * HEAD_DIM + HALF, tok0, K,
-                        s_ptr, stride_s, scale_rows, a_desc, b_desc, lora_slots_ptr, M,
-                        lora_row, lora_row, BLOCK_T, BLOCK_K, STAGES, W_SCALE, LORA_K, RANK,
-                        False)
+                        s_ptr, stride_s, scale_rows, a_desc, b_desc, lora_slots_ptr, ahead_ptr,
+                        rstd_ptr, M, lora_slice, lora_slice, BLOCK_T, BLOCK_K, STAGES, W_SCALE,
+                        LORA_K, RANK, False, AHEAD)
     if HAS_BIAS:
         x1 += b1
         x2 += b2
@@ -162,10 +180,10 @@ def _qkv_rope_store_kernel(w_desc, x_desc, bias_ptr, q_out_ptr, qn_w_ptr, kn_w_p
 
 @triton.jit(do_not_specialize=["M"])
 def _gate_up_silu_kernel(w_desc, x_desc, bias_ptr, out_ptr, M, K, inter, s_ptr, stride_s,
-                         scale_rows, a_desc, b_desc, lora_slots_ptr, HAS_BIAS: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                         USE_PDL: tl.constexpr, W_SCALE: tl.constexpr, LORA_K: tl.constexpr,
-                         RANK: tl.constexpr):
+                         scale_rows, a_desc, b_desc, lora_slots_ptr, ahead_ptr, rstd_ptr,
+                         HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                         STAGES: tl.constexpr, USE_PDL: tl.constexpr, W_SCALE: tl.constexpr,
+                         LORA_K: tl.constexpr, RANK: tl.constexpr, AHEAD: tl.constexpr):
     """Grid (inter / 64, token tiles): silu(gate) * up for 64 columns of BLOCK_T tokens; gate
     rows are W[:inter], up rows W[inter:]."""
     wait_then_release(USE_PDL)
@@ -176,8 +194,8 @@ def _gate_up_silu_kernel(w_desc, x_desc, bias_ptr, out_ptr, M, K, inter, s_ptr, 
         gate_bias = tl.load(bias_ptr + cols).to(tl.float32)
         up_bias = tl.load(bias_ptr + inter + cols).to(tl.float32)
     gate, up = _pair_gemm(w_desc, x_desc, col0, inter + col0, tok0, K, s_ptr, stride_s,
-                          scale_rows, a_desc, b_desc, lora_slots_ptr, M, 0, LORA_K, BLOCK_T,
-                          BLOCK_K, STAGES, W_SCALE, LORA_K, RANK, True)
+                          scale_rows, a_desc, b_desc, lora_slots_ptr, ahead_ptr, rstd_ptr, M, 0,
+                          1, BLOCK_T, BLOCK_K, STAGES, W_SCALE, LORA_K, RANK, True, AHEAD)
     if HAS_BIAS:
         gate += gate_bias
         up += up_bias
@@ -222,6 +240,12 @@ def _launch(num_tokens: int, weight: torch.Tensor, lora: bool = False, programs:
     return 16, K_STEP, resident_stages(stages, programs, sms, stage), 4
 
 
+def _a_tiles(lora: LoRASlots | None, ahead: LoRAAhead | None) -> bool:
+    """Whether the K loop streams A's tiles: LoRA without a shrink computed ahead."""
+    assert ahead is None or (lora is not None and ahead.slots is lora[2])
+    return lora is not None and ahead is None
+
+
 def _descriptors(x: torch.Tensor, weight: torch.Tensor, block_t: int, block_k: int):
     assert x.stride(-1) == 1 and weight.is_contiguous() and weight.shape[1] == x.shape[1]
     return (TensorDescriptor.from_tensor(weight, [ROWS, block_k]),
@@ -234,7 +258,8 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, kv_scales: tuple[float, float] = (1.0, 1.0), *,
                    w_scale: torch.Tensor | None = None, w_block: Block = None,
-                   lora: LoRASlots | None = None) -> torch.Tensor:
+                   lora: LoRASlots | None = None, ahead: LoRAAhead | None = None
+                   ) -> torch.Tensor:
     """q [M, Hq, D] = RoPE(norm(x @ Wq.T + bq)); k and v (k normed and rotated) go to their
     cache slots, as qkv_proj (with its LoRA delta) followed by qk_norm_rope with kv_store does.
     An FP8 weight comes with w_scale (per channel, or per w_block block:
@@ -246,8 +271,8 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.stride(-1) == 1
     q = torch.empty(num_tokens, num_q_heads, head_dim, dtype=x.dtype, device=x.device)
     heads = num_q_heads + 2 * num_kv_heads
-    block_t, block_k, stages, warps = _launch(num_tokens, weight, lora is not None, heads,
-                                              num_sms(x.device))
+    block_t, block_k, stages, warps = _launch(num_tokens, weight, _a_tiles(lora, ahead),
+                                              heads, num_sms(x.device))
     scales = scale_args(weight, w_scale, w_block)
     w_desc, x_desc = _descriptors(x, weight, block_t, block_k)
     norm = q_norm is not None
@@ -257,7 +282,8 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         q_norm if norm else cos_sin_cache, k_norm if norm else cos_sin_cache, positions,
         cos_sin_cache, cos_sin_cache.stride(0), k_cache, v_cache, slot_mapping, num_tokens,
         hidden, eps, 1.0 / kv_scales[0], 1.0 / kv_scales[1], *scales[:3],
-        **fused_lora_args(lora, block_k), NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
+        **fused_lora_args(lora, block_k), **ahead_args(ahead), NUM_Q_HEADS=num_q_heads,
+        NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, HAS_BIAS=bias is not None, NORM=norm, FP8=k_cache.dtype == FP8_DTYPE,
         BLOCK_T=block_t, BLOCK_K=block_k, STAGES=stages, W_SCALE=scales[3], num_warps=warps,
         **launch_options())
@@ -266,7 +292,7 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
                  w_scale: torch.Tensor | None = None, w_block: Block = None,
-                 lora: LoRASlots | None = None) -> torch.Tensor:
+                 lora: LoRASlots | None = None, ahead: LoRAAhead | None = None) -> torch.Tensor:
     """silu(x @ Wg.T + bg) * (x @ Wu.T + bu), [M, I], for weight [2I, hidden] (gate rows
     first), as gate_up_proj (with its LoRA delta) followed by SiLU-and-mul; FP8 weights as in
     qkv_rope_store."""
@@ -274,13 +300,14 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     inter = weight.shape[0] // 2
     assert fits_gate_up(hidden, inter, x.dtype, weight.dtype, w_block)
     out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
-    block_t, block_k, stages, warps = _launch(num_tokens, weight, lora is not None,
+    block_t, block_k, stages, warps = _launch(num_tokens, weight, _a_tiles(lora, ahead),
                                               inter // ROWS, num_sms(x.device))
     w_desc, x_desc = _descriptors(x, weight, block_t, block_k)
     scales = scale_args(weight, w_scale, w_block)
     _gate_up_silu_kernel[(inter // ROWS, triton.cdiv(num_tokens, block_t))](
         w_desc, x_desc, bias if bias is not None else weight, out, num_tokens, hidden, inter,
-        *scales[:3], **fused_lora_args(lora, block_k), HAS_BIAS=bias is not None,
+        *scales[:3], **fused_lora_args(lora, block_k), **ahead_args(ahead),
+        HAS_BIAS=bias is not None,
         BLOCK_T=block_t, BLOCK_K=block_k, STAGES=stages, W_SCALE=scales[3], num_warps=warps,
         **launch_options())
     return out
