@@ -52,9 +52,12 @@ def test_cuda_graphs_equal_eager_and_peft(tiny_model, adapters):  # noqa: F811
     assert outs[False] == [expected[n][i] for i in range(len(prompts)) for n in names]
 
 
-def test_fused_decode_with_lora_equals_unfused_bf16(tmp_path):
+@pytest.mark.parametrize("num_prompts", [3, 5])
+def test_fused_decode_with_lora_equals_unfused_bf16(tmp_path, num_prompts):
     """bf16, a shape the fused decode projections take (head_dim 128): the decode steps with
-    the LoRA expand inside the fused kernels give the unfused path's greedy tokens."""
+    the LoRA expand inside the fused kernels give the unfused path's greedy tokens; 12 rows
+    take qkv_proj's and gate_up_proj's shrink from the norm before them, 20 compute it in the
+    projections (kernels.linear.lora.AHEAD_MAX_TOKENS)."""
     from benchmarks.random_checkpoints import build_checkpoint
     from nanovllm.layers.backends import bind_backend
     from nanovllm.layers.fused_calibration import layer_class
@@ -66,7 +69,7 @@ def test_fused_decode_with_lora_equals_unfused_bf16(tmp_path):
     names = [None, "a", "b", "c"]
     loras = {n: LoRARequest(n, i, build_adapter(base, str(tmp_path / n), seed=i, r=8))
              for i, n in enumerate(names) if n}
-    prompts = token_prompts(5, (5, 40, 300, 7))
+    prompts = token_prompts(num_prompts, (5, 40, 300, 7))
     batch = [p for p in prompts for _ in names]
     per_row = [loras.get(n) for _ in prompts for n in names]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -83,4 +86,5 @@ def test_fused_decode_with_lora_equals_unfused_bf16(tmp_path):
     same = sum(f == p for f, p in zip(fused, plain)) / len(plain)
     assert same >= 0.8, same  # bf16: the fused kernels round the delta once, not twice
     # the adapters change the tokens: rows of each prompt differ from its base row
-    assert sum(fused[i] != fused[i - i % 4] for i in range(len(fused)) if i % 4) >= 6
+    assert sum(fused[i] != fused[i - i % 4] for i in range(len(fused)) if i % 4) \
+        >= num_prompts + 1
