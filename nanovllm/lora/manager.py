@@ -12,6 +12,10 @@ from nanovllm.config import Config
 from nanovllm.layers.linear import LinearBase, RowParallelLinear
 from nanovllm.lora.adapter import LoRAAdapter
 
+# A sequence's lora_int_id for start-up's warm-up steps only (runner.warmup): slot 0, whatever it
+# holds, so that they launch the LoRA ops; a request's id is >= 1
+WARM_UP_LORA_ID = -1
+
 # our projection -> the PEFT modules it fuses, in its output order (packed_modules_mapping)
 LORA_TARGETS = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
                 "self_attn.o_proj": ("o_proj",),
@@ -61,7 +65,7 @@ class LoRAManager:
     def activate(self, lora_ids: list[int]) -> list[int]:
         """The slot of each id (-1 for 0, the base model), loading adapters not in a slot into
         the least recently used slots that this batch does not use."""
-        wanted = set(lora_ids) - {0}
+        wanted = set(lora_ids) - {0, WARM_UP_LORA_ID}
         assert len(wanted) <= self.max_loras, "the scheduler admits at most max_loras adapters"
         for lora_int_id in wanted:
             if lora_int_id in self.slots:
@@ -78,7 +82,7 @@ class LoRAManager:
         # Trimmed now, never in add(): an adapter added for this batch is in a slot by now.
         while len(self.host) > self.max_cpu_loras:
             self.host.popitem(last=False)
-        return [self.slots[i] if i else -1 for i in lora_ids]
+        return [self.slots[i] if i > 0 else 0 if i == WARM_UP_LORA_ID else -1 for i in lora_ids]
 
     @torch.no_grad()
     def _load(self, slot: int, adapter: LoRAAdapter) -> None:

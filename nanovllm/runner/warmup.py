@@ -14,6 +14,9 @@ reaches them all:
               when they are captured;
     sampler:  the fused draw on logits in the model dtype and in float32 (after penalties).
 
+With LoRA the prefill and decode steps run twice: with no adapter, and with every row in slot 0
+(whatever it holds: its delta goes to blocks no sequence owns), which launches the LoRA ops.
+
 With compile threads (kernels.compile_ahead), the steps first run once with every launch only
 compiling its kernel, all on threads at once, then for real.
 
@@ -32,6 +35,7 @@ from nanovllm.config import Config
 from nanovllm.kernels.compile_ahead import compile_in_parallel
 from nanovllm.layers.attention import Attention, kv_scale_calibration
 from nanovllm.layers.sampling.sampler import Sampler
+from nanovllm.lora.manager import WARM_UP_LORA_ID
 from nanovllm.runner.cuda_graphs import BATCH_LADDER
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence
@@ -106,27 +110,30 @@ def eager_decode_sizes(max_num_seqs: int, graph_sizes: list[int]) -> list[int]:
     return sorted(b for b in sizes if b > covered)
 
 
-def _sequence(num_tokens: int, block_table: list[int], block_size: int) -> Sequence:
+def _sequence(num_tokens: int, block_table: list[int], block_size: int,
+              lora_int_id: int) -> Sequence:
     """A sequence of num_tokens tokens over block_table (token ids are arbitrary)."""
-    seq = Sequence([i % 2 for i in range(num_tokens)], _PARAMS, block_size)
+    seq = Sequence([i % 2 for i in range(num_tokens)], _PARAMS, block_size,
+                   lora_int_id=lora_int_id)
     seq.block_table = block_table
     return seq
 
 
-def _prefill(runner: ModelRunner, cached: int, new: int) -> None:
+def _prefill(runner: ModelRunner, cached: int, new: int, lora_int_id: int = 0) -> None:
     """One prefill step of a sequence with `cached` tokens in the cache and `new` to compute."""
     block_size = runner.block_size
-    seq = _sequence(cached + new, list(range(-(-(cached + new) // block_size))), block_size)
+    seq = _sequence(cached + new, list(range(-(-(cached + new) // block_size))), block_size,
+                    lora_int_id)
     seq.num_cached_tokens, seq.num_scheduled_tokens = cached, new
     runner.run([seq], True)
 
 
-def _decode(runner: ModelRunner, batch: int, width: int) -> None:
+def _decode(runner: ModelRunner, batch: int, width: int, lora_int_id: int = 0) -> None:
     """One eager decode step of `batch` sequences whose block tables are `width` blocks wide."""
     # All sequences share the blocks: they only read them, and write garbage to one slot.
     block_size = runner.block_size
-    seqs = [_sequence((width - 1) * block_size + 1, list(range(width)), block_size)
-            for _ in range(batch)]
+    seqs = [_sequence((width - 1) * block_size + 1, list(range(width)), block_size,
+                      lora_int_id) for _ in range(batch)]
     runner.run(seqs, False)
 
 
@@ -141,15 +148,18 @@ def warm_up_steps(runner: ModelRunner, graph_sizes: list[int]) -> list[Callable[
     num_blocks = runner.num_kvcache_blocks
     fits = min(config.max_model_len, num_blocks * block_size)  # one sequence's tokens at most
     budget = config.max_num_batched_tokens
-    steps = [partial(_prefill, runner, 0, new) for new in prefill_lengths(min(budget, fits))]
+    prefills = [(0, new) for new in prefill_lengths(min(budget, fits))]
     if fits > block_size:  # else no prefix fits, and no step is paged
         longest = min(budget, fits - block_size)
-        steps += [partial(_prefill, runner, block_size, new)
-                  for new in sorted({min(_SMALLEST_PREFILL, longest), longest})]
+        prefills += [(block_size, new)
+                     for new in sorted({min(_SMALLEST_PREFILL, longest), longest})]
     widths = [1, 2] if min(runner.max_num_blocks, num_blocks) >= 2 else [1]
-    steps += [partial(_decode, runner, batch, width)
-              for batch in eager_decode_sizes(config.max_num_seqs, graph_sizes)
-              for width in widths]
+    decodes = [(batch, width) for batch in eager_decode_sizes(config.max_num_seqs, graph_sizes)
+               for width in widths]
+    steps = []
+    for lora_int_id in ((0, WARM_UP_LORA_ID) if config.enable_lora else (0,)):
+        steps += [partial(_prefill, runner, *step, lora_int_id) for step in prefills]
+        steps += [partial(_decode, runner, *step, lora_int_id) for step in decodes]
     if runner.rank == 0:
         vocab = config.hf_config.vocab_size
         steps += [partial(runner.sampler.race,

@@ -144,3 +144,33 @@ def test_compile_only_pass_reaches_the_warm_up_variants(recorder: VariantRecorde
     assert {"_prefill_kernel", "_decode_split_kernel", "_qkv_rope_store_kernel",
             "_race_kernel"} <= kernels
     assert set(compiled) == set(ran)
+
+
+def test_lora_workload_launches_only_warmed_variants(recorder: VariantRecorder,
+                                                     tmp_path) -> None:
+    """With LoRA: prefill's shrink, decode with the shrink in the fused projections' K loops
+    and, up to 16 rows, computed by the norm before them (kernels.linear.lora), mixed with base
+    rows and rows of two adapters."""
+    from nanovllm.lora import LoRARequest
+    from tests.lora.helpers import build_adapter
+    checkpoint = build_checkpoint(str(tmp_path / "ckpt"), **SHAPE)
+    loras = [LoRARequest(f"a{i}", i, build_adapter(checkpoint, str(tmp_path / f"a{i}"), i, r=8))
+             for i in (1, 2)]
+    llm = LLM(checkpoint, device="cpu", attention_backend="triton", dtype="float16",
+              num_kvcache_blocks=4, max_num_seqs=4, max_num_batched_tokens=16,
+              max_model_len=512, enable_lora=True, max_loras=2, max_lora_rank=8)
+    try:
+        warmed = set(recorder.keys)
+        start = len(recorder.keys)
+        greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        llm.generate([[1, 2, 3], [4] * 20, [5] * 6], greedy, use_tqdm=False,
+                     lora_request=[loras[0], None, loras[1]])
+        llm.generate([[6] * 5], greedy, use_tqdm=False, lora_request=loras[1])
+        launched = recorder.keys[start:]
+    finally:
+        llm.shutdown()
+    kernels = {key[0] for key in launched}
+    assert {"_shrink_kernel", "_qkv_rope_store_kernel", "_gate_up_silu_kernel",
+            "_split_k_kernel", "_rms_norm_kernel"} <= kernels
+    cold = sorted(set(launched) - warmed)
+    assert not cold, "variants the warm-up never compiled:\n" + "\n".join(map(str, cold))
