@@ -95,11 +95,11 @@ def _workload(llm: LLM) -> None:
     assert llm.stats()["prefill_steps"] >= 4  # the 37-token prompt took 3 chunks
 
 
-def _llm(tmp_path) -> LLM:
+def _llm(tmp_path, **lora) -> LLM:
     checkpoint = build_checkpoint(str(tmp_path / "ckpt"), **SHAPE)
     return LLM(checkpoint, device="cpu", attention_backend="triton", dtype="float16",
                num_kvcache_blocks=4, max_num_seqs=4, max_num_batched_tokens=16,
-               max_model_len=512)
+               max_model_len=512, **lora)
 
 
 def test_workload_launches_only_warmed_variants(recorder: VariantRecorder, tmp_path) -> None:
@@ -121,11 +121,13 @@ def test_workload_launches_only_warmed_variants(recorder: VariantRecorder, tmp_p
     assert not cold, "variants the warm-up never compiled:\n" + "\n".join(map(str, cold))
 
 
-def test_compile_only_pass_reaches_the_warm_up_variants(recorder: VariantRecorder,
-                                                        tmp_path) -> None:
+@pytest.mark.parametrize("lora", [{}, dict(enable_lora=True, max_loras=2, max_lora_rank=8)])
+def test_compile_only_pass_reaches_the_warm_up_variants(recorder: VariantRecorder, tmp_path,
+                                                        lora) -> None:
     """The warm-up's steps with every launch compile-only run no kernel, finish on the garbage
-    their kernels leave, and launch the same variants as the steps run for real."""
-    llm = _llm(tmp_path)
+    their kernels leave, and launch the same variants as the steps run for real (with LoRA,
+    its variants too)."""
+    llm = _llm(tmp_path, **lora)
     try:
         steps = warmup.warm_up_steps(llm.model_runner, graph_sizes=[])
         start, runs = len(recorder.keys), recorder.runs
@@ -142,7 +144,7 @@ def test_compile_only_pass_reaches_the_warm_up_variants(recorder: VariantRecorde
         llm.shutdown()
     kernels = {key[0] for key in compiled}
     assert {"_prefill_kernel", "_decode_split_kernel", "_qkv_rope_store_kernel",
-            "_race_kernel"} <= kernels
+            "_race_kernel"} | ({"_shrink_kernel"} if lora else set()) <= kernels
     assert set(compiled) == set(ran)
 
 
