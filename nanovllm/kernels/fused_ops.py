@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.linear.lora import LoRAAhead, shrink_chunk
+from nanovllm.kernels.linear.lora import LoRAAhead, ahead_chunk_width, shrink_chunk
 from nanovllm.kernels.pdl import launch_options, wait_then_release
 
 
@@ -50,7 +50,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
         # compiler cannot prove apart from it, and it would then cost one more round trip.
         x = _load_row(x_ptr, res_ptr, row, cols, mask, stride_x, stride_res, stride_split,
                       dtype, ADD, PARTIALS)
-        w = tl.load(w_ptr + cols, mask=mask).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if ADD:  # add_rms_forward: the sum is rounded for the residual, normalised unrounded
             tl.store(res_out_ptr + row * H + cols, x.to(dtype), mask=mask)
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
@@ -68,7 +68,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
             mask = cols < H
             x = _load_row(x_ptr, res_ptr, row, cols, mask, stride_x, stride_res,
                           stride_split, dtype, ADD, PARTIALS)
-            w = tl.load(w_ptr + cols, mask=mask).to(tl.float32)
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
             part = shrink_chunk(x, w, a_ptr, slot, cols, mask, H, LORA_SR, SR_PAD, NUM_SLOTS,
                                 RANK)
             r = tl.arange(0, SR_PAD)
@@ -118,13 +118,14 @@ def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         if lora is not None:
             slices, slots, rank, _ = lora.lora_a.shape
             chunks, sr = lora.parts.shape[0], slices * rank
-            assert lora.lora_a.is_contiguous() and lora.parts.shape[1] == num_rows
+            assert lora.lora_a.is_contiguous() and lora.lora_a.shape[3] == hidden
+            assert lora.parts.shape[1:] == (num_rows, sr) and lora.rstd.shape == (num_rows,)
         _rms_norm_kernel[(num_rows, 1 + chunks)](
             x2, x2 if res2 is None else res2, weight, out, out if res_out is None else res_out,
             x2.stride(-2), 0 if res2 is None else res2.stride(0), x2.stride(0), eps,
             *(lora or (None,) * 4), num_rows, H=hidden, BLOCK=block, ADD=residual is not None,
             PARTIALS=partials, LORA_SR=sr, SR_PAD=triton.next_power_of_2(max(sr, 1)),
-            NUM_SLOTS=slots, RANK=rank, CHUNK=block // max(chunks, 1),
+            NUM_SLOTS=slots, RANK=rank, CHUNK=ahead_chunk_width(hidden),
             num_warps=8 if block >= 4096 else 4, **launch_options())
     return out, res_out
 

@@ -14,7 +14,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         # (the projection this norm feeds,) when its LoRA shrink may be computed here, in the
         # fused kernel (kernels.linear.lora); a tuple, so that it stays registered where it is
-        self.feeds: tuple = ()
+        self.feeds: tuple[nn.Module, ...] = ()
 
     def rms_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The torch path: normalise the last dim of x (any leading shape)."""
@@ -44,14 +44,15 @@ class RMSNorm(nn.Module):
             return self.rms_forward(x)
         return self.add_rms_forward(x, residual)
 
-    def _lora_ahead(self, num_tokens: int):
-        """The buffers of the shrink the projection fed wants computed here, or None."""
+    def _lora_ahead(self, num_tokens: int) -> tuple | None:
+        """The buffers (LoRAAhead) of the shrink the projection fed wants computed here."""
         return self.feeds[0].lora_ahead_buffers(num_tokens) if self.feeds else None
 
-    def _handed(self, out, ahead):
-        """out, after handing the projection fed its shrink for the normed tensor."""
+    def _handed(self, out: torch.Tensor | tuple, ahead: tuple | None) -> torch.Tensor | tuple:
+        """out, after handing the projection fed its shrink of the normed tensor."""
         if ahead is not None:
-            self.feeds[0].lora_ahead = (out if isinstance(out, torch.Tensor) else out[0], ahead)
+            self.feeds[0].hand_lora_ahead(out if isinstance(out, torch.Tensor) else out[0],
+                                          ahead)
         return out
 
     def add_partials(self, partials: torch.Tensor,

@@ -81,7 +81,7 @@ class LinearBase(nn.Module):
         slots = get_context().lora_slots
         return None if slots is None else (self.lora_a, self.lora_b, slots)
 
-    def lora_ahead_buffers(self, num_tokens: int):
+    def lora_ahead_buffers(self, num_tokens: int) -> tuple | None:
         """LoRAAhead buffers for the RMSNorm before to fill with this projection's shrink, when
         a step of num_tokens runs its fused kernel with one (kernels.linear.lora), else None."""
         if self.lora_shrink is None or not self.fused_decode_max_tokens:
@@ -93,8 +93,12 @@ class LinearBase(nn.Module):
             return None
         return lora_ahead_buffers(self.lora_a, ctx.lora_slots)
 
-    def take_lora_ahead(self, x: torch.Tensor):
-        """The shrink the RMSNorm before computed for x (LoRAAhead), once; else None."""
+    def hand_lora_ahead(self, normed: torch.Tensor, ahead: tuple) -> None:
+        """Keep the shrink the RMSNorm before computed of normed, for take_lora_ahead."""
+        self.lora_ahead = (normed, ahead)
+
+    def take_lora_ahead(self, x: torch.Tensor) -> tuple | None:
+        """The shrink the RMSNorm before computed of x (LoRAAhead), once; else None."""
         pending, self.lora_ahead = self.lora_ahead, None
         return pending[1] if pending is not None and pending[0] is x else None
 

@@ -22,6 +22,7 @@ from nanovllm.kernels.linear.fused import (  # noqa: E402
     gate_up_silu,
     qkv_rope_store,
 )
+from nanovllm.kernels.linear.lora import LoRAAhead, LoRASlots  # noqa: E402
 from nanovllm.kernels.linear.split_k import (  # noqa: E402
     _num_splits,
     _stages,
@@ -174,17 +175,23 @@ def test_sum_partials(dtype, splits, num_tokens, output_size, bias) -> None:
     assert torch.equal(out, ref)
 
 
-@pytest.mark.parametrize("dtype,alone,shared", [(torch.bfloat16, 4, 3), (FP8_DTYPE, 8, 5)])
-def test_decode_launch_keeps_its_programs_resident(dtype, alone, shared) -> None:
+@pytest.mark.parametrize("dtype,alone,shared,beside_b", [(torch.bfloat16, 4, 3, 2),
+                                                         (FP8_DTYPE, 8, 5, 4)])
+def test_decode_launch_keeps_its_programs_resident(dtype, alone, shared, beside_b) -> None:
     """Up to 16 tokens, more programs than SMs get the stages that fit them all at once (two a
-    SM for Llama-3.1-8B's 224 gate_up programs on 132 SMs; at least 2); else the stages alone."""
+    SM for Llama-3.1-8B's 224 gate_up programs on 132 SMs; at least 2), with a LoRA shrink
+    computed ahead beside B's two tiles; else the stages alone."""
     w = torch.empty(1, dtype=dtype)
-    assert [_launch(1, w, False, n, 132)[2] for n in (48, 132)] == [alone, alone]
-    assert [_launch(16, w, False, n, 132)[2] for n in (133, 224)] == [shared, shared]
-    assert _launch(1, w, False, 448, 132)[2] == 2
-    assert _launch(1, w, False, 224, 0)[2] == alone  # off CUDA: no SMs, no limit
-    assert _launch(17, w, False, 224, 132)[2] == 4  # beyond 16 tokens: as before
-    assert _launch(1, w, True, 224, 132)[2] == 3  # LoRA: its own rule
+    assert [_launch(1, w, None, None, n, 132)[2] for n in (48, 132)] == [alone, alone]
+    assert [_launch(16, w, None, None, n, 132)[2] for n in (133, 224)] == [shared, shared]
+    assert _launch(1, w, None, None, 448, 132)[2] == 2
+    assert _launch(1, w, None, None, 224, 0)[2] == alone  # off CUDA: no SMs, no limit
+    assert _launch(17, w, None, None, 224, 132)[2] == 4  # beyond 16 tokens: as before
+    lora = LoRASlots(torch.empty(2, 4, 16, 64), torch.empty(128, 4, 16), torch.empty(1))
+    assert _launch(1, w, lora, None, 224, 132)[2] == 3  # A's tiles in the loop: its own rule
+    ahead = LoRAAhead(lora.lora_a, lora.slots, torch.empty(1), torch.empty(1))
+    assert _launch(1, w, lora, ahead, 224, 132)[2] == beside_b
+    assert _launch(1, w, lora, ahead, 48, 132)[2] == alone
 
 
 def _compile_for_sm90(script: str) -> str:
@@ -197,34 +204,58 @@ def _compile_for_sm90(script: str) -> str:
 
 
 _RESIDENT_SM90 = """
-import torch, triton
+import os, re, subprocess, tempfile, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from nanovllm.kernels.linear import fused
-T = dict(x_desc="tensordesc<bf16[16, 128]>", s_ptr="*fp32", out_ptr="*bf16", bias_ptr="*bf16")
-for dtype, name, w_scale in ((torch.bfloat16, "bf16", 0), (torch.float8_e4m3fn, "fp8e4nv", 1)):
+from nanovllm.kernels.linear.lora import LoRAAhead, LoRASlots
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def spill_bytes(ptx):
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        log = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    return sum(int(n) for n in re.findall(r"(\\d+) bytes spill stores", log))
+
+T = dict(x_desc="tensordesc<bf16[16, 128]>", s_ptr="*fp32", out_ptr="*bf16", bias_ptr="*bf16",
+         a_desc="tensordesc<bf16[64, 128]>", b_desc="tensordesc<bf16[64, 64]>",
+         lora_slots_ptr="*i32", ahead_ptr="*fp32", rstd_ptr="*fp32")
+lora = LoRASlots(torch.empty(2, 4, 16, 64), None, torch.empty(1))
+ahead = LoRAAhead(lora.lora_a, lora.slots, None, None)
+off = dict(LORA_K=0, RANK=1, AHEAD=0, a_desc=None, b_desc=None, lora_slots_ptr=None,
+           ahead_ptr=None, rstd_ptr=None)
+for dtype, name, w_scale, with_lora in ((torch.bfloat16, "bf16", 0, None),
+                                        (torch.float8_e4m3fn, "fp8e4nv", 1, None),
+                                        (torch.bfloat16, "bf16-lora-ahead", 0, (lora, ahead))):
     kernel = fused._gate_up_silu_kernel
-    block_t, block_k, stages, warps = fused._launch(1, torch.empty(1, dtype=dtype), False, 224, 132)
-    consts = dict(HAS_BIAS=False, LORA_K=0, RANK=1, BLOCK_T=block_t, BLOCK_K=block_k,
-                  STAGES=stages, USE_PDL=True, W_SCALE=w_scale, a_desc=None, b_desc=None,
-                  lora_slots_ptr=None)
+    block_t, block_k, stages, warps = fused._launch(1, torch.empty(1, dtype=dtype),
+                                                    *(with_lora or (None, None)), 224, 132)
+    consts = dict(HAS_BIAS=False, BLOCK_T=block_t, BLOCK_K=block_k, STAGES=stages, USE_PDL=True,
+                  W_SCALE=w_scale, **(dict(LORA_K=64, RANK=16, AHEAD=8) if with_lora else off))
     names = [p.name for p in kernel.params]
-    types = dict(T, w_desc=f"tensordesc<{name}[64, 128]>")
+    types = dict(T, w_desc=f"tensordesc<{name[:4] if with_lora else name}[64, 128]>")
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
     src = ASTSource(fn=kernel, signature=sig,
                     constexprs={(names.index(n),): v for n, v in consts.items()})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-    print(name, stages, k.metadata.shared)
+    print(name, stages, k.metadata.shared, spill_bytes(k.asm["ptx"]))
 """
 
 
 def test_sm90_two_resident_programs_fit() -> None:
     """Compiled for sm_90 (no GPU needed), two 8B gate_up programs at the stages _launch gives
-    fit one SM's 228 KB of shared memory (each block also reserves 1 KB)."""
+    fit one SM's 228 KB of shared memory (each block also reserves 1 KB), also with a LoRA
+    shrink computed ahead (B's tiles beside the pipeline; its 8 chunks summed without
+    spilling registers)."""
     stdout = _compile_for_sm90(_RESIDENT_SM90)
     lines = [line.split() for line in stdout.splitlines()]
-    assert [(name, int(stages)) for name, stages, _ in lines] == [("bf16", 3), ("fp8e4nv", 5)]
-    assert all(2 * (int(shared) + 1024) <= 228 * 1024 for *_, shared in lines), stdout
+    assert [(name, int(stages)) for name, stages, *_ in lines] == [
+        ("bf16", 3), ("fp8e4nv", 5), ("bf16-lora-ahead", 2)]
+    assert all(2 * (int(shared) + 1024) <= 228 * 1024 for _, _, shared, _ in lines), stdout
+    assert all(int(spills) == 0 for *_, spills in lines), stdout
 
 
 def test_split_k_keeps_its_programs_resident() -> None:

@@ -169,18 +169,21 @@ def _projection(slice_sizes: tuple[int, ...], x: torch.Tensor):
 @pytest.mark.parametrize("kind", ["rms", "add", "partials"])
 @pytest.mark.parametrize("num_tokens,hidden,max_loras,rank,rows", [
     (1, 256, 4, 16, "one"), (5, 256, 4, 16, "mixed"), (16, 320, 2, 8, "mixed"),
-    (3, 256, 4, 16, "none")])
+    (3, 256, 4, 16, "none"), (2, 2560, 1, 8, "one")])
 def test_shrink_ahead_from_the_norm(dtype, kind, num_tokens, hidden, max_loras, rank, rows):
     """The RMSNorm's shrink chunks (kernels.linear.lora.shrink_chunk) read by gate_up_silu and
-    qkv_rope_store give their in-loop shrink's result, and the norm's own outputs unchanged
-    (320: a hidden size that is not a power of two, its last chunk partial)."""
+    qkv_rope_store give their in-loop shrink's result, and the norm's own outputs unchanged:
+    320, a hidden size that is not a power of two, its last chunk partial; 2,560 in 5 chunks
+    of 512. The buffers start as NaN: the chunks of rows without an adapter are never read."""
     x = _x(num_tokens, hidden, dtype)
     norm_w = (1 + 0.2 * torch.randn(hidden, device=DEVICE)).to(dtype)
     plain = _norm(kind, x, norm_w)
     for slice_sizes in ((128, 128), (256, 128, 128)):
         lora, _ = _lora(num_tokens, hidden, slice_sizes, max_loras, rank, dtype, x, rows)
         ahead = lora_ahead_buffers(lora.lora_a, lora.slots)
-        assert ahead.parts.shape[0] == (2 if hidden == 256 else 4)  # chunks of 128 columns
+        assert ahead.parts.shape[0] == {256: 2, 320: 3, 2560: 5}[hidden]
+        ahead.parts.fill_(float("nan"))
+        ahead.rstd.fill_(float("nan"))
         normed, res_out = _norm(kind, x, norm_w, ahead)
         torch.testing.assert_close(normed, plain[0], atol=0, rtol=0)
         if res_out is not None:

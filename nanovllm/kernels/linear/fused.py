@@ -224,26 +224,25 @@ def fits_gate_up(hidden_size: int, intermediate_size: int, dtype: torch.dtype,
         and intermediate_size % ROWS == 0 and hidden_size % 64 == 0
 
 
-def _launch(num_tokens: int, weight: torch.Tensor, lora: bool = False, programs: int = 0,
-            sms: int = 0) -> tuple[int, int, int, int]:
+def _launch(num_tokens: int, weight: torch.Tensor, lora: LoRASlots | None,
+            ahead: LoRAAhead | None, programs: int, sms: int) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_K, STAGES, num_warps) for a batch (swept on the H200 by the probe
-    fused_linear_probe, docs/benchmarks.md); with LoRA's A tiles, fewer stages fit in shared
-    memory (gate_up_proj's two A tiles and 64-token x tiles: 80 KB a stage). Up to 16 tokens,
-    a launch of more programs than SMs gets the stages that keep them all resident at once:
-    one wave, not a second, partial one behind the first."""
+    fused_linear_probe, docs/benchmarks.md); with LoRA's A tiles in the K loop, fewer stages
+    fit in shared memory (gate_up_proj's two A tiles and 64-token x tiles: 80 KB a stage). Up
+    to 16 tokens, a launch of more programs than SMs gets the stages that keep them all
+    resident at once (with the shrink computed ahead, beside B's two tiles): one wave, not a
+    second, partial one behind the first."""
+    assert ahead is None or (lora is not None and ahead.lora_a is lora[0]
+                             and ahead.slots is lora[2])
+    a_tiles = lora is not None and ahead is None
     stages = weight_stages(num_tokens, weight)
     if num_tokens > 16:
-        return (32 if num_tokens <= 128 else 64), K_STEP, 2 if lora else stages, 4
-    if lora:
+        return (32 if num_tokens <= 128 else 64), K_STEP, 2 if a_tiles else stages, 4
+    if a_tiles:
         return 16, K_STEP, 3, 4
     stage = 2 * ROWS * K_STEP * weight.element_size() + 16 * K_STEP * 2  # 2 W tiles + x
-    return 16, K_STEP, resident_stages(stages, programs, sms, stage), 4
-
-
-def _a_tiles(lora: LoRASlots | None, ahead: LoRAAhead | None) -> bool:
-    """Whether the K loop streams A's tiles: LoRA without a shrink computed ahead."""
-    assert ahead is None or (lora is not None and ahead.slots is lora[2])
-    return lora is not None and ahead is None
+    b_tiles = 0 if ahead is None else 2 * ROWS * 64 * 2
+    return 16, K_STEP, resident_stages(stages, programs, sms, stage, b_tiles), 4
 
 
 def _descriptors(x: torch.Tensor, weight: torch.Tensor, block_t: int, block_k: int):
@@ -271,8 +270,8 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.stride(-1) == 1
     q = torch.empty(num_tokens, num_q_heads, head_dim, dtype=x.dtype, device=x.device)
     heads = num_q_heads + 2 * num_kv_heads
-    block_t, block_k, stages, warps = _launch(num_tokens, weight, _a_tiles(lora, ahead),
-                                              heads, num_sms(x.device))
+    block_t, block_k, stages, warps = _launch(num_tokens, weight, lora, ahead, heads,
+                                              num_sms(x.device))
     scales = scale_args(weight, w_scale, w_block)
     w_desc, x_desc = _descriptors(x, weight, block_t, block_k)
     norm = q_norm is not None
@@ -300,8 +299,8 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     inter = weight.shape[0] // 2
     assert fits_gate_up(hidden, inter, x.dtype, weight.dtype, w_block)
     out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
-    block_t, block_k, stages, warps = _launch(num_tokens, weight, _a_tiles(lora, ahead),
-                                              inter // ROWS, num_sms(x.device))
+    block_t, block_k, stages, warps = _launch(num_tokens, weight, lora, ahead, inter // ROWS,
+                                              num_sms(x.device))
     w_desc, x_desc = _descriptors(x, weight, block_t, block_k)
     scales = scale_args(weight, w_scale, w_block)
     _gate_up_silu_kernel[(inter // ROWS, triton.cdiv(num_tokens, block_t))](

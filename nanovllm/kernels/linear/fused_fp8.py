@@ -61,12 +61,15 @@ def num_sms(device: torch.device) -> int:
         if device.type == "cuda" else 0
 
 
-def resident_stages(stages: int, programs: int, sms: int, stage_bytes: int) -> int:
-    """At most `stages`, as many as keep all `programs` resident at once (at least 2): one
-    wave, not a second, partial one behind the first."""
+def resident_stages(stages: int, programs: int, sms: int, stage_bytes: int,
+                    fixed_bytes: int = 0) -> int:
+    """At most `stages`, as many as keep all `programs` resident at once (at least 2), each
+    also holding fixed_bytes outside its pipeline: one wave, not a second, partial one behind
+    the first."""
     if not sms or programs <= sms:
         return stages
-    return max(2, min(stages, PIPELINE_BYTES // (-(-programs // sms) * stage_bytes)))
+    per_program = PIPELINE_BYTES // -(-programs // sms) - fixed_bytes
+    return max(2, min(stages, per_program // stage_bytes))
 
 
 def fits_weight(dtype: torch.dtype, weight_dtype: torch.dtype, block: Block) -> bool:

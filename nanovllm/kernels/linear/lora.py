@@ -8,9 +8,10 @@ costs less than grouping rows by slot, and it leaves dense products.
   add_lora masks it by slot and adds B @ it to the accumulator. No launch of its own.
 - Up to AHEAD_MAX_TOKENS, qkv_proj's and gate_up_proj's shrink is computed ahead by the
   RMSNorm before them (kernels.fused_ops): programs beside the norm's each take a chunk of the
-  hidden size and only their row's slot's A rows (shrink_chunk), and the projection sums the
-  chunks (ahead_shrunk). Its K loop then streams the weights alone: at one token on the H200
-  the in-loop shrink cost qkv_proj 1.8 us and gate_up_proj 3.4 us a launch.
+  hidden size (ahead_chunk_width) and only their row's slot's A rows (shrink_chunk), and the
+  projection sums the chunks (ahead_shrunk). Its K loop then streams the weights alone: at
+  one token on the H200 the in-loop shrink cost qkv_proj 1.8 us and gate_up_proj 3.4 us a
+  launch (docs/lora.md).
 - Other steps: lora_shrink below, then the expand as one GEMM per slice (lora_reference).
 """
 from typing import NamedTuple
@@ -92,17 +93,19 @@ class LoRAAhead(NamedTuple):
     rstd: torch.Tensor  # [T] float32: the norm's 1 / rms(h)
 
 
-def ahead_chunks(hidden_size: int) -> int:
-    """Chunks of the hidden size the norm's shrink programs take: 128 columns each, at most 16."""
-    return min(16, max(1, triton.next_power_of_2(hidden_size) // 128))
+def ahead_chunk_width(hidden_size: int) -> int:
+    """Columns of the hidden size each of the norm's shrink programs takes: 128, or as many as
+    make 8 chunks (more, and the projection's sum of them spills registers on sm_90)."""
+    return max(128, triton.next_power_of_2(triton.cdiv(hidden_size, 8)))
 
 
 def lora_ahead_buffers(lora_a: torch.Tensor, slots: torch.Tensor) -> LoRAAhead:
     """Empty LoRAAhead buffers for a step of len(slots) rows."""
     num_slices, _, rank, hidden = lora_a.shape
     num_tokens, device = slots.shape[0], lora_a.device
-    parts = torch.empty(ahead_chunks(hidden), num_tokens, num_slices * rank,
-                        dtype=torch.float32, device=device)
+    chunks = triton.cdiv(hidden, ahead_chunk_width(hidden))
+    parts = torch.empty(chunks, num_tokens, num_slices * rank, dtype=torch.float32,
+                        device=device)
     return LoRAAhead(lora_a, slots, parts, torch.empty(num_tokens, dtype=torch.float32,
                                                        device=device))
 
