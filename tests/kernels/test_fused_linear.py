@@ -225,7 +225,7 @@ T = dict(x_desc="tensordesc<bf16[16, 128]>", s_ptr="*fp32", out_ptr="*bf16", bia
          lora_slots_ptr="*i32", ahead_ptr="*fp32", rstd_ptr="*fp32")
 lora = LoRASlots(torch.empty(2, 4, 16, 64), None, torch.empty(1))
 ahead = LoRAAhead(lora.lora_a, lora.slots, None, None)
-off = dict(LORA_K=0, RANK=1, AHEAD=0, a_desc=None, b_desc=None, lora_slots_ptr=None,
+off = dict(LORA_K=0, RANK=1, AHEAD=0, AHEAD_SR=0, a_desc=None, b_desc=None, lora_slots_ptr=None,
            ahead_ptr=None, rstd_ptr=None)
 for dtype, name, w_scale, with_lora in ((torch.bfloat16, "bf16", 0, None),
                                         (torch.float8_e4m3fn, "fp8e4nv", 1, None),
@@ -234,7 +234,8 @@ for dtype, name, w_scale, with_lora in ((torch.bfloat16, "bf16", 0, None),
     block_t, block_k, stages, warps = fused._launch(1, torch.empty(1, dtype=dtype),
                                                     *(with_lora or (None, None)), 224, 132)
     consts = dict(HAS_BIAS=False, BLOCK_T=block_t, BLOCK_K=block_k, STAGES=stages, USE_PDL=True,
-                  W_SCALE=w_scale, **(dict(LORA_K=64, RANK=16, AHEAD=8) if with_lora else off))
+                  W_SCALE=w_scale,
+                  **(dict(LORA_K=64, RANK=16, AHEAD=8, AHEAD_SR=32) if with_lora else off))
     names = [p.name for p in kernel.params]
     types = dict(T, w_desc=f"tensordesc<{name[:4] if with_lora else name}[64, 128]>")
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}

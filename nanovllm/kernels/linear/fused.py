@@ -11,11 +11,9 @@ one head (two 64-row halves, the pair neox RoPE rotates together) or 64 gate row
 every decode size up to 256 (by 0.4-0.9 us), the fused gate_up_proj beats cuBLAS + SiLU-and-mul
 up to 64 (by 0.4-0.9 us) and loses from 96 (docs/benchmarks.md).
 
-FP8 weights (e4m3 codes, float32 scales per output channel or block) run as W8A16, a constexpr
-branch (W_SCALE) beside the 16-bit path: tiles converted to the activations' dtype in registers,
-scales applied to the float32 accumulator (kernels.linear.fused_fp8 says how, and why).
-LoRA slots (16-bit weights) add their delta inside the same K loop
-(kernels.linear.lora.add_lora)."""
+FP8 weights run as W8A16, a constexpr branch (W_SCALE; kernels.linear.fused_fp8 says how, and
+why). LoRA slots add their delta in the epilogue (kernels.linear.lora says where the shrink is
+computed)."""
 
 import torch
 import triton
@@ -57,7 +55,7 @@ def _pair_gemm(w_desc, x_desc, row_a, row_b, tok0, K, s_ptr, stride_s, scale_row
                b_desc, slots_ptr, ahead_ptr, rstd_ptr, M, slice_a, slice_b,
                BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                W_SCALE: tl.constexpr, LORA_K: tl.constexpr, RANK: tl.constexpr,
-               PAIR_SLICES: tl.constexpr, AHEAD: tl.constexpr):
+               PAIR_SLICES: tl.constexpr, AHEAD: tl.constexpr, AHEAD_SR: tl.constexpr):
     """(W[row_a:+64] @ x.T, W[row_b:+64] @ x.T) for tokens tok0:+BLOCK_T, float32 [64, T]
     each (token rows past the batch load as zeros); FP8 codes times their scales (W_SCALE). The
     epilogues work in this orientation: transposing the accumulators costs more than the
@@ -77,12 +75,11 @@ def _pair_gemm(w_desc, x_desc, row_a, row_b, tok0, K, s_ptr, stride_s, scale_row
         b_a = b_desc.load([row_a, 0])
         b_b = b_desc.load([row_b, 0])
         if AHEAD:
-            sr: tl.constexpr = (2 if PAIR_SLICES else 3) * RANK  # gate/up or q/k/v slices
-            shrunk_a = ahead_shrunk(ahead_ptr, rstd_ptr, keep, tok0, M, slice_a, sr, RANK,
+            shrunk_a = ahead_shrunk(ahead_ptr, rstd_ptr, keep, tok0, M, slice_a, AHEAD_SR, RANK,
                                     AHEAD, BLOCK_T)
             if PAIR_SLICES:
-                shrunk_b = ahead_shrunk(ahead_ptr, rstd_ptr, keep, tok0, M, slice_b, sr, RANK,
-                                        AHEAD, BLOCK_T)
+                shrunk_b = ahead_shrunk(ahead_ptr, rstd_ptr, keep, tok0, M, slice_b, AHEAD_SR,
+                                        RANK, AHEAD, BLOCK_T)
     for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         x = x_desc.load([tok0, k]).T
         acc_a = scaled_dot(w_desc.load([row_a, k]), x, acc_a, s_a, k, BLOCK_K, W_SCALE)
@@ -114,7 +111,8 @@ def _qkv_rope_store_kernel(w_desc, x_desc, bias_ptr, q_out_ptr, qn_w_ptr, kn_w_p
                            HAS_BIAS: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                            USE_PDL: tl.constexpr, W_SCALE: tl.constexpr, LORA_K: tl.constexpr,
-                           RANK: tl.constexpr, AHEAD: tl.constexpr):
+                           RANK: tl.constexpr, AHEAD: tl.constexpr,
+                           AHEAD_SR: tl.constexpr):
     """Grid (q + k + v heads, token tiles): one head's projection for BLOCK_T tokens; q heads
     normed, rotated and stored to q_out, k heads normed, rotated and written to the cache, v
     heads written to the cache (slot < 0: a padding row, not written)."""
@@ -152,7 +150,7 @@ def _qkv_rope_store_kernel(w_desc, x_desc, bias_ptr, q_out_ptr, qn_w_ptr, kn_w_p
     x1, x2 = _pair_gemm(w_desc, x_desc, head * HEAD_DIM, head * HEAD_DIM + HALF, tok0, K,
                         s_ptr, stride_s, scale_rows, a_desc, b_desc, lora_slots_ptr, ahead_ptr,
                         rstd_ptr, M, lora_slice, lora_slice, BLOCK_T, BLOCK_K, STAGES, W_SCALE,
-                        LORA_K, RANK, False, AHEAD)
+                        LORA_K, RANK, False, AHEAD, AHEAD_SR)
     if HAS_BIAS:
         x1 += b1
         x2 += b2
@@ -183,7 +181,8 @@ def _gate_up_silu_kernel(w_desc, x_desc, bias_ptr, out_ptr, M, K, inter, s_ptr, 
                          scale_rows, a_desc, b_desc, lora_slots_ptr, ahead_ptr, rstd_ptr,
                          HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                          STAGES: tl.constexpr, USE_PDL: tl.constexpr, W_SCALE: tl.constexpr,
-                         LORA_K: tl.constexpr, RANK: tl.constexpr, AHEAD: tl.constexpr):
+                         LORA_K: tl.constexpr, RANK: tl.constexpr, AHEAD: tl.constexpr,
+                         AHEAD_SR: tl.constexpr):
     """Grid (inter / 64, token tiles): silu(gate) * up for 64 columns of BLOCK_T tokens; gate
     rows are W[:inter], up rows W[inter:]."""
     wait_then_release(USE_PDL)
@@ -195,7 +194,8 @@ def _gate_up_silu_kernel(w_desc, x_desc, bias_ptr, out_ptr, M, K, inter, s_ptr, 
         up_bias = tl.load(bias_ptr + inter + cols).to(tl.float32)
     gate, up = _pair_gemm(w_desc, x_desc, col0, inter + col0, tok0, K, s_ptr, stride_s,
                           scale_rows, a_desc, b_desc, lora_slots_ptr, ahead_ptr, rstd_ptr, M, 0,
-                          1, BLOCK_T, BLOCK_K, STAGES, W_SCALE, LORA_K, RANK, True, AHEAD)
+                          1, BLOCK_T, BLOCK_K, STAGES, W_SCALE, LORA_K, RANK, True, AHEAD,
+                          AHEAD_SR)
     if HAS_BIAS:
         gate += gate_bias
         up += up_bias
@@ -226,12 +226,10 @@ def fits_gate_up(hidden_size: int, intermediate_size: int, dtype: torch.dtype,
 
 def _launch(num_tokens: int, weight: torch.Tensor, lora: LoRASlots | None,
             ahead: LoRAAhead | None, programs: int, sms: int) -> tuple[int, int, int, int]:
-    """(BLOCK_T, BLOCK_K, STAGES, num_warps) for a batch (swept on the H200 by the probe
-    fused_linear_probe, docs/benchmarks.md); with LoRA's A tiles in the K loop, fewer stages
-    fit in shared memory (gate_up_proj's two A tiles and 64-token x tiles: 80 KB a stage). Up
-    to 16 tokens, a launch of more programs than SMs gets the stages that keep them all
-    resident at once (with the shrink computed ahead, beside B's two tiles): one wave, not a
-    second, partial one behind the first."""
+    """(BLOCK_T, BLOCK_K, STAGES, num_warps) for a batch (the H200 sweep: docs/benchmarks.md).
+    A's tiles in the K loop leave room for fewer stages (gate_up's: 80 KB a stage at 64 tokens).
+    Up to 16 tokens, more programs than SMs get the stages that keep them all resident (beside
+    B's tiles, with a shrink computed ahead): one wave, not a partial second one."""
     assert ahead is None or (lora is not None and ahead.lora_a is lora[0]
                              and ahead.slots is lora[2])
     a_tiles = lora is not None and ahead is None

@@ -113,8 +113,10 @@ def lora_ahead_buffers(lora_a: torch.Tensor, slots: torch.Tensor) -> LoRAAhead:
 def ahead_args(ahead: LoRAAhead | None) -> dict:
     """A fused projection kernel's arguments for a shrink computed ahead (ahead_shrunk's)."""
     if ahead is None:
-        return dict(ahead_ptr=None, rstd_ptr=None, AHEAD=0)
-    return dict(ahead_ptr=ahead.parts, rstd_ptr=ahead.rstd, AHEAD=ahead.parts.shape[0])
+        return dict(ahead_ptr=None, rstd_ptr=None, AHEAD=0, AHEAD_SR=0)
+    chunks, _, slices_x_rank = ahead.parts.shape
+    return dict(ahead_ptr=ahead.parts, rstd_ptr=ahead.rstd, AHEAD=chunks,
+                AHEAD_SR=slices_x_rank)
 
 
 def fits_lora(max_loras: int, max_rank: int) -> bool:
