@@ -1,9 +1,10 @@
 """GPU time per kernel for the standard workload's prefill steps and for decode steps (H200).
 
-python -m benchmarks.profile_steps [--model DIR] [--attention-backend B] [--kv-cache-dtype D]:
-prints, for a prefill-only pass (every prompt, max_tokens=1) and for 32 decode steps at batch
-256, the kernels by total GPU time, then the wall time of each phase. --tiny: a tiny random
-checkpoint and 8 prompts on CPU, ops by CPU time (a smoke run).
+python -m benchmarks.profile_steps [--model DIR | --shape S [--weight-format F]]
+[--attention-backend B] [--kv-cache-dtype D]: prints, for a prefill-only pass (every prompt,
+max_tokens=1) and for 32 decode steps at batch 256, the kernels by total GPU time, then the
+wall time of each phase. --tiny: a tiny random checkpoint and 8 prompts on CPU, ops by CPU
+time (a smoke run).
 """
 import argparse
 import tempfile
@@ -14,6 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.random_checkpoints import build_checkpoint, qwen3_0_6b_random
 from benchmarks.runs import sync
+from benchmarks.shapes import SHAPES, WEIGHT_FORMATS, write_shape
 from benchmarks.workloads import max_token_id, standard
 from nanovllm import LLM, SamplingParams
 
@@ -36,12 +38,20 @@ def main() -> None:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--num-seqs", type=int)
+    p.add_argument("--shape", choices=sorted(SHAPES), help="dummy weights of a model's shape")
+    p.add_argument("--weight-format", default="bf16", choices=sorted(WEIGHT_FORMATS))
     p.add_argument("--tiny", action="store_true", help="tiny random checkpoint, 8 prompts (CPU)")
     args = p.parse_args()
     args.num_seqs = args.num_seqs or (8 if args.tiny else 256)
-    path = args.model or (build_checkpoint(tempfile.mkdtemp(prefix="nanovllm-tiny-"))
-                          if args.tiny else qwen3_0_6b_random())
-    llm = LLM(path, attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype)
+    kwargs = dict(attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype)
+    if args.shape:
+        path = write_shape(args.shape, tempfile.mkdtemp(prefix="nanovllm-shape-"),
+                           args.weight_format)
+        kwargs.update(load_format="dummy", max_model_len=4096)
+    else:
+        path = args.model or (build_checkpoint(tempfile.mkdtemp(prefix="nanovllm-tiny-"))
+                              if args.tiny else qwen3_0_6b_random())
+    llm = LLM(path, **kwargs)
     prompts, _ = standard(args.num_seqs, (100, 1024), (100, 1024), max_token_id(path), seed=0)
     one = SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True)
     llm.generate(prompts[:8], one, use_tqdm=False)  # warm-up

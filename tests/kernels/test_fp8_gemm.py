@@ -44,13 +44,27 @@ def _weight(n: int, k: int, block: tuple[int, int] | None, seed: int = 1):
     return codes.to(DEVICE), scale.to(DEVICE)
 
 
-@pytest.mark.parametrize("m,k,group", [(3, 64, 16), (5, 80, 32), (2, 48, 48), (1, 1100, 1100)])
+# many groups a program (2,048 / 128), a partial last group, a per-token row, one past the
+# row kernel's limit (the two-pass kernel)
+@pytest.mark.parametrize("m,k,group", [(3, 64, 16), (5, 80, 32), (2, 48, 48), (1, 1100, 1100),
+                                       (7, 2048, 128), (5, 300, 128), (2, 20000, 20000)])
 def test_per_token_group_quant_matches_the_reference(m, k, group):
     x = _activations(m, k)
     codes, scales = per_token_group_quant(x, group)
     ref_codes, ref_scales = per_token_group_quant_torch(x, group)
     torch.testing.assert_close(scales, ref_scales, rtol=1e-6, atol=0)
     assert codes.dtype == FP8_DTYPE
+    exact = (codes.float() == ref_codes.float()).float().mean().item()
+    assert exact >= MIN_EXACT_CODES, exact
+
+
+def test_outer_major_scales_are_the_same_scales():
+    """cuBLAS's layout: the same scales with a token's neighbours adjacent (stride (1, M))."""
+    x = _activations(6, 512)
+    codes, scales = per_token_group_quant(x, 128, outer_major=True)
+    ref_codes, ref_scales = per_token_group_quant_torch(x, 128)
+    assert scales.stride() == (1, 6)
+    torch.testing.assert_close(scales, ref_scales, rtol=1e-6, atol=0)
     exact = (codes.float() == ref_codes.float()).float().mean().item()
     assert exact >= MIN_EXACT_CODES, exact
 
@@ -118,13 +132,13 @@ def test_a_transposed_block_scale_is_caught():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 7, 64, 300])
+@pytest.mark.parametrize("m", [1, 7, 64, 300, 1001])
 @pytest.mark.parametrize("block", [(128, 128), None])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
 def test_layer_sized_fp8_linear_on_cuda(m, block, n, k):
     """Llama-3.1-8B's qkv_proj and down_proj shapes in bf16: split-K W8A16 up to
-    DECODE_TOKENS, then the Triton block GEMM, and torch._scaled_mm per channel, against the
-    torch references on the GPU."""
+    DECODE_TOKENS, then the swapped GEMM, and torch._scaled_mm (rowwise, or block-scaled on
+    sm_90; 1,001 rows are padded to 1,004 for it), against the torch references on the GPU."""
     x = _activations(m, k, torch.bfloat16)
     weight, weight_scale = _weight(n, k, block)
     bias = torch.randn(n, device=DEVICE, dtype=torch.bfloat16)
@@ -133,4 +147,21 @@ def test_layer_sized_fp8_linear_on_cuda(m, block, n, k):
         ref = _w8a16(x, weight, weight_scale, block, bias)
     else:
         ref = fp8_linear_torch(x, weight, weight_scale, block, bias).float()
+    torch.testing.assert_close(out, ref, rtol=0.02, atol=0.01 * ref.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_block_scaled_weights_take_cublas_above_swap_tokens(monkeypatch):
+    """On sm_90 with CUDA 12.9+, block-scaled layers above SWAP_TOKENS run cuBLAS's block-scaled
+    GEMM, not the swapped Triton one."""
+    from nanovllm.kernels.linear import fp8_gemm
+    if not fp8_gemm._has_block_scaled_mm(torch.device(DEVICE)):
+        pytest.skip("cuBLAS block scales need sm_90 and CUDA 12.9+")
+    calls = []
+    monkeypatch.setattr(fp8_gemm, "w8a8_swap", lambda *a, **kw: calls.append(a))
+    x = _activations(fp8_gemm.SWAP_TOKENS + 1, 512, torch.bfloat16)
+    weight, weight_scale = _weight(256, 512, (128, 128))
+    out = fp8_linear(x, weight, weight_scale, (128, 128)).float()
+    ref = fp8_linear_torch(x, weight, weight_scale, (128, 128)).float()
+    assert not calls
     torch.testing.assert_close(out, ref, rtol=0.02, atol=0.01 * ref.abs().max().item())

@@ -2,15 +2,16 @@
 then a GEMM of FP8 codes that applies both scales in its epilogue (kernels.linear.fp8_reference
 is the reference and describes the layout).
 
-- Block-scaled weights (Qwen's FP8 releases, [128, 128] blocks) the swapped GEMM below does not
-  take: our Triton GEMM, one K step per block, each step's partial product times its
-  token-group and weight-block scales.
+- Block-scaled weights (Qwen's FP8 releases, [128, 128] blocks) above SWAP_TOKENS on sm_90:
+  cuBLAS's block-scaled GEMM (torch._scaled_mm, CUDA 12.9+), 2.1-3.3x faster than the swapped
+  GEMM at prefill sizes. Those neither takes: our Triton GEMM, one K step per block, each
+  step's partial product times its token-group and weight-block scales.
 - Per-channel weights: torch._scaled_mm (cuBLAS, rowwise scales) where it takes the shapes and
   dtype, else the same Triton GEMM with one group spanning all of K.
 - With TMA (sm_90), where split-K below does not run: the operands swapped, the weight's rows
-  on the MMA's M side (kernels.linear.w8a8_swap), K split for short N; for block scales at any
-  size, per channel up to SWAP_TOKENS. cuBLAS gave Llama-3.1-8B's o_proj 64 programs, 13 us
-  against its 4 us of bytes at any batch up to 256.
+  on the MMA's M side (kernels.linear.w8a8_swap), K split for short N, up to SWAP_TOKENS (for
+  block scales at any size where cuBLAS lacks them). cuBLAS gave Llama-3.1-8B's o_proj 64
+  programs, 13 us against its 4 us of bytes at any batch up to 256.
 - Up to DECODE_TOKENS tokens of 16-bit activations: W8A16 split over K instead
   (kernels.linear.split_k, as the fused decode projections run FP8 weights), its partials
   summed. The GEMMs above quantize the activations in a launch of their own, and cuBLAS's
@@ -27,43 +28,84 @@ from nanovllm.kernels.linear.split_k import fits_split_k, split_k_linear, sum_pa
 from nanovllm.kernels.linear.w8a8_swap import fits_w8a8_swap, w8a8_swap
 
 DECODE_TOKENS = 16  # up to here fp8_linear runs W8A16 split over K (weight_stages' FP8 range)
-SWAP_TOKENS = 128  # per channel, W8A8 swapped up to here; at 256 cuBLAS was as fast
+SWAP_TOKENS = 128  # W8A8 swapped up to here, cuBLAS above; at 256 they were as fast
+
+
+# M and the outer-major scales' group stride (M) change with the batch
+@triton.jit(do_not_specialize=["M", "stride_sg"])
+def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, group, num_groups, stride_xm, stride_qm,
+                        stride_sm, stride_sg, eps, ROWS: tl.constexpr, GROUPS: tl.constexpr,
+                        GROUP_P2: tl.constexpr):
+    """Grid (row blocks, group blocks): ROWS x GROUPS token groups read once; scale = max|x| /
+    448 over each group, codes = x / scale."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    gs = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    j = tl.arange(0, GROUP_P2)
+    cols = gs[None, :, None] * group + j[None, None, :]
+    live = (rows[:, None] < M) & (gs[None, :] < num_groups)
+    mask = live[:, :, None] & (j[None, None, :] < group) & (cols < K)
+    r64 = rows.to(tl.int64)[:, None, None]
+    x = tl.load(x_ptr + r64 * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=2), eps) / 448.0  # fp8_reference.FP8_MAX
+    q = tl.clamp(x / scale[:, :, None], -448.0, 448.0)
+    tl.store(q_ptr + r64 * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    s_ptrs = s_ptr + rows.to(tl.int64)[:, None] * stride_sm + gs[None, :] * stride_sg
+    tl.store(s_ptrs, scale, mask=live)
 
 
 @triton.jit
-def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, group, stride_xm, stride_qm, stride_sm,
-                        eps, BLOCK: tl.constexpr):
-    """Grid (tokens, groups): scale = max|x| / 448 over one token's group, codes = x / scale."""
+def _long_group_quant_kernel(x_ptr, q_ptr, s_ptr, K, group, stride_xm, stride_qm, stride_sm,
+                             stride_sg, eps, BLOCK: tl.constexpr):
+    """Grid (tokens, groups), for groups wider than QUANT_TILE: two passes over the group."""
     row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
-    start = g * group
+    start = tl.program_id(1) * group
     amax = tl.zeros([BLOCK], tl.float32)
     for k0 in range(0, group, BLOCK):
         offs = start + k0 + tl.arange(0, BLOCK)
         mask = (k0 + tl.arange(0, BLOCK) < group) & (offs < K)
         x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, 0), eps) / 448.0  # fp8_reference.FP8_MAX, e4m3's largest
+    scale = tl.maximum(tl.max(amax, 0), eps) / 448.0
     for k0 in range(0, group, BLOCK):
         offs = start + k0 + tl.arange(0, BLOCK)
         mask = (k0 + tl.arange(0, BLOCK) < group) & (offs < K)
         x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
         q = tl.clamp(x / scale, -448.0, 448.0)
         tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_sm + g, scale)
+    tl.store(s_ptr + row * stride_sm + tl.program_id(1) * stride_sg, scale)
 
 
-def per_token_group_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+# Elements one quantization program holds: 4,096 for narrow groups (rows x groups of them), a
+# whole group up to 16,384 (a per-token row of Llama-3.1-8B's down_proj input)
+QUANT_TILE, QUANT_ROW_MAX = 4096, 16384
+
+
+def per_token_group_quant(x: torch.Tensor, group: int, outer_major: bool = False
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations [M, K] -> (codes [M, K] float8, scales [M, ceil(K/group)] float32), as
-    kernels.linear.fp8_reference.per_token_group_quant_torch."""
+    kernels.linear.fp8_reference.per_token_group_quant_torch. outer_major: the scales' rows
+    adjacent (stride (1, M)), as cuBLAS's block-scaled GEMM reads them."""
     assert x.dim() == 2 and x.stride(1) == 1
     m, k = x.shape
     groups = triton.cdiv(k, group)
     q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
-    block = min(triton.next_power_of_2(group), 1024)
-    _group_quant_kernel[(m, groups)](x, q, s, k, group, x.stride(0), q.stride(0), s.stride(0),
-                                     SCALE_EPS, BLOCK=block, num_warps=4 if block >= 512 else 1)
+    if outer_major:
+        s = torch.empty(groups, m, dtype=torch.float32, device=x.device).t()
+    else:
+        s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    strides = (x.stride(0), q.stride(0), s.stride(0), s.stride(1), SCALE_EPS)
+    group_p2 = triton.next_power_of_2(group)
+    if group_p2 > QUANT_ROW_MAX:
+        _long_group_quant_kernel[(m, groups)](x, q, s, k, group, *strides, BLOCK=1024,
+                                              num_warps=4)
+        return q, s
+    # tile sizes from the layer's K and group only: a new batch size compiles nothing
+    per_row = min(triton.next_power_of_2(groups), max(1, QUANT_TILE // group_p2))
+    rows = max(1, QUANT_TILE // (per_row * group_p2))
+    tile = rows * per_row * group_p2
+    _group_quant_kernel[(triton.cdiv(m, rows), triton.cdiv(groups, per_row))](
+        x, q, s, m, k, group, groups, *strides, ROWS=rows, GROUPS=per_row, GROUP_P2=group_p2,
+        num_warps=min(8, max(1, tile // 1024)))
     return q, s
 
 
@@ -147,12 +189,48 @@ def _runs_split_k(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] 
 
 
 def _runs_swap(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
-    """Whether fp8_linear takes the swapped W8A8 GEMM: with TMA, for shapes it takes; per
-    channel up to SWAP_TOKENS (cuBLAS from there), block-scaled at any size (our other GEMM,
-    w8a8_gemm, took twice as long at 256 tokens)."""
+    """Whether fp8_linear takes the swapped W8A8 GEMM: with TMA, for shapes it takes, up to
+    SWAP_TOKENS (cuBLAS from there); block-scaled at any size where cuBLAS lacks block scales
+    (our other GEMM, w8a8_gemm, took twice as long at 256 tokens)."""
     n, k = weight.shape
-    return 0 < x.shape[0] and (block is not None or x.shape[0] <= SWAP_TOKENS) \
+    cublas = block is None or _has_block_scaled_mm(x.device)
+    return 0 < x.shape[0] and (x.shape[0] <= SWAP_TOKENS or not cublas) \
         and fits_w8a8_swap(n, k, block) and weight.is_contiguous() and _has_tma(x.device)
+
+
+@functools.cache
+def _has_block_scaled_mm(device: torch.device) -> bool:
+    """cuBLAS's 1x128-by-128x128 block-scaled FP8 GEMM: sm_90 with CUDA 12.9 or newer."""
+    if device.type != "cuda" or torch.version.cuda is None:
+        return False
+    cuda = tuple(int(v) for v in torch.version.cuda.split(".")[:2])
+    return torch.cuda.get_device_capability(device) == (9, 0) and cuda >= (12, 9)
+
+
+def _runs_block_scaled_mm(x: torch.Tensor, weight: torch.Tensor,
+                          block: tuple[int, int] | None) -> bool:
+    """Whether fp8_linear takes cuBLAS's block-scaled GEMM: [128, 128] blocks, more than
+    SWAP_TOKENS tokens, whole blocks, a 16-bit output."""
+    n, k = weight.shape
+    return block is not None and tuple(block) == (128, 128) and x.shape[0] > SWAP_TOKENS \
+        and n % 128 == 0 and k % 128 == 0 and x.dtype in (torch.bfloat16, torch.float16) \
+        and _has_block_scaled_mm(x.device)
+
+
+def block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] 16-bit times weight [N, K] with [128, 128] block scales through cuBLAS: x
+    quantized per 128-column group, its scales outer-major and its rows padded to a multiple
+    of 4, the weight's scale columns to one of 4 (cuBLAS's layout)."""
+    m = x.shape[0]
+    if m % 4:
+        x = torch.nn.functional.pad(x, (0, 0, 0, 4 - m % 4))
+    codes, scales = per_token_group_quant(x, 128, outer_major=True)
+    if weight_scale.shape[1] % 4:
+        weight_scale = torch.nn.functional.pad(weight_scale, (0, 4 - weight_scale.shape[1] % 4))
+    y = torch._scaled_mm(codes, weight.t(), scale_a=scales, scale_b=weight_scale.t(),
+                         out_dtype=x.dtype)[:m]
+    return y.add_(bias) if bias is not None else y
 
 
 @functools.cache
@@ -173,6 +251,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if _runs_split_k(x2, weight, block):
         part = split_k_linear(x2, weight, w_scale=weight_scale, w_block=block)
         return sum_partials(part, x.dtype, bias).reshape(*x.shape[:-1], n)
+    if _runs_block_scaled_mm(x2, weight, block):
+        return block_scaled_mm(x2, weight, weight_scale, bias).reshape(*x.shape[:-1], n)
     groups = block if block is not None else (1, k)
     codes, scales = per_token_group_quant(x2, groups[1])
     if _runs_swap(x2, weight, block):
