@@ -159,9 +159,10 @@ def test_block_scaled_weights_take_cublas_above_swap_tokens(monkeypatch):
         pytest.skip("cuBLAS block scales need sm_90 and CUDA 12.9+")
     calls = []
     monkeypatch.setattr(fp8_gemm, "w8a8_swap", lambda *a, **kw: calls.append(a))
-    x = _activations(fp8_gemm.SWAP_TOKENS + 1, 512, torch.bfloat16)
-    weight, weight_scale = _weight(256, 512, (128, 128))
-    out = fp8_linear(x, weight, weight_scale, (128, 128)).float()
-    ref = fp8_linear_torch(x, weight, weight_scale, (128, 128)).float()
+    for n, k in ((256, 512), (128, 256), (384, 640)):  # K blocks 4, 2 (padded), 5 (padded)
+        x = _activations(fp8_gemm.SWAP_TOKENS + 1, k, torch.bfloat16)
+        weight, weight_scale = _weight(n, k, (128, 128))
+        out = fp8_linear(x, weight, weight_scale, (128, 128)).float()
+        ref = fp8_linear_torch(x, weight, weight_scale, (128, 128)).float()
+        torch.testing.assert_close(out, ref, rtol=0.02, atol=0.01 * ref.abs().max().item())
     assert not calls
-    torch.testing.assert_close(out, ref, rtol=0.02, atol=0.01 * ref.abs().max().item())

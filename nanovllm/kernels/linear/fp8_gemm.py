@@ -210,11 +210,12 @@ def _has_block_scaled_mm(device: torch.device) -> bool:
 def _runs_block_scaled_mm(x: torch.Tensor, weight: torch.Tensor,
                           block: tuple[int, int] | None) -> bool:
     """Whether fp8_linear takes cuBLAS's block-scaled GEMM: [128, 128] blocks, more than
-    SWAP_TOKENS tokens, whole blocks, a 16-bit output."""
+    SWAP_TOKENS tokens, whole blocks and at least two along K, a 16-bit output."""
     n, k = weight.shape
+    # one K block would make the activations' scales [M, 1], which cuBLAS reads as rowwise
     return block is not None and tuple(block) == (128, 128) and x.shape[0] > SWAP_TOKENS \
-        and n % 128 == 0 and k % 128 == 0 and x.dtype in (torch.bfloat16, torch.float16) \
-        and _has_block_scaled_mm(x.device)
+        and n % 128 == 0 and k % 128 == 0 and k > 128 \
+        and x.dtype in (torch.bfloat16, torch.float16) and _has_block_scaled_mm(x.device)
 
 
 def block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -226,8 +227,9 @@ def block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     if m % 4:
         x = torch.nn.functional.pad(x, (0, 0, 0, 4 - m % 4))
     codes, scales = per_token_group_quant(x, 128, outer_major=True)
-    if weight_scale.shape[1] % 4:
-        weight_scale = torch.nn.functional.pad(weight_scale, (0, 4 - weight_scale.shape[1] % 4))
+    k_blocks = weight_scale.shape[1]
+    if k_blocks % 4:  # the rows' stride must be 16 bytes: pad the storage, not the view
+        weight_scale = torch.nn.functional.pad(weight_scale, (0, 4 - k_blocks % 4))[:, :k_blocks]
     y = torch._scaled_mm(codes, weight.t(), scale_a=scales, scale_b=weight_scale.t(),
                          out_dtype=x.dtype)[:m]
     return y.add_(bias) if bias is not None else y
