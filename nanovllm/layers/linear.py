@@ -105,8 +105,9 @@ class LinearBase(nn.Module):
         if self.quant is None or self.quant.block is not None or self.lora_shrink is not None \
                 or self.runs_fused_decode_for(num_tokens):
             return False
-        from nanovllm.kernels.linear.fp8_gemm import takes_token_codes
-        return takes_token_codes(num_tokens, self.weight, self.act_dtype)
+        from nanovllm.kernels.linear.fp8_gemm import fp8_linear, takes_token_codes
+        return self.fp8_linear is fp8_linear and \
+            takes_token_codes(num_tokens, self.weight, self.act_dtype)
 
     def hand_token_codes(self, x: torch.Tensor, codes: tuple) -> None:
         """Keep x's codes (kernels.fused_ops.token_codes) for this layer's next GEMM of x."""

@@ -222,26 +222,24 @@ def _has_block_scaled_mm(device: torch.device) -> bool:
 def _runs_block_scaled_mm(x: torch.Tensor, weight: torch.Tensor,
                           block: tuple[int, int] | None) -> bool:
     """Whether fp8_linear takes cuBLAS's block-scaled GEMM: [128, 128] blocks, more than
-    SWAP_TOKENS tokens, whole blocks and at least two along K, a 16-bit output."""
+    SWAP_TOKENS tokens, whole blocks, a multiple of 4 along K, a 16-bit output."""
     n, k = weight.shape
-    # one K block would make the activations' scales [M, 1], which cuBLAS reads as rowwise
+    # K blocks a multiple of 4: cuBLAS's scale layout without padding (with it, 5 blocks
+    # were refused); real models' K are (2,048, 4,096, 12,288, 14,336, ...)
     return block is not None and tuple(block) == (128, 128) and x.shape[0] > SWAP_TOKENS \
-        and n % 128 == 0 and k % 128 == 0 and k > 128 \
-        and x.dtype in (torch.bfloat16, torch.float16) and _has_block_scaled_mm(x.device)
+        and n % 128 == 0 and k % 512 == 0 and x.dtype in (torch.bfloat16, torch.float16) \
+        and _has_block_scaled_mm(x.device)
 
 
 def block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] 16-bit times weight [N, K] with [128, 128] block scales through cuBLAS: x
     quantized per 128-column group, its scales outer-major and its rows padded to a multiple
-    of 4, the weight's scale columns to one of 4 (cuBLAS's layout)."""
+    of 4 (cuBLAS's layout); the weight's scales [N/128, K/128] read transposed."""
     m = x.shape[0]
     if m % 4:
         x = torch.nn.functional.pad(x, (0, 0, 0, 4 - m % 4))
     codes, scales = per_token_group_quant(x, 128, outer_major=True)
-    k_blocks = weight_scale.shape[1]
-    if k_blocks % 4:  # the rows' stride must be 16 bytes: pad the storage, not the view
-        weight_scale = torch.nn.functional.pad(weight_scale, (0, 4 - k_blocks % 4))[:, :k_blocks]
     y = torch._scaled_mm(codes, weight.t(), scale_a=scales, scale_b=weight_scale.t(),
                          out_dtype=x.dtype)[:m]
     return y.add_(bias) if bias is not None else y
