@@ -1,27 +1,11 @@
-"""RMSNorm, residual add + RMSNorm and SiLU-and-mul as Triton kernels (compile in < 1 s each).
-
-Each can also quantize its output per token to FP8 (codes and one scale a row, as
-kernels.linear.fp8_gemm.per_token_group_quant would), for a per-channel FP8 projection after
-it: that projection then skips its own quantization launch."""
+"""RMSNorm, residual add + RMSNorm and SiLU-and-mul as Triton kernels (compile in < 1 s each)."""
 
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.linear.fp8_reference import FP8_DTYPE, FP8_MAX, SCALE_EPS
 from nanovllm.kernels.linear.lora import LoRAAhead, ahead_chunk_width, shrink_chunk
 from nanovllm.kernels.pdl import launch_options, wait_then_release
-
-_FP8_MAX, _SCALE_EPS = tl.constexpr(FP8_MAX), tl.constexpr(SCALE_EPS)  # read inside kernels
-
-
-@triton.jit
-def _store_codes(y, q_ptr, qs_ptr, row, offs, mask, H):
-    """Per-token FP8 codes of y (one row, float32 values of the stored output) and its scale."""
-    scale = tl.maximum(tl.max(tl.abs(y), axis=0), _SCALE_EPS) / _FP8_MAX
-    q = tl.clamp(y / scale, -_FP8_MAX, _FP8_MAX)
-    tl.store(q_ptr + row * H + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(qs_ptr + row, scale)
 
 
 @triton.jit
@@ -45,9 +29,8 @@ def _load_row(x_ptr, res_ptr, row, cols, mask, stride_x, stride_res, stride_spli
 
 @triton.jit(do_not_specialize=["stride_split", "M"])  # tokens x hidden: changes every step
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res,
-                     stride_split, eps, a_ptr, slots_ptr, ahead_ptr, rstd_ptr, q_ptr, qs_ptr,
-                     M, H: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr,
-                     QUANT: tl.constexpr,
+                     stride_split, eps, a_ptr, slots_ptr, ahead_ptr, rstd_ptr, M,
+                     H: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr,
                      PARTIALS: tl.constexpr, LORA_SR: tl.constexpr, SR_PAD: tl.constexpr,
                      NUM_SLOTS: tl.constexpr, RANK: tl.constexpr, CHUNK: tl.constexpr,
                      USE_PDL: tl.constexpr):
@@ -55,7 +38,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
     residual row and stores the sum. With PARTIALS > 0, x is that many float32 split-K partial
     rows (kernels.linear.fused). With LoRA (LORA_SR > 0) program 0 also stores the row's rstd
     and each other program one chunk of the next projection's shrink
-    (kernels.linear.lora.shrink_chunk). With QUANT, also the normed row's per-token codes."""
+    (kernels.linear.lora.shrink_chunk)."""
     wait_then_release(USE_PDL)
     row = tl.program_id(0).to(tl.int64)  # int64 offsets: no overflow on long prefills
     chunk = tl.program_id(1)
@@ -76,10 +59,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
         # As rms_forward: round to the input dtype, then multiply by the weight in that dtype.
         # For bf16/fp16 the float32 product of two such values is exact, so rounding it once
         # equals their own multiply (for float32 the casts are no-ops).
-        y = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype)
-        tl.store(out_ptr + row * H + cols, y, mask=mask)
-        if QUANT:
-            _store_codes(y.to(tl.float32), q_ptr, qs_ptr, row, cols, mask, H)
+        y = (x * rstd).to(dtype).to(tl.float32) * w
+        tl.store(out_ptr + row * H + cols, y.to(dtype), mask=mask)
     elif LORA_SR:
         slot = tl.load(slots_ptr + row)
         if slot >= 0:  # a row without an adapter: the projection reads none of its chunks
@@ -95,17 +76,6 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
 
 
 @triton.jit
-def _silu_mul_tile(x_ptr, row, cols, mask, stride_x, D, dtype):
-    """silu(x[row, cols]) * x[row, D + cols] in dtype."""
-    a = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(x_ptr + row * stride_x + D + cols, mask=mask, other=0.0).to(tl.float32)
-    # F.silu computes in float32 and rounds; the product is then a multiply in the input dtype
-    # (exact in float32 for bf16/fp16, rounded once), as in the torch path.
-    silu = (a / (1.0 + tl.exp(-a))).to(dtype).to(tl.float32)
-    return (silu * b).to(dtype)
-
-
-@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, D: tl.constexpr, BLOCK: tl.constexpr,
                          USE_PDL: tl.constexpr):
     """Grid (N, cdiv(D, BLOCK)): silu(x[:D]) * x[D:] for one tile of one row (no reduction)."""
@@ -113,31 +83,13 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, D: tl.constexpr, BLOCK: tl.co
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
-    y = _silu_mul_tile(x_ptr, row, cols, mask, stride_x, D, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * D + cols, y, mask=mask)
-
-
-@triton.jit
-def _silu_and_mul_quant_kernel(x_ptr, out_ptr, q_ptr, qs_ptr, stride_x, D: tl.constexpr,
-                               BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    """Grid (N,): _silu_and_mul_kernel's row, then its per-token codes; the row's max needs
-    all of it, so a second pass recomputes each tile (from L2) to quantize it."""
-    wait_then_release(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
     dtype = out_ptr.dtype.element_ty
-    amax = tl.zeros([BLOCK], tl.float32)
-    for c0 in range(0, D, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        y = _silu_mul_tile(x_ptr, row, cols, cols < D, stride_x, D, dtype)
-        tl.store(out_ptr + row * D + cols, y, mask=cols < D)
-        amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, axis=0), _SCALE_EPS) / _FP8_MAX
-    for c0 in range(0, D, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        y = _silu_mul_tile(x_ptr, row, cols, cols < D, stride_x, D, dtype).to(tl.float32)
-        q = tl.clamp(y / scale, -_FP8_MAX, _FP8_MAX)
-        tl.store(q_ptr + row * D + cols, q.to(q_ptr.dtype.element_ty), mask=cols < D)
-    tl.store(qs_ptr + row, scale)
+    a = tl.load(x_ptr + row * stride_x + cols, mask=mask).to(tl.float32)
+    b = tl.load(x_ptr + row * stride_x + D + cols, mask=mask).to(tl.float32)
+    # F.silu computes in float32 and rounds; the product is then a multiply in the input dtype
+    # (exact in float32 for bf16/fp16, rounded once), as in the torch path.
+    silu = (a / (1.0 + tl.exp(-a))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * D + cols, (silu * b).to(dtype), mask=mask)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -146,19 +98,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def token_codes(rows: int, cols: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty per-token FP8 codes [rows, cols] and scales [rows, 1], for a kernel to fill."""
-    return (torch.empty(rows, cols, dtype=FP8_DTYPE, device=device),
-            torch.empty(rows, 1, dtype=torch.float32, device=device))
-
-
 def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float, partials: int = 0, lora: LoRAAhead | None = None,
-                 codes: tuple[torch.Tensor, torch.Tensor] | None = None
+                 eps: float, partials: int = 0, lora: LoRAAhead | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Shared wrapper of rms_norm and add_rms_norm: new contiguous outputs shaped like the
-    residual (x, or x's rows, without one); with lora, its buffers filled too; with codes
-    (token_codes), the output's per-token FP8 codes."""
+    residual (x, or x's rows, without one); with lora, its buffers filled too."""
     like = x if residual is None else residual
     hidden = like.shape[-1]
     assert weight.shape == (hidden,) and weight.dtype == like.dtype, "weight in the input dtype"
@@ -179,50 +123,42 @@ def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         _rms_norm_kernel[(num_rows, 1 + chunks)](
             x2, x2 if res2 is None else res2, weight, out, out if res_out is None else res_out,
             x2.stride(-2), 0 if res2 is None else res2.stride(0), x2.stride(0), eps,
-            *(lora or (None,) * 4), *(codes or (None, None)), num_rows, H=hidden, BLOCK=block,
-            ADD=residual is not None, QUANT=codes is not None, PARTIALS=partials, LORA_SR=sr,
-            SR_PAD=triton.next_power_of_2(max(sr, 1)), NUM_SLOTS=slots, RANK=rank,
-            CHUNK=ahead_chunk_width(hidden), num_warps=8 if block >= 4096 else 4,
-            **launch_options())
+            *(lora or (None,) * 4), num_rows, H=hidden, BLOCK=block, ADD=residual is not None,
+            PARTIALS=partials, LORA_SR=sr, SR_PAD=triton.next_power_of_2(max(sr, 1)),
+            NUM_SLOTS=slots, RANK=rank, CHUNK=ahead_chunk_width(hidden),
+            num_warps=8 if block >= 4096 else 4, **launch_options())
     return out, res_out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             lora: LoRAAhead | None = None, codes: tuple | None = None) -> torch.Tensor:
+             lora: LoRAAhead | None = None) -> torch.Tensor:
     """RMSNorm over the last dim of x (any leading shape), as RMSNorm.rms_forward; with lora,
-    the next projection's shrink computed into its buffers; with codes, per-token codes."""
-    return _launch_norm(x, None, weight, eps, lora=lora, codes=codes)[0]
+    the next projection's shrink computed into its buffers."""
+    return _launch_norm(x, None, weight, eps, lora=lora)[0]
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 lora: LoRAAhead | None = None, codes: tuple | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 lora: LoRAAhead | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual), x + residual) as new tensors, as RMSNorm.add_rms_forward."""
     assert residual.shape == x.shape and residual.dtype == x.dtype
-    return _launch_norm(x, residual, weight, eps, lora=lora, codes=codes)
+    return _launch_norm(x, residual, weight, eps, lora=lora)
 
 
 def add_partials_rms_norm(partials: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                          eps: float, lora: LoRAAhead | None = None, codes: tuple | None = None
+                          eps: float, lora: LoRAAhead | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """add_rms_norm of split_k_linear's partials [S, *residual.shape], summed in order."""
     assert partials.shape[1:] == residual.shape and partials.dtype == torch.float32
     assert partials.is_contiguous() and residual.dim() == 2
-    return _launch_norm(partials, residual, weight, eps, partials=partials.shape[0], lora=lora,
-                        codes=codes)
+    return _launch_norm(partials, residual, weight, eps, partials=partials.shape[0], lora=lora)
 
 
-def silu_and_mul(x: torch.Tensor, codes: tuple | None = None) -> torch.Tensor:
-    """[..., 2d] -> silu(x[..., :d]) * x[..., d:] as a new contiguous [..., d], as SiluAndMul;
-    with codes (token_codes), also its per-token FP8 codes."""
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2d] -> silu(x[..., :d]) * x[..., d:] as a new contiguous [..., d], as SiluAndMul."""
     d = x.shape[-1] // 2
     assert x.shape[-1] == 2 * d
     x2 = _rows(x)
     out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
-    if codes is not None and x2.shape[0] > 0:
-        _silu_and_mul_quant_kernel[(x2.shape[0],)](x2, out, *codes, x2.stride(0), D=d,
-                                                   BLOCK=1024, num_warps=4, **launch_options())
-        return out
     if x2.shape[0] > 0 and d > 0:
         block = min(triton.next_power_of_2(d), 1024)  # tiles: wide rows (d = 25,600) fit too
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](

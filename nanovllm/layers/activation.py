@@ -10,20 +10,12 @@ class SiluAndMul(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.fused = False
-        # (the projection this feeds,): its per-token FP8 input codes may be computed here
-        self.feeds: tuple[nn.Module, ...] = ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             # Imported here: CPU-only runs never import Triton (as for the sampler's kernel).
-            from nanovllm.kernels.fused_ops import silu_and_mul, token_codes
-            num_tokens = x.numel() // x.shape[-1]
-            if not self.feeds or not self.feeds[0].wants_token_codes(num_tokens):
-                return silu_and_mul(x)
-            codes = token_codes(num_tokens, x.shape[-1] // 2, x.device)
-            out = silu_and_mul(x, codes)
-            self.feeds[0].hand_token_codes(out, codes)
-            return out
+            from nanovllm.kernels.fused_ops import silu_and_mul
+            return silu_and_mul(x)
         return self.torch_forward(x)
 
     @staticmethod

@@ -12,8 +12,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.fused = False
         self.weight = nn.Parameter(torch.ones(hidden_size))
-        # (the projection this norm feeds,): its LoRA shrink (kernels.linear.lora) or its FP8
-        # input codes may be computed here; a tuple, so that it stays registered where it is
+        # (the projection this norm feeds,) when its LoRA shrink may be computed here, in the
+        # fused kernel (kernels.linear.lora); a tuple, so that it stays registered where it is
         self.feeds: tuple[nn.Module, ...] = ()
 
     def rms_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -36,13 +36,10 @@ class RMSNorm(nn.Module):
         if self.fused:
             # Imported here: CPU-only runs never import Triton (as for the sampler's kernel).
             from nanovllm.kernels.fused_ops import add_rms_norm, rms_norm
-            num_tokens = x.numel() // x.shape[-1]
-            ahead, codes = self._lora_ahead(num_tokens), self._codes(num_tokens, x.device)
+            ahead = self._lora_ahead(x.numel() // x.shape[-1])
             if residual is None:
-                out = rms_norm(x, self.weight, self.eps, ahead, codes)
-            else:
-                out = add_rms_norm(x, residual, self.weight, self.eps, ahead, codes)
-            return self._handed(out, ahead, codes)
+                return self._handed(rms_norm(x, self.weight, self.eps, ahead), ahead)
+            return self._handed(add_rms_norm(x, residual, self.weight, self.eps, ahead), ahead)
         if residual is None:
             return self.rms_forward(x)
         return self.add_rms_forward(x, residual)
@@ -51,22 +48,11 @@ class RMSNorm(nn.Module):
         """The buffers (LoRAAhead) of the shrink the projection fed wants computed here."""
         return self.feeds[0].lora_ahead_buffers(num_tokens) if self.feeds else None
 
-    def _codes(self, num_tokens: int, device: torch.device) -> tuple | None:
-        """Buffers for the normed rows' per-token FP8 codes, when the projection fed wants
-        them (LinearBase.wants_token_codes); else None."""
-        if not self.feeds or not self.feeds[0].wants_token_codes(num_tokens):
-            return None
-        from nanovllm.kernels.fused_ops import token_codes
-        return token_codes(num_tokens, self.weight.shape[0], device)
-
-    def _handed(self, out: torch.Tensor | tuple, ahead: tuple | None,
-                codes: tuple | None = None) -> torch.Tensor | tuple:
-        """out, after handing the projection fed its shrink of the normed tensor, or codes."""
-        normed = out if isinstance(out, torch.Tensor) else out[0]
+    def _handed(self, out: torch.Tensor | tuple, ahead: tuple | None) -> torch.Tensor | tuple:
+        """out, after handing the projection fed its shrink of the normed tensor."""
         if ahead is not None:
-            self.feeds[0].hand_lora_ahead(normed, ahead)
-        if codes is not None:
-            self.feeds[0].hand_token_codes(normed, codes)
+            self.feeds[0].hand_lora_ahead(out if isinstance(out, torch.Tensor) else out[0],
+                                          ahead)
         return out
 
     def add_partials(self, partials: torch.Tensor,
@@ -76,7 +62,6 @@ class RMSNorm(nn.Module):
         if self.fused:
             from nanovllm.kernels.fused_ops import add_partials_rms_norm
             ahead = self._lora_ahead(residual.shape[0])
-            codes = self._codes(residual.shape[0], residual.device)
             return self._handed(add_partials_rms_norm(partials, residual, self.weight, self.eps,
-                                                      ahead, codes), ahead, codes)
+                                                      ahead), ahead)
         return self.add_rms_forward(partials.sum(0).to(residual.dtype), residual)

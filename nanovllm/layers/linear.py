@@ -58,8 +58,6 @@ class LinearBase(nn.Module):
         self.lora_shrink = self.lora_expand = None
         # (the normed input, its shrink) computed by the RMSNorm before (lora_ahead_buffers)
         self.lora_ahead: tuple | None = None
-        # (the input, its per-token FP8 codes and scales) from the op before (wants_token_codes)
-        self.token_codes: tuple | None = None
 
     def lora_slice_sizes(self) -> tuple[int, ...]:
         """This rank's output features of each fused projection (one unless packed)."""
@@ -98,20 +96,6 @@ class LinearBase(nn.Module):
     def hand_lora_ahead(self, normed: torch.Tensor, ahead: tuple) -> None:
         """Keep the shrink the RMSNorm before computed of normed, for take_lora_ahead."""
         self.lora_ahead = (normed, ahead)
-
-    def wants_token_codes(self, num_tokens: int) -> bool:
-        """Whether the op before should hand this layer its input's per-token FP8 codes: a
-        per-channel FP8 layer without LoRA whose GEMM quantizes num_tokens rows so."""
-        if self.quant is None or self.quant.block is not None or self.lora_shrink is not None \
-                or self.runs_fused_decode_for(num_tokens):
-            return False
-        from nanovllm.kernels.linear.fp8_gemm import fp8_linear, takes_token_codes
-        return self.fp8_linear is fp8_linear and \
-            takes_token_codes(num_tokens, self.weight, self.act_dtype)
-
-    def hand_token_codes(self, x: torch.Tensor, codes: tuple) -> None:
-        """Keep x's codes (kernels.fused_ops.token_codes) for this layer's next GEMM of x."""
-        self.token_codes = (x, codes)
 
     def take_lora_ahead(self, x: torch.Tensor) -> tuple | None:
         """The shrink the RMSNorm before computed of x (LoRAAhead), once; else None."""
@@ -156,15 +140,11 @@ class LinearBase(nn.Module):
 
     def runs_fused_decode(self, x: torch.Tensor) -> bool:
         """Whether x's step runs the bound fused kernel: decode, writing the cache, few tokens."""
-        return self.runs_fused_decode_for(x.shape[0])
-
-    def runs_fused_decode_for(self, num_tokens: int) -> bool:
-        """runs_fused_decode for a step of num_tokens."""
         if not self.fused_decode_max_tokens:
             return False
         ctx = get_context()
         return not ctx.is_prefill and ctx.slot_mapping is not None \
-            and num_tokens <= self.fused_decode_max_tokens
+            and x.shape[0] <= self.fused_decode_max_tokens
 
     def shard(self, *shard_id) -> tuple[Rows, Cols]:
         """Where this rank's part of a checkpoint tensor lies and lands (load_shard's ranges)."""
@@ -185,9 +165,6 @@ class LinearBase(nn.Module):
         if self.quant is None:
             return F.linear(x, self.weight, bias)
         scale = getattr(self, self.quant.scale_name)
-        pending, self.token_codes = self.token_codes, None
-        if pending is not None and pending[0] is x:  # the op before quantized x for us
-            return self.fp8_linear(x, self.weight, scale, None, bias, codes=pending[1])
         return self.fp8_linear(x, self.weight, scale, self.quant.block, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -63,7 +63,7 @@ names = [p.name for p in kernel.params]
 for use_pdl in (True, False):
     consts = dict(H=1024, BLOCK=1024, ADD=True, PARTIALS=0, USE_PDL=use_pdl, LORA_SR=0,
                   SR_PAD=1, NUM_SLOTS=0, RANK=1, CHUNK=128, a_ptr=None, slots_ptr=None,
-                  ahead_ptr=None, rstd_ptr=None, QUANT=False, q_ptr=None, qs_ptr=None)
+                  ahead_ptr=None, rstd_ptr=None)
     sig = {n: "constexpr" if n in consts else "fp32" if n == "eps" else
            "i32" if n.startswith("stride") or n == "M" else "*bf16" for n in names}
     src = ASTSource(fn=kernel, signature=sig,

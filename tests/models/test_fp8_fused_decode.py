@@ -160,39 +160,3 @@ def test_fused_fp8_decode_agrees_with_the_w8a8_path(fp8_models, scheme) -> None:
         llm.shutdown()
     agreement, drift = first_decode_stats(fused, unfused)
     assert agreement >= MIN_AGREEMENT and drift <= MAX_MEDIAN_DRIFT, (agreement, drift)
-
-
-def test_norm_and_silu_hand_per_channel_layers_their_codes(fp8_models, monkeypatch) -> None:
-    """Triton backend, per channel, above the fused projections' sizes (a prefill of 20
-    tokens and decode batches of 20): the norms and SiLU-and-mul quantize their output for the
-    FP8 projection after them (no launch of its own), and the greedy tokens and logprobs are
-    those of the layers quantizing their own input: the same codes."""
-    path, kwargs = fp8_models["channel"]
-    llm = LLM(path, device=DEVICE, attention_backend="triton", dtype="float16",
-              enforce_eager=True, num_kvcache_blocks=64, max_num_seqs=64, max_model_len=512,
-              **kwargs)
-    prompts = token_prompts(2, (20,) * 20)
-    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=3)
-    try:
-        # the fused norms and SiLU (on CPU too), every decode step unfused: W8A8
-        backend = llm.model_runner.backend
-        bind_backend(llm.model_runner.model, type(backend)(replace(
-            backend.fast_path, fused_ops=True, fused_projections=False)))
-        handed = []
-        hand = LinearBase.hand_token_codes
-        monkeypatch.setattr(LinearBase, "hand_token_codes",
-                            lambda self, x, codes: handed.append(self) or hand(self, x, codes))
-        got = llm.generate(prompts, params, use_tqdm=False)
-        monkeypatch.setattr(LinearBase, "wants_token_codes", lambda self, n: False)
-        want = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        llm.shutdown()
-    kinds = {type(m).__name__ for m in handed}
-    # qkv_proj (the first layer's from the model's own norm), gate_up_proj and down_proj;
-    # o_proj's input comes from attention, which quantizes nothing
-    assert kinds == {"QKVParallelLinear", "MergedColumnParallelLinear", "RowParallelLinear"}
-    assert len(handed) == 3 * 2 * 3  # 3 steps (prefill, 2 decode) x 2 layers x 3 projections
-    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in want]
-    for g, w in zip(got, want):
-        for lp_g, lp_w in zip(g["logprobs"], w["logprobs"]):
-            assert lp_g == pytest.approx(lp_w, abs=1e-3)

@@ -181,23 +181,11 @@ def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _runs_split_k(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
     """Whether fp8_linear takes split-K W8A16: 1 to DECODE_TOKENS rows, shapes it takes, and
     TMA (sm_90 and newer, or the CPU interpreter, which emulates it)."""
-    return _split_k_rows(x.shape[0], weight, block, x.dtype)
-
-
-def _split_k_rows(num_tokens: int, weight: torch.Tensor, block: tuple[int, int] | None,
-                  dtype: torch.dtype) -> bool:
-    """_runs_split_k for num_tokens rows of dtype."""
     # the row count first: a prefill step's call stops there, before any device query
-    if not 0 < num_tokens <= DECODE_TOKENS or not weight.is_contiguous():
+    if not 0 < x.shape[0] <= DECODE_TOKENS or not weight.is_contiguous():
         return False
     n, k = weight.shape
-    return _has_tma(weight.device) and fits_split_k(k, n, dtype, weight.dtype, block)
-
-
-def takes_token_codes(num_tokens: int, weight: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether fp8_linear quantizes num_tokens rows of a per-channel layer's input per token,
-    so that the op before may hand it those codes (`codes`) and spare the launch."""
-    return num_tokens > 0 and not _split_k_rows(num_tokens, weight, None, dtype)
+    return _has_tma(x.device) and fits_split_k(k, n, x.dtype, weight.dtype, block)
 
 
 def _runs_swap(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
@@ -252,17 +240,11 @@ def _has_tma(device: torch.device) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               block: tuple[int, int] | None, bias: torch.Tensor | None = None,
-               codes: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               block: tuple[int, int] | None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b) in x's dtype, as kernels.linear.fp8_reference.fp8_linear_torch (W8A8); x
     [..., K]. Up to DECODE_TOKENS tokens W8A16 (activations unquantized), where split-K takes
-    the shapes. codes: x's per-token codes and scales, computed by the op before (per channel,
-    where takes_token_codes)."""
+    the shapes."""
     n, k = weight.shape
-    if codes is not None:
-        assert block is None and codes[0].shape == (x.numel() // k, k), codes[0].shape
-        return _w8a8(x.reshape(-1, k), *codes, weight, weight_scale, block, bias, x.dtype
-                     ).reshape(*x.shape[:-1], n)
     x2 = x.reshape(-1, k)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
@@ -271,21 +253,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         return sum_partials(part, x.dtype, bias).reshape(*x.shape[:-1], n)
     if _runs_block_scaled_mm(x2, weight, block):
         return block_scaled_mm(x2, weight, weight_scale, bias).reshape(*x.shape[:-1], n)
-    codes, scales = per_token_group_quant(x2, block[1] if block is not None else k)
-    y = _w8a8(x2, codes, scales, weight, weight_scale, block, bias, x.dtype)
-    return y.reshape(*x.shape[:-1], n)
-
-
-def _w8a8(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor,
-          weight_scale: torch.Tensor, block: tuple[int, int] | None, bias: torch.Tensor | None,
-          out_dtype: torch.dtype) -> torch.Tensor:
-    """The W8A8 GEMM fp8_linear picks for x2's codes and scales: [M, N] in out_dtype."""
-    n, k = weight.shape
-    if _runs_swap(x2, weight, block):
-        return w8a8_swap(codes, scales, weight, weight_scale, block, bias, out_dtype)
-    if block is None and _scaled_mm_fits(x2, weight):
-        return torch._scaled_mm(codes, weight.t(), scale_a=scales,
-                                scale_b=weight_scale.view(1, n), bias=bias, out_dtype=out_dtype)
     groups = block if block is not None else (1, k)
-    return w8a8_gemm(codes, scales, weight, weight_scale, groups, bias, out_dtype)
+    codes, scales = per_token_group_quant(x2, groups[1])
+    if _runs_swap(x2, weight, block):
+        y = w8a8_swap(codes, scales, weight, weight_scale, block, bias, x.dtype)
+    elif block is None and _scaled_mm_fits(x2, weight):
+        y = torch._scaled_mm(codes, weight.t(), scale_a=scales, scale_b=weight_scale.view(1, n),
+                             bias=bias, out_dtype=x.dtype)
+    else:
+        y = w8a8_gemm(codes, scales, weight, weight_scale, groups, bias, x.dtype)
+    return y.reshape(*x.shape[:-1], n)
 
