@@ -153,16 +153,17 @@ def test_layer_sized_fp8_linear_on_cuda(m, block, n, k):
 @pytest.mark.gpu
 def test_block_scaled_weights_take_cublas_above_swap_tokens(monkeypatch):
     """On sm_90 with CUDA 12.9+, block-scaled layers above SWAP_TOKENS run cuBLAS's block-scaled
-    GEMM, not the swapped Triton one."""
+    GEMM where their K blocks are a multiple of 4, else the swapped Triton one."""
     from nanovllm.kernels.linear import fp8_gemm
     if not fp8_gemm._has_block_scaled_mm(torch.device(DEVICE)):
         pytest.skip("cuBLAS block scales need sm_90 and CUDA 12.9+")
     calls = []
-    monkeypatch.setattr(fp8_gemm, "w8a8_swap", lambda *a, **kw: calls.append(a))
-    for n, k in ((256, 512), (384, 1024)):
+    swap = fp8_gemm.w8a8_swap
+    monkeypatch.setattr(fp8_gemm, "w8a8_swap", lambda *a, **kw: calls.append(a) or swap(*a, **kw))
+    for n, k in ((256, 512), (384, 1024), (256, 640)):  # 5 K blocks: the swapped GEMM's
         x = _activations(fp8_gemm.SWAP_TOKENS + 1, k, torch.bfloat16)
         weight, weight_scale = _weight(n, k, (128, 128))
         out = fp8_linear(x, weight, weight_scale, (128, 128)).float()
         ref = fp8_linear_torch(x, weight, weight_scale, (128, 128)).float()
         torch.testing.assert_close(out, ref, rtol=0.02, atol=0.01 * ref.abs().max().item())
-    assert not calls
+    assert len(calls) == 1 and calls[0][2].shape == (256, 640)

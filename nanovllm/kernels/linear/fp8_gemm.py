@@ -189,12 +189,12 @@ def _runs_split_k(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] 
 
 
 def _runs_swap(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
-    """Whether fp8_linear takes the swapped W8A8 GEMM: with TMA, for shapes it takes, up to
-    SWAP_TOKENS (cuBLAS from there); block-scaled at any size where cuBLAS lacks block scales
-    (our other GEMM, w8a8_gemm, took twice as long at 256 tokens)."""
+    """Whether fp8_linear takes the swapped W8A8 GEMM: with TMA, for shapes it takes; per
+    channel up to SWAP_TOKENS (cuBLAS from there), block-scaled at any size cuBLAS's
+    block-scaled GEMM did not take (our other GEMM, w8a8_gemm, took twice as long at 256
+    tokens)."""
     n, k = weight.shape
-    cublas = block is None or _has_block_scaled_mm(x.device)
-    return 0 < x.shape[0] and (x.shape[0] <= SWAP_TOKENS or not cublas) \
+    return 0 < x.shape[0] and (block is not None or x.shape[0] <= SWAP_TOKENS) \
         and fits_w8a8_swap(n, k, block) and weight.is_contiguous() and _has_tma(x.device)
 
 
