@@ -42,6 +42,10 @@ def main() -> None:
     p.add_argument("--weight-format", default="bf16", choices=sorted(WEIGHT_FORMATS))
     p.add_argument("--tiny", action="store_true", help="tiny random checkpoint, 8 prompts (CPU)")
     args = p.parse_args()
+    if args.shape and (args.model or args.tiny):
+        p.error("--shape builds its own dummy checkpoint: not with --model or --tiny")
+    if args.weight_format != "bf16" and not args.shape:
+        p.error("--weight-format needs --shape")
     args.num_seqs = args.num_seqs or (8 if args.tiny else 256)
     kwargs = dict(attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype)
     if args.shape:

@@ -47,7 +47,8 @@ def _weight(n: int, k: int, block: tuple[int, int] | None, seed: int = 1):
 # many groups a program (2,048 / 128), a partial last group, a per-token row, one past the
 # row kernel's limit (the two-pass kernel)
 @pytest.mark.parametrize("m,k,group", [(3, 64, 16), (5, 80, 32), (2, 48, 48), (1, 1100, 1100),
-                                       (7, 2048, 128), (5, 300, 128), (2, 20000, 20000)])
+                                       (7, 2048, 128), (5, 300, 128), (9, 1000, 100),
+                                       (2, 20000, 20000)])
 def test_per_token_group_quant_matches_the_reference(m, k, group):
     x = _activations(m, k)
     codes, scales = per_token_group_quant(x, group)
@@ -58,15 +59,50 @@ def test_per_token_group_quant_matches_the_reference(m, k, group):
     assert exact >= MIN_EXACT_CODES, exact
 
 
-def test_outer_major_scales_are_the_same_scales():
-    """cuBLAS's layout: the same scales with a token's neighbours adjacent (stride (1, M))."""
-    x = _activations(6, 512)
-    codes, scales = per_token_group_quant(x, 128, outer_major=True)
-    ref_codes, ref_scales = per_token_group_quant_torch(x, 128)
-    assert scales.stride() == (1, 6)
-    torch.testing.assert_close(scales, ref_scales, rtol=1e-6, atol=0)
-    exact = (codes.float() == ref_codes.float()).float().mean().item()
+@pytest.mark.parametrize("k,group", [(512, 128), (20000, 20000)])  # one- and two-pass kernels
+def test_outer_major_padded_scales_are_the_same_scales(k, group):
+    """cuBLAS's layout: rows padded to a multiple of 4 (zero codes) and the same scales with a
+    token's neighbours adjacent (stride (1, padded rows))."""
+    x = _activations(6, k)
+    codes, scales = per_token_group_quant(x, group, outer_major=True, rows_multiple=4)
+    ref_codes, ref_scales = per_token_group_quant_torch(x, group)
+    assert codes.shape == (8, k) and scales.shape == (8, k // group)
+    assert scales.stride() == (1, 8)
+    torch.testing.assert_close(scales[:6], ref_scales, rtol=1e-6, atol=0)
+    assert not codes[6:].float().any()
+    exact = (codes[:6].float() == ref_codes.float()).float().mean().item()
     assert exact >= MIN_EXACT_CODES, exact
+
+
+def test_block_scaled_mm_hands_cublas_its_layouts(monkeypatch):
+    """Where cuBLAS's block-scaled GEMM runs (on CPU: a stand-in for torch._scaled_mm that
+    checks the layouts cuBLAS takes and multiplies the dequantized operands), fp8_linear pads
+    the rows to 4, passes outer-major activation scales and the weight's scales transposed,
+    cuts the padding off and adds the bias: the reference product."""
+    from nanovllm.kernels.linear import fp8_gemm
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype):
+        m_pad, k = a.shape
+        assert m_pad % 4 == 0 and scale_a.shape == (m_pad, k // 128)
+        assert scale_a.stride() == (1, m_pad) and b.stride() == (1, k)
+        assert scale_b.shape == (k // 128, b.shape[1] // 128) and scale_b.stride()[0] == 1
+        x = dequantize_groups(a, scale_a, 1, 128)
+        w = dequantize_groups(b.t(), scale_b.t(), 128, 128)
+        return (x @ w.t()).to(out_dtype)
+
+    monkeypatch.setattr(fp8_gemm, "_has_block_scaled_mm", lambda device: True)
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    x = _activations(fp8_gemm.SWAP_TOKENS + 1, 512, torch.bfloat16)
+    weight, weight_scale = _weight(256, 512, (128, 128))
+    bias = torch.randn(256, device=DEVICE, dtype=torch.bfloat16)
+    assert fp8_gemm._runs_block_scaled_mm(x, weight, weight_scale, (128, 128))
+    out = fp8_linear(x, weight, weight_scale, (128, 128), bias).float()
+    # the product of the kernel's own codes (the interpreter rounds a few off the reference's)
+    codes, scales = per_token_group_quant(x, 128)
+    ref = dequantize_groups(codes, scales, 1, 128) \
+        @ dequantize_groups(weight, weight_scale, 128, 128).t() + bias.float()
+    assert out.shape == (fp8_gemm.SWAP_TOKENS + 1, 256)
+    torch.testing.assert_close(out, ref, rtol=0.02, atol=0.01 * ref.abs().max().item())
 
 
 @pytest.mark.parametrize("m,n,k,block", [(1, 48, 64, (32, 32)), (17, 40, 80, (16, 32)),
@@ -157,13 +193,17 @@ def test_block_scaled_weights_take_cublas_above_swap_tokens(monkeypatch):
     from nanovllm.kernels.linear import fp8_gemm
     if not fp8_gemm._has_block_scaled_mm(torch.device(DEVICE)):
         pytest.skip("cuBLAS block scales need sm_90 and CUDA 12.9+")
-    calls = []
-    swap = fp8_gemm.w8a8_swap
+    calls, blocked = [], []
+    swap, cublas = fp8_gemm.w8a8_swap, fp8_gemm.block_scaled_mm
     monkeypatch.setattr(fp8_gemm, "w8a8_swap", lambda *a, **kw: calls.append(a) or swap(*a, **kw))
+    monkeypatch.setattr(fp8_gemm, "block_scaled_mm",
+                        lambda *a, **kw: blocked.append(a) or cublas(*a, **kw))
     for n, k in ((256, 512), (384, 1024), (256, 640)):  # 5 K blocks: the swapped GEMM's
         x = _activations(fp8_gemm.SWAP_TOKENS + 1, k, torch.bfloat16)
         weight, weight_scale = _weight(n, k, (128, 128))
-        out = fp8_linear(x, weight, weight_scale, (128, 128)).float()
-        ref = fp8_linear_torch(x, weight, weight_scale, (128, 128)).float()
+        bias = torch.randn(n, device=DEVICE, dtype=torch.bfloat16)
+        out = fp8_linear(x, weight, weight_scale, (128, 128), bias).float()
+        ref = fp8_linear_torch(x, weight, weight_scale, (128, 128), bias).float()
         torch.testing.assert_close(out, ref, rtol=0.02, atol=0.01 * ref.abs().max().item())
     assert len(calls) == 1 and calls[0][2].shape == (256, 640)
+    assert [a[1].shape for a in blocked] == [(256, 512), (384, 1024)]

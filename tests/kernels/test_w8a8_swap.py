@@ -92,8 +92,8 @@ def test_fp8_linear_swaps_operands_above_decode_tokens(m, block, swapped, monkey
                         lambda *a, **kw: calls.append(a[0].shape) or w8a8_swap(*a, **kw))
     x, weight, weight_scale = _operands(m, 128, 256, block)
     x = x.half()  # 16-bit, as split-K takes up to DECODE_TOKENS (bf16 garbles on CPU)
-    if fp8_gemm._runs_block_scaled_mm(x, weight, block):
-        swapped = False  # cuBLAS's block-scaled GEMM takes them (test_fp8_gemm)
+    # 2 K blocks and float16: cuBLAS's block-scaled GEMM (test_fp8_gemm) takes neither
+    assert not fp8_gemm._runs_block_scaled_mm(x, weight, weight_scale, block)
     out = fp8_gemm.fp8_linear(x, weight, weight_scale, block)
     assert bool(calls) == swapped
     if swapped:

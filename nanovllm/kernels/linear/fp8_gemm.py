@@ -31,21 +31,22 @@ DECODE_TOKENS = 16  # up to here fp8_linear runs W8A16 split over K (weight_stag
 SWAP_TOKENS = 128  # W8A8 swapped up to here, cuBLAS above; at 256 they were as fast
 
 
-# M and the outer-major scales' group stride (M) change with the batch
-@triton.jit(do_not_specialize=["M", "stride_sg"])
-def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, group, num_groups, stride_xm, stride_qm,
-                        stride_sm, stride_sg, eps, ROWS: tl.constexpr, GROUPS: tl.constexpr,
-                        GROUP_P2: tl.constexpr):
+# the rows and the outer-major scales' group stride (the rows) change with the batch
+@triton.jit(do_not_specialize=["M", "M_OUT", "stride_sg"])
+def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, group, num_groups, stride_xm,
+                        stride_qm, stride_sm, stride_sg, eps, ROWS: tl.constexpr,
+                        GROUPS: tl.constexpr, GROUP_P2: tl.constexpr):
     """Grid (row blocks, group blocks): ROWS x GROUPS token groups read once; scale = max|x| /
-    448 over each group, codes = x / scale."""
+    448 over each group, codes = x / scale. Rows M..M_OUT (padding) get zero codes."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     gs = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     j = tl.arange(0, GROUP_P2)
     cols = gs[None, :, None] * group + j[None, None, :]
-    live = (rows[:, None] < M) & (gs[None, :] < num_groups)
+    live = (rows[:, None] < M_OUT) & (gs[None, :] < num_groups)
     mask = live[:, :, None] & (j[None, None, :] < group) & (cols < K)
     r64 = rows.to(tl.int64)[:, None, None]
-    x = tl.load(x_ptr + r64 * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + r64 * stride_xm + cols, mask=mask & (r64 < M), other=0.0
+                ).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=2), eps) / 448.0  # fp8_reference.FP8_MAX
     q = tl.clamp(x / scale[:, :, None], -448.0, 448.0)
     tl.store(q_ptr + r64 * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
@@ -53,23 +54,26 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, group, num_groups, stride_xm,
     tl.store(s_ptrs, scale, mask=live)
 
 
-@triton.jit
-def _long_group_quant_kernel(x_ptr, q_ptr, s_ptr, K, group, stride_xm, stride_qm, stride_sm,
-                             stride_sg, eps, BLOCK: tl.constexpr):
-    """Grid (tokens, groups), for groups wider than QUANT_TILE: two passes over the group."""
+@triton.jit(do_not_specialize=["M", "stride_sg"])
+def _long_group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, group, stride_xm, stride_qm,
+                             stride_sm, stride_sg, eps, BLOCK: tl.constexpr):
+    """Grid (rows with padding, groups), for groups wider than QUANT_ROW_MAX: two passes over
+    the group; rows from M (padding) get zero codes."""
     row = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * group
     amax = tl.zeros([BLOCK], tl.float32)
     for k0 in range(0, group, BLOCK):
         offs = start + k0 + tl.arange(0, BLOCK)
         mask = (k0 + tl.arange(0, BLOCK) < group) & (offs < K)
-        x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * stride_xm + offs, mask=mask & (row < M), other=0.0
+                    ).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
     scale = tl.maximum(tl.max(amax, 0), eps) / 448.0
     for k0 in range(0, group, BLOCK):
         offs = start + k0 + tl.arange(0, BLOCK)
         mask = (k0 + tl.arange(0, BLOCK) < group) & (offs < K)
-        x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * stride_xm + offs, mask=mask & (row < M), other=0.0
+                    ).to(tl.float32)
         q = tl.clamp(x / scale, -448.0, 448.0)
         tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * stride_sm + tl.program_id(1) * stride_sg, scale)
@@ -80,32 +84,34 @@ def _long_group_quant_kernel(x_ptr, q_ptr, s_ptr, K, group, stride_xm, stride_qm
 QUANT_TILE, QUANT_ROW_MAX = 4096, 16384
 
 
-def per_token_group_quant(x: torch.Tensor, group: int, outer_major: bool = False
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_group_quant(x: torch.Tensor, group: int, outer_major: bool = False,
+                          rows_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations [M, K] -> (codes [M, K] float8, scales [M, ceil(K/group)] float32), as
     kernels.linear.fp8_reference.per_token_group_quant_torch. outer_major: the scales' rows
-    adjacent (stride (1, M)), as cuBLAS's block-scaled GEMM reads them."""
+    adjacent (stride (1, M)); rows_multiple: M padded up to one (zero codes), both as cuBLAS's
+    block-scaled GEMM reads them."""
     assert x.dim() == 2 and x.stride(1) == 1
     m, k = x.shape
+    m_out = triton.cdiv(m, rows_multiple) * rows_multiple
     groups = triton.cdiv(k, group)
-    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    q = torch.empty(m_out, k, dtype=FP8_DTYPE, device=x.device)
     if outer_major:
-        s = torch.empty(groups, m, dtype=torch.float32, device=x.device).t()
+        s = torch.empty(groups, m_out, dtype=torch.float32, device=x.device).t()
     else:
-        s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+        s = torch.empty(m_out, groups, dtype=torch.float32, device=x.device)
     strides = (x.stride(0), q.stride(0), s.stride(0), s.stride(1), SCALE_EPS)
     group_p2 = triton.next_power_of_2(group)
     if group_p2 > QUANT_ROW_MAX:
-        _long_group_quant_kernel[(m, groups)](x, q, s, k, group, *strides, BLOCK=1024,
-                                              num_warps=4)
+        _long_group_quant_kernel[(m_out, groups)](x, q, s, m, k, group, *strides, BLOCK=1024,
+                                                  num_warps=4)
         return q, s
     # tile sizes from the layer's K and group only: a new batch size compiles nothing
     per_row = min(triton.next_power_of_2(groups), max(1, QUANT_TILE // group_p2))
     rows = max(1, QUANT_TILE // (per_row * group_p2))
     tile = rows * per_row * group_p2
-    _group_quant_kernel[(triton.cdiv(m, rows), triton.cdiv(groups, per_row))](
-        x, q, s, m, k, group, groups, *strides, ROWS=rows, GROUPS=per_row, GROUP_P2=group_p2,
-        num_warps=min(8, max(1, tile // 1024)))
+    _group_quant_kernel[(triton.cdiv(m_out, rows), triton.cdiv(groups, per_row))](
+        x, q, s, m, m_out, k, group, groups, *strides, ROWS=rows, GROUPS=per_row,
+        GROUP_P2=group_p2, num_warps=min(8, max(1, tile // 1024)))
     return q, s
 
 
@@ -207,27 +213,28 @@ def _has_block_scaled_mm(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0) and cuda >= (12, 9)
 
 
-def _runs_block_scaled_mm(x: torch.Tensor, weight: torch.Tensor,
+def _runs_block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                           block: tuple[int, int] | None) -> bool:
     """Whether fp8_linear takes cuBLAS's block-scaled GEMM: [128, 128] blocks, more than
-    SWAP_TOKENS tokens, whole blocks, a multiple of 4 along K, a 16-bit output."""
+    SWAP_TOKENS tokens, whole blocks, a multiple of 4 along K, bf16, contiguous operands."""
     n, k = weight.shape
     # K blocks a multiple of 4: cuBLAS's scale layout without padding (with it, 5 blocks
-    # were refused); real models' K are (2,048, 4,096, 12,288, 14,336, ...)
+    # were refused); real models' K are (2,048, 4,096, 12,288, 14,336, ...). bf16 only: the
+    # output dtype it was measured and tested with
     return block is not None and tuple(block) == (128, 128) and x.shape[0] > SWAP_TOKENS \
-        and n % 128 == 0 and k % 512 == 0 and x.dtype in (torch.bfloat16, torch.float16) \
+        and n % 128 == 0 and k % 512 == 0 and x.dtype == torch.bfloat16 \
+        and weight.is_contiguous() and weight_scale.is_contiguous() \
         and _has_block_scaled_mm(x.device)
 
 
 def block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] 16-bit times weight [N, K] with [128, 128] block scales through cuBLAS: x
-    quantized per 128-column group, its scales outer-major and its rows padded to a multiple
-    of 4 (cuBLAS's layout); the weight's scales [N/128, K/128] read transposed."""
+    quantized per 128-column group, its codes and scales padded to a multiple of 4 rows and
+    the scales outer-major (cuBLAS's layout); the weight's scales [N/128, K/128] read
+    transposed."""
     m = x.shape[0]
-    if m % 4:
-        x = torch.nn.functional.pad(x, (0, 0, 0, 4 - m % 4))
-    codes, scales = per_token_group_quant(x, 128, outer_major=True)
+    codes, scales = per_token_group_quant(x, 128, outer_major=True, rows_multiple=4)
     y = torch._scaled_mm(codes, weight.t(), scale_a=scales, scale_b=weight_scale.t(),
                          out_dtype=x.dtype)[:m]
     return y.add_(bias) if bias is not None else y
@@ -251,7 +258,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if _runs_split_k(x2, weight, block):
         part = split_k_linear(x2, weight, w_scale=weight_scale, w_block=block)
         return sum_partials(part, x.dtype, bias).reshape(*x.shape[:-1], n)
-    if _runs_block_scaled_mm(x2, weight, block):
+    if _runs_block_scaled_mm(x2, weight, weight_scale, block):
         return block_scaled_mm(x2, weight, weight_scale, bias).reshape(*x.shape[:-1], n)
     groups = block if block is not None else (1, k)
     codes, scales = per_token_group_quant(x2, groups[1])
