@@ -229,7 +229,7 @@ def _runs_block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
 
 def block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] 16-bit times weight [N, K] with [128, 128] block scales through cuBLAS: x
+    """x [M, K] bf16 times weight [N, K] with [128, 128] block scales through cuBLAS: x
     quantized per 128-column group, its codes and scales padded to a multiple of 4 rows and
     the scales outer-major (cuBLAS's layout); the weight's scales [N/128, K/128] read
     transposed."""
