@@ -138,7 +138,7 @@ def sweep(args) -> None:
 
     from nanovllm.kernels.linear.fp8_reference import quantize_groups
     from nanovllm.kernels.moe.fused_moe import fused_moe
-    from nanovllm.layers.fused_moe import select_experts
+    from nanovllm.kernels.moe.routing import select_experts
     start = time.time()
     weights = build_weights(torch, quantize_groups)
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")

@@ -6,7 +6,8 @@
 3. bind_backend: each layer gets what it runs; layers and models never choose kernels.
 
 A backend has one interface: `rope_and_store` (q/k norm, RoPE, the K/V write), `prefill`,
-`decode`, `fused_moe` and `fp8_linear` (FP8 weights: W8A16 split-K up to 16 tokens, else W8A8;
+`decode`, `select_experts` and `fused_moe` (a MoE layer's routing and experts), and
+`fp8_linear` (FP8 weights: W8A16 split-K up to 16 tokens, else W8A8;
 layers.quantization; the fused decode projections take FP8 weights as W8A16,
 kernels.linear.fused_fp8). "torch" runs
 anywhere and is the reference; the others run the Triton kernels on CUDA. Kernel modules are
@@ -101,6 +102,7 @@ class TorchBackend:
         self.fast_path = fast_path
         self.runs_triton = fast_path.any  # so the runner warms its kernels up (runner.warmup)
         self.fused_moe = moe.fused_moe_torch
+        self.select_experts = moe.select_experts_torch
         self.lora_shrink = lora_reference.lora_shrink_torch
         self.lora_expand = lora_reference.lora_expand  # every backend's: one GEMM per slice
         self.fp8_linear = fp8_reference.fp8_linear_torch  # W8A8 layers (layers.quantization)
@@ -155,10 +157,11 @@ class TritonBackend(TorchBackend):
     def __init__(self, fast_path: FastPath = FastPath()) -> None:
         from nanovllm.kernels.attention import decode, prefill, store_kvcache
         from nanovllm.kernels.linear import fp8_gemm, lora, lora_reference
-        from nanovllm.kernels.moe import fused_moe
+        from nanovllm.kernels.moe import fused_moe, routing
         self.fast_path = fast_path
         self.runs_triton = True
         self.fused_moe = fused_moe.fused_moe
+        self.select_experts = routing.select_experts
         self.lora_shrink = lora.lora_shrink
         self.lora_expand = lora_reference.lora_expand
         self.fp8_linear = fp8_gemm.fp8_linear
@@ -182,9 +185,11 @@ class FlashAttnBackend(TorchBackend):
         from nanovllm.kernels.linear.lora import lora_shrink
         from nanovllm.kernels.linear.lora_reference import lora_expand
         from nanovllm.kernels.moe.fused_moe import fused_moe
+        from nanovllm.kernels.moe.routing import select_experts
         self.fast_path = fast_path
         self.runs_triton = True  # its K/V write, experts and our fused ops
         self.fused_moe = fused_moe
+        self.select_experts = select_experts
         self.lora_shrink = lora_shrink
         self.lora_expand = lora_expand
         self.fp8_linear = fp8_linear

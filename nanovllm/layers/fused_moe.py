@@ -35,16 +35,6 @@ def expert_weight_target(name: str) -> tuple[str, str, int | None] | None:
     return None
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int,
-                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, ids) [M, top_k] of a float32 softmax, renormalised when asked (as transformers)."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(router_logits.dtype), ids
-
-
 class FusedMoE(nn.Module):
     """Stacked gated-SiLU experts; `backend` (set by layers.backends.bind_backend) runs them."""
 
@@ -115,5 +105,6 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = F.linear(x, self.gate.weight)  # [M, E]
-        weights, ids = select_experts(router_logits, self.top_k, self.norm_topk_prob)
+        weights, ids = self.experts.backend.select_experts(router_logits, self.top_k,
+                                                           self.norm_topk_prob)
         return self.experts(x, weights, ids)

@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 
 from nanovllm.kernels.moe.fused_moe import fused_moe, moe_align_block_size  # noqa: E402
 from nanovllm.kernels.moe.reference import fused_moe_torch  # noqa: E402
-from nanovllm.layers.fused_moe import select_experts  # noqa: E402
+from nanovllm.kernels.moe.reference import select_experts_torch as select_experts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -18,7 +18,7 @@ from nanovllm.kernels.moe import config as moe_cfg  # noqa: E402
 from nanovllm.kernels.moe import fused_moe as module  # noqa: E402
 from nanovllm.kernels.moe.config import MoEConfig, moe_config  # noqa: E402
 from nanovllm.kernels.moe.fused_moe import fused_moe  # noqa: E402
-from nanovllm.layers.fused_moe import select_experts  # noqa: E402
+from nanovllm.kernels.moe.reference import select_experts_torch as select_experts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,4 +1,5 @@
-"""Mixture-of-experts reference in plain torch: a loop over the experts that received tokens."""
+"""Mixture-of-experts reference in plain torch: top-k routing, and a loop over the experts that
+received tokens."""
 import torch
 import torch.nn.functional as F
 
@@ -26,3 +27,13 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             h = fp8_linear_torch(F.silu(gate) * up, w2[expert], w2_scale[expert], block)
         out.index_add_(0, token_idx, h * topk_weights[token_idx, k_pos, None].to(h.dtype))
     return out
+
+
+def select_experts_torch(router_logits: torch.Tensor, top_k: int,
+                         renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, ids) [M, top_k] of a float32 softmax, renormalised when asked (as transformers)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
