@@ -9,6 +9,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from nanovllm.kernels.moe import fused_moe as fused_moe_module  # noqa: E402
 from nanovllm.kernels.moe.fused_moe import fused_moe, moe_align_block_size  # noqa: E402
 from nanovllm.kernels.moe.reference import fused_moe_torch  # noqa: E402
 from nanovllm.kernels.moe.reference import select_experts_torch as select_experts  # noqa: E402
@@ -97,11 +98,15 @@ def test_align_groups_every_slot_once_padded_per_expert():
     assert sorted(s for s in sorted_ids.tolist() if s < num_slots) == list(range(num_slots))
 
 
+@pytest.mark.parametrize("one_program", [True, False], ids=["one-program", "three-kernels"])
 @pytest.mark.parametrize("tokens, experts, top_k, block_m", [(1, 8, 2, 16), (300, 64, 6, 32),
-                                                             (77, 5, 5, 64)])
-def test_align_matches_the_torch_grouping(tokens, experts, top_k, block_m):
-    """Same slots per expert (as sets: the kernel's order within an expert's blocks is
-    arbitrary, on a GPU even across them), same experts per live block, same padded total."""
+                                                             (77, 5, 5, 64), (128, 128, 8, 16)])
+def test_align_matches_the_torch_grouping(tokens, experts, top_k, block_m, one_program,
+                                          monkeypatch):
+    """Same slots per expert (as sets: the three kernels' order within an expert's blocks is
+    arbitrary, on a GPU even across them; the one-program grouping keeps slot order, as the
+    reference), same experts per live block, same padded total."""
+    monkeypatch.setattr(fused_moe_module, "ONE_PROGRAM_SLOTS", 1 << 30 if one_program else 0)
     g = torch.Generator().manual_seed(tokens)
     ids = torch.rand(tokens, experts, generator=g).pow(3).topk(top_k).indices.to(DEVICE)
     got = moe_align_block_size(ids, experts, block_m)
@@ -117,6 +122,8 @@ def test_align_matches_the_torch_grouping(tokens, experts, top_k, block_m):
 
     for expert in range(experts):
         assert slots_of(*got[:2], expert) == slots_of(*ref[:2], expert), expert
+    if one_program:
+        assert torch.equal(got[0][:num_padded], ref[0][:num_padded])
 
 
 @pytest.mark.gpu
