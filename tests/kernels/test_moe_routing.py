@@ -55,6 +55,17 @@ def test_routing_takes_the_lower_id_among_equals() -> None:
     torch.testing.assert_close(weights[0], torch.full((3,), 1 / 3, device=DEVICE))
 
 
+def test_routing_reads_strided_rows() -> None:
+    """Router logits whose rows are a slice of wider rows (a stride other than the width)."""
+    g = torch.Generator().manual_seed(7)
+    wide = torch.randn(9, 80, generator=g).to(DEVICE)
+    logits = wide[:, 10:70]
+    weights, ids = select_experts(logits, 4, True)
+    ref_weights, ref_ids = select_experts_torch(logits, 4, True)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights)
+
+
 def test_routing_of_no_tokens() -> None:
     weights, ids = select_experts(torch.zeros(0, 16, device=DEVICE), 2, True)
     assert weights.shape == ids.shape == (0, 2)

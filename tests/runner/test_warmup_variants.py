@@ -95,6 +95,35 @@ def _workload(llm: LLM) -> None:
     assert llm.stats()["prefill_steps"] >= 4  # the 37-token prompt took 3 chunks
 
 
+def test_moe_workload_launches_only_warmed_variants(recorder: VariantRecorder,
+                                                    tmp_path) -> None:
+    """A Qwen3-MoE model: the router's top-k and the experts' grouping, in one program up to
+    ONE_PROGRAM_SLOTS slots and in three kernels beyond (lowered here so that both run)."""
+    from nanovllm.kernels.moe import fused_moe
+    checkpoint = build_checkpoint(str(tmp_path / "moe"), family="Qwen3Moe", num_experts=8,
+                                  num_experts_per_tok=2, moe_intermediate_size=64,
+                                  norm_topk_prob=True, **SHAPE)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fused_moe, "ONE_PROGRAM_SLOTS", 4)
+        llm = LLM(checkpoint, device="cpu", attention_backend="triton", dtype="float16",
+                  num_kvcache_blocks=4, max_num_seqs=4, max_num_batched_tokens=16,
+                  max_model_len=512)
+        try:
+            warmed = set(recorder.keys)
+            start = len(recorder.keys)
+            greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+            llm.generate([[1, 2, 3], [4] * 9, [5] * 6], greedy, use_tqdm=False)
+            llm.generate([[6] * 5], greedy, use_tqdm=False)
+            launched = recorder.keys[start:]
+        finally:
+            llm.shutdown()
+    kernels = {key[0] for key in launched}
+    assert {"_topk_softmax_kernel", "_align_one_program_kernel", "_count_kernel",
+            "_scatter_kernel", "_gate_up_silu_kernel", "_down_kernel"} <= kernels
+    cold = sorted(set(launched) - warmed)
+    assert not cold, "variants the warm-up never compiled:\n" + "\n".join(map(str, cold))
+
+
 def _llm(tmp_path, **lora) -> LLM:
     checkpoint = build_checkpoint(str(tmp_path / "ckpt"), **SHAPE)
     return LLM(checkpoint, device="cpu", attention_backend="triton", dtype="float16",

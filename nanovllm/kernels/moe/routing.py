@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-ROWS = 16  # tokens a program routes: 16 x 128 experts is 2,048 values
+TILE = 2048  # values a program holds: 16 tokens of 128 experts
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -32,7 +32,8 @@ def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, M, E, stride_l,
     weights = tl.zeros([ROWS, K_P2], tl.float32)
     ids = tl.zeros([ROWS, K_P2], tl.int64)
     for k in tl.static_range(TOP_K):
-        best = tl.argmax(probs, axis=1, tie_break_left=True)
+        # a row of NaN logits compares false everywhere: kept to a real expert's id
+        best = tl.minimum(tl.argmax(probs, axis=1, tie_break_left=True), E - 1)
         weights = tl.where(ks == k, tl.max(probs, axis=1)[:, None], weights)
         ids = tl.where(ks == k, best[:, None].to(tl.int64), ids)
         probs = tl.where(experts[None, :] == best[:, None], -1.0, probs)
@@ -53,9 +54,11 @@ def select_experts(router_logits: torch.Tensor, top_k: int,
     weights = torch.empty(num_tokens, top_k, dtype=router_logits.dtype,
                           device=router_logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    experts_p2 = triton.next_power_of_2(num_experts)
+    rows = max(1, TILE // experts_p2)
     if num_tokens:
-        _topk_softmax_kernel[(triton.cdiv(num_tokens, ROWS),)](
+        _topk_softmax_kernel[(triton.cdiv(num_tokens, rows),)](
             router_logits, weights, ids, num_tokens, num_experts, router_logits.stride(0),
-            TOP_K=top_k, K_P2=triton.next_power_of_2(top_k),
-            E_P2=triton.next_power_of_2(num_experts), ROWS=ROWS, RENORMALIZE=renormalize)
+            TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), E_P2=experts_p2, ROWS=rows,
+            RENORMALIZE=renormalize)
     return weights, ids
