@@ -135,6 +135,22 @@ def _count_kernel(ids_ptr, counts_ptr, num_slots, BLOCK: tl.constexpr):
     tl.atomic_add(counts_ptr + expert, 1, mask=mask)
 
 
+@triton.jit
+def _group_starts(counts, e_mask, expert_ids_ptr, num_padded_ptr, num_experts, num_blocks,
+                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """Each expert's padded group start (returned), the padded total, and the expert of every
+    row block (how many groups end at or before its first row)."""
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(num_padded_ptr, tl.sum(padded, 0))
+    for b0 in range(0, num_blocks, CHUNK):
+        block = b0 + tl.arange(0, CHUNK)
+        done = (ends[None, :] <= block[:, None] * BLOCK_M) & e_mask[None, :]
+        expert = tl.minimum(tl.sum(done.to(tl.int32), axis=1), num_experts - 1)
+        tl.store(expert_ids_ptr + block, expert, mask=block < num_blocks)
+    return ends - padded
+
+
 @triton.jit(do_not_specialize=["num_blocks"])
 def _offsets_kernel(counts_ptr, starts_ptr, expert_ids_ptr, num_padded_ptr, num_experts,
                     num_blocks, BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr):
@@ -142,16 +158,9 @@ def _offsets_kernel(counts_ptr, starts_ptr, expert_ids_ptr, num_padded_ptr, num_
     e = tl.arange(0, E_P2)
     e_mask = e < num_experts
     counts = tl.load(counts_ptr + e, mask=e_mask, other=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, 0)
-    tl.store(starts_ptr + e, ends - padded, mask=e_mask)
-    tl.store(num_padded_ptr, tl.sum(padded, 0))
-    for b0 in range(0, num_blocks, CHUNK):
-        block = b0 + tl.arange(0, CHUNK)
-        # a block's expert: how many groups end at or before its first row
-        done = (ends[None, :] <= block[:, None] * BLOCK_M) & e_mask[None, :]
-        expert = tl.minimum(tl.sum(done.to(tl.int32), axis=1), num_experts - 1)
-        tl.store(expert_ids_ptr + block, expert, mask=block < num_blocks)
+    starts = _group_starts(counts, e_mask, expert_ids_ptr, num_padded_ptr, num_experts,
+                           num_blocks, BLOCK_M, CHUNK)
+    tl.store(starts_ptr + e, starts, mask=e_mask)
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -180,18 +189,12 @@ def _align_one_program_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padde
         offs = c0 + tl.arange(0, CHUNK)
         expert = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1)
         counts += tl.sum((expert[:, None] == e[None, :]).to(tl.int32), axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, 0)
-    tl.store(num_padded_ptr, tl.sum(padded, 0))
-    for b0 in range(0, num_blocks, CHUNK):
-        block = b0 + tl.arange(0, CHUNK)
-        done = (ends[None, :] <= block[:, None] * BLOCK_M) & (e < num_experts)[None, :]
-        expert = tl.minimum(tl.sum(done.to(tl.int32), axis=1), num_experts - 1)
-        tl.store(expert_ids_ptr + block, expert, mask=block < num_blocks)
-        rows = b0 * BLOCK_M + tl.arange(0, CHUNK * BLOCK_M)
+    first = _group_starts(counts, e < num_experts, expert_ids_ptr, num_padded_ptr,
+                          num_experts, num_blocks, BLOCK_M, CHUNK)  # next free row of each
+    for r0 in range(0, num_blocks * BLOCK_M, CHUNK * BLOCK_M):
+        rows = r0 + tl.arange(0, CHUNK * BLOCK_M)
         tl.store(sorted_ids_ptr + rows, num_slots, mask=rows < num_blocks * BLOCK_M)
     tl.debug_barrier()  # every padding row written before the slots land on theirs
-    first = ends - padded  # the next free row of each group
     i = tl.arange(0, CHUNK)
     for c0 in range(0, num_slots, CHUNK):
         offs = c0 + i
