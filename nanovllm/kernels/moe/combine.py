@@ -5,11 +5,14 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.pdl import launch_options, wait_then_release
+
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _topk_sum_kernel(slots_ptr, out_ptr, num_tokens, hidden, TOP_K: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (tokens, cdiv(hidden, BLOCK)): out[t, cols] = sum_k slots[t * TOP_K + k, cols]."""
+    wait_then_release(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -28,5 +31,6 @@ def topk_sum(slots: torch.Tensor, top_k: int) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(hidden))
     if num_slots:
         _topk_sum_kernel[(num_slots // top_k, triton.cdiv(hidden, block))](
-            slots, out, num_slots // top_k, hidden, TOP_K=top_k, BLOCK=block)
+            slots, out, num_slots // top_k, hidden, TOP_K=top_k, BLOCK=block,
+            **launch_options())
     return out

@@ -28,6 +28,7 @@ import triton.language as tl
 from nanovllm.kernels.linear.fp8_gemm import per_token_group_quant
 from nanovllm.kernels.moe.combine import topk_sum
 from nanovllm.kernels.moe.config import MoEConfig, moe_config
+from nanovllm.kernels.pdl import launch_options, wait_then_release
 
 # moe_align_block_size groups up to here in one program, whose loops run serially: up to 1,024
 # slots the standard workload on the 30B-A3B shape measured 0.976x (one round)
@@ -61,8 +62,9 @@ def _gate_up_silu_kernel(x_ptr, w13_ptr, h_ptr, sorted_ids_ptr, expert_ids_ptr, 
                          num_slots, top_k, N, K, stride_xm, stride_we, stride_wn, stride_hm,
                          xs_ptr, ws_ptr, stride_xsm, stride_wse, stride_wsn, group_n, group_k,
                          PRECISION: tl.constexpr, FP8: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """h[slot, n] = silu(x[token] . w1[e, n]) * (x[token] . w3[e, n]) for one row/column tile."""
+    wait_then_release(USE_PDL)
     slots, row_mask, live = _row_block(sorted_ids_ptr, num_padded_ptr, num_slots, BLOCK_M)
     if live:
         expert = tl.load(expert_ids_ptr + tl.program_id(0)).to(tl.int64)
@@ -100,8 +102,9 @@ def _down_kernel(h_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ids_ptr, expert_ids
                  num_padded_ptr, num_slots, N, K, stride_hm, stride_we, stride_wn, stride_om,
                  hs_ptr, ws_ptr, stride_hsm, stride_wse, stride_wsn, group_n, group_k,
                  PRECISION: tl.constexpr, FP8: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """out[slot, n] = topk_weight[slot] * (h[slot] . w2[e, n]) for one row/column tile."""
+    wait_then_release(USE_PDL)
     slots, row_mask, live = _row_block(sorted_ids_ptr, num_padded_ptr, num_slots, BLOCK_M)
     if live:
         expert = tl.load(expert_ids_ptr + tl.program_id(0)).to(tl.int64)
@@ -180,10 +183,11 @@ def _scatter_kernel(ids_ptr, starts_ptr, cursors_ptr, sorted_ids_ptr, num_slots,
 @triton.jit(do_not_specialize=["num_slots", "num_blocks"])
 def _align_one_program_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                               num_slots, num_experts, num_blocks, BLOCK_M: tl.constexpr,
-                              E_P2: tl.constexpr, CHUNK: tl.constexpr):
+                              E_P2: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
     """The three kernels' grouping in one program, for a decode step's few slots: counts by
     one-hot sums, slots in order within their group (a slot's rank: the earlier slots of its
     expert), the padding rows filled first."""
+    wait_then_release(USE_PDL)
     e = tl.arange(0, E_P2)
     counts = tl.zeros([E_P2], tl.int32)
     for c0 in range(0, num_slots, CHUNK):
@@ -224,7 +228,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
         num_padded = torch.empty(1, dtype=torch.int32, device=device)
         _align_one_program_kernel[(1,)](
             ids, sorted_ids, expert_ids, num_padded, num_slots, num_experts, num_blocks,
-            BLOCK_M=block_m, E_P2=triton.next_power_of_2(num_experts), CHUNK=32)
+            BLOCK_M=block_m, E_P2=triton.next_power_of_2(num_experts), CHUNK=32,
+            **launch_options())
         return sorted_ids, expert_ids, num_padded
     counts_cursors_starts = torch.zeros(3, num_experts, dtype=torch.int32, device=device)
     counts, cursors, starts = counts_cursors_starts.unbind(0)
@@ -274,7 +279,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, num_experts, block_m)
     consts = dict(PRECISION="ieee" if x.dtype == torch.float32 else "tf32", FP8=fp8,
                   BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
-                  num_warps=config.num_warps, num_stages=config.num_stages)
+                  num_warps=config.num_warps, num_stages=config.num_stages, **launch_options())
     row_blocks = sorted_ids.numel() // block_m
     a, a_scale, stride_as = _fp8_inputs(x, w13_scale, g13[1])
     s13 = w13_scale if fp8 else x

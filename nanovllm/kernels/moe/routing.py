@@ -9,15 +9,18 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.pdl import launch_options, wait_then_release
+
 TILE = 2048  # values a program holds: 16 tokens of 128 experts
 
 
 @triton.jit(do_not_specialize=["M"])
 def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, M, E, stride_l,
                          TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr,
-                         ROWS: tl.constexpr, RENORMALIZE: tl.constexpr):
+                         ROWS: tl.constexpr, RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (cdiv(M, ROWS),): rows' softmax, then TOP_K rounds of taking the largest
     probability (the lowest expert id among equals) and striking it out."""
+    wait_then_release(USE_PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     experts = tl.arange(0, E_P2)
     row_ok = rows < M
@@ -60,5 +63,5 @@ def select_experts(router_logits: torch.Tensor, top_k: int,
         _topk_softmax_kernel[(triton.cdiv(num_tokens, rows),)](
             router_logits, weights, ids, num_tokens, num_experts, router_logits.stride(0),
             TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), E_P2=experts_p2, ROWS=rows,
-            RENORMALIZE=renormalize)
+            RENORMALIZE=renormalize, **launch_options())
     return weights, ids
