@@ -4,8 +4,11 @@ layers (CUDA): fixed limits tuned on one shape cost another 5-9% (Llama-3.1-8B).
 For each projection class (its type and weight shape: qkv_proj, gate_up_proj, o_proj and
 down_proj each once) and each decode step size the engine runs (the CUDA-graph batch sizes up
 to 256), the fused kernel and the unfused path it replaces are each captured in a CUDA graph
-of a few calls (as decode replays them: no launch gaps) and timed by CUDA events. The limit
-bound is the step size up to which the fused kernel runs with the least summed time.
+of a few calls (as decode replays them: no launch gaps) and timed by CUDA events. The calls
+take the class's first layers in turn and L2 is emptied before each timed replay, so that
+each call reads its weights from HBM, as in a decode step, not from L2, where one layer's
+weights called 8 times sat after the first. The limit bound is the step size up to which the
+fused kernel runs with the least summed time.
 
     qkv_proj:      qkv_rope_store                  vs  GEMM + q/k norm, RoPE, K/V write
     gate_up_proj:  gate_up_silu                    vs  GEMM + SiLU-and-mul
@@ -17,6 +20,8 @@ models get their own limits.
 
 Their kernels compile on threads first; the captures are what is left (~120 for Qwen3-0.6B).
 """
+import functools
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -59,29 +64,41 @@ def choose_max_tokens(sizes: list[int], fused_s: list[float], unfused_s: list[fl
     return best
 
 
-def representatives(model: nn.Module) -> dict[LayerClass, tuple[LinearBase, nn.Module | None]]:
-    """The first projection of each class bound to a fused kernel, and its parent module."""
+def class_layers(model: nn.Module
+                 ) -> dict[LayerClass, list[tuple[LinearBase, nn.Module | None]]]:
+    """Up to _CALLS_PER_STEP projections of each class bound to a fused kernel (the first
+    layers'), each with its parent module."""
     parents = {child: parent for parent in model.modules() for child in parent.children()}
-    found: dict[LayerClass, tuple[LinearBase, nn.Module | None]] = {}
+    found: dict[LayerClass, list[tuple[LinearBase, nn.Module | None]]] = {}
     for module in model.modules():
         if isinstance(module, LinearBase) and module.fused_decode_max_tokens:
-            found.setdefault(layer_class(module), (module, parents.get(module)))
+            layers = found.setdefault(layer_class(module), [])
+            if len(layers) < _CALLS_PER_STEP:
+                layers.append((module, parents.get(module)))
     return found
+
+
+def rotating(steps: list[Step]) -> Step:
+    """One step that runs `steps` in turn, a call each: a timing graph's calls then read
+    different layers' weights, from HBM as a decode step does, not one layer's from L2."""
+    turn = itertools.cycle(steps)
+    return lambda: next(turn)()
 
 
 def calibrate(model: nn.Module, sizes: list[int], time_steps: StepTimer,
               make_step: StepMaker | None = None) -> dict[LayerClass, int]:
-    """{layer class: limit} for the projections bound to a fused kernel: for the first of each
-    class, each size's step fused and unfused (make_step, default decode_step), all timed by
-    one call of time_steps."""
+    """{layer class: limit} for the projections bound to a fused kernel: each size's step
+    fused and unfused (make_step, default decode_step) over the class's first layers in turn
+    (rotating), all timed by one call of time_steps."""
     make_step = make_step or decode_step
-    classes = representatives(model)
+    classes = class_layers(model)
     # class-major, then size, fused before unfused: [c0 n0 F, c0 n0 U, c0 n1 F, ...]
-    steps = [make_step(proj, parent, n, fused) for proj, parent in classes.values()
-             for n in sizes for fused in (True, False)]
+    steps = [rotating([make_step(proj, parent, n, fused) for proj, parent in layers])
+             for layers in classes.values() for n in sizes for fused in (True, False)]
     if not steps:
         return {}
     times = time_steps(steps)
+    _random_input.cache_clear()  # the steps hold what they use
     assert len(times) == len(steps), f"{len(times)} times for {len(steps)} steps"
     per_class = 2 * len(sizes)
     limits = {}
@@ -116,11 +133,18 @@ def _qkv_step(proj: QKVParallelLinear, parent: nn.Module, x: torch.Tensor, fused
     return unfused
 
 
+@functools.cache
+def _random_input(n: int, features: int, dtype: torch.dtype, device: torch.device
+                  ) -> torch.Tensor:
+    """A step's random input of this shape, shared by the class's layers (read only)."""
+    return torch.randn(n, features, dtype=dtype, device=device)
+
+
 def decode_step(proj: LinearBase, parent: nn.Module | None, n: int, fused: bool) -> Step:
     """One decode step's work that the projection's fused kernel replaces, for n tokens."""
     (out_features, in_features), device = proj.weight.shape, proj.weight.device
     dtype = proj.fused_format()[0]  # the activations' (FP8 weights hold codes)
-    x = torch.randn(n, in_features, dtype=dtype, device=device)
+    x = _random_input(n, in_features, dtype, device)
     if isinstance(proj, QKVParallelLinear):
         return _qkv_step(proj, parent, x, fused)
     if isinstance(proj, MergedColumnParallelLinear):
@@ -132,7 +156,7 @@ def decode_step(proj: LinearBase, parent: nn.Module | None, n: int, fused: bool)
     # the add + RMSNorm after it: the next norm's shape, its weight's values do not matter
     norm = RMSNorm(out_features).to(device, dtype)
     norm.fused = True
-    residual = torch.randn(n, out_features, dtype=dtype, device=device)
+    residual = _random_input(n, out_features, dtype, device)
     if fused:
         return lambda: norm.add_partials(proj.split_k_partials(x), residual)
     return lambda: norm(proj.linear(x, proj.bias), residual)
@@ -150,13 +174,15 @@ def cuda_graph_times(steps: list[Step], compile_threads: int = 0) -> list[float]
     # next capture reuses its memory. The graphs live until the last is timed: a dropped
     # graph's pool waits for empty_cache, which the run skips, to be released
     pool, graphs = torch.cuda.graph_pool_handle(), []
+    l2_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    flush = torch.empty(2 * l2_bytes, dtype=torch.uint8, device="cuda")
     with keep_caches():
-        return [_graph_time(step, pool, graphs) for step in steps]
+        return [_graph_time(step, pool, graphs, flush) for step in steps]
 
 
-def _graph_time(step: Step, pool: tuple, keep: list) -> float:
+def _graph_time(step: Step, pool: tuple, keep: list, flush: torch.Tensor) -> float:
     """Seconds per call of step, from a CUDA graph of _CALLS_PER_STEP calls (captured in pool,
-    appended to keep)."""
+    appended to keep), each timed replay after writing `flush` (twice L2) to empty L2."""
     step()  # loads (or compiles) its kernels, outside the graph
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -168,6 +194,7 @@ def _graph_time(step: Step, pool: tuple, keep: list) -> float:
     times = []
     for _ in range(_REPLAYS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        flush.zero_()  # before the start event: not timed
         start.record()
         graph.replay()
         end.record()

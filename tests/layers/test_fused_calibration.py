@@ -15,8 +15,10 @@ from nanovllm.layers.backends import (
     measures_fused_limits,
 )
 from nanovllm.layers.fused_calibration import (
+    _CALLS_PER_STEP,
     calibrate,
     choose_max_tokens,
+    class_layers,
     decode_step,
     layer_class,
 )
@@ -71,14 +73,17 @@ def test_calibrate_binds_one_limit_per_class(tmp_path) -> None:
         bind_backend(model, backend)
         timed: list[list] = []
 
+        made: list[LinearBase] = []
+
         def make_step(proj: LinearBase, parent, n: int, fused: bool):
             assert parent is not None and proj in list(parent.children())
-            return proj, n, fused  # stands for the step: the fake timer reads it
+            made.append(proj)
+            return lambda: (proj, n, fused)  # stands for the step: the fake timer calls it
 
         def time_steps(steps: list) -> list[float]:
-            timed.append(steps)
+            timed.append([step() for step in steps])
             return [(1.0 if n <= _wins(proj) else 3.0) if fused else 2.0
-                    for proj, n, fused in steps]
+                    for proj, n, fused in timed[-1]]
 
         limits = calibrate(model, SIZES, time_steps, make_step)
         bind_backend(model, backend, limits)
@@ -89,6 +94,8 @@ def test_calibrate_binds_one_limit_per_class(tmp_path) -> None:
         assert len(steps) == 2 * len(SIZES) * 4
         assert len({(layer_class(p), n, f) for p, n, f in steps}) == len(steps)
         assert all(m.fused_decode_max_tokens == _wins(m) for m in projections)
+        # every layer of each class made its steps (the tiny model has fewer than the cap)
+        assert set(made) == set(projections) and len(projections) > 4
         bind_backend(model, backend)  # without measured limits the fixed ones come back
         assert all(m.fused_decode_max_tokens == FUSED_GATE_UP_MAX_TOKENS for m in projections
                    if isinstance(m, MergedColumnParallelLinear))
@@ -107,11 +114,34 @@ def test_calibrate_reads_each_class_slice() -> None:
 
     def time_steps(steps: list) -> list[float]:
         return [(1.0 if n <= limits_by_shape[shape] else 3.0) if fused else 2.0
-                for shape, n, fused in steps]
+                for shape, n, fused in (step() for step in steps)]
 
     limits = calibrate(model, sizes, time_steps,
-                       lambda proj, parent, n, fused: (tuple(proj.weight.shape), n, fused))
+                       lambda proj, parent, n, fused: lambda: (tuple(proj.weight.shape), n, fused))
     assert limits == {("RowParallelLinear", (128, 256)): 3, ("RowParallelLinear", (128, 384)): 64}
+
+
+def test_steps_take_the_class_layers_in_turn() -> None:
+    """A class's step runs its first _CALLS_PER_STEP layers in turn, a call each, so that a
+    timing graph's calls read different weights (not one layer's, from L2 after the first)."""
+    model = torch.nn.Sequential(*(RowParallelLinear(256, 128) for _ in range(10)))
+    for module in model:
+        module.fused_decode_max_tokens = 1
+    layers = class_layers(model)[("RowParallelLinear", (128, 256))]
+    assert [proj for proj, _ in layers] == list(model)[:_CALLS_PER_STEP]
+    assert all(parent is model for _, parent in layers)
+    calls: list[torch.nn.Module] = []
+    steps = []
+
+    def time_steps(made: list) -> list[float]:
+        steps.extend(made)
+        return [1.0] * len(made)
+
+    calibrate(model, [2], time_steps, lambda proj, parent, n, fused: lambda: calls.append(proj))
+    assert len(steps) == 2  # fused and unfused
+    for _ in range(2 * _CALLS_PER_STEP):
+        steps[0]()
+    assert calls == 2 * list(model)[:_CALLS_PER_STEP]
 
 
 def test_calibration_skips_unbound_layers() -> None:
