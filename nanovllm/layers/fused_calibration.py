@@ -175,14 +175,14 @@ def cuda_graph_times(steps: list[Step], compile_threads: int = 0) -> list[float]
     # graph's pool waits for empty_cache, which the run skips, to be released
     pool, graphs = torch.cuda.graph_pool_handle(), []
     l2_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
-    flush = torch.empty(2 * l2_bytes, dtype=torch.uint8, device="cuda")
+    evict = torch.empty(2 * l2_bytes, dtype=torch.uint8, device="cuda")
     with keep_caches():
-        return [_graph_time(step, pool, graphs, flush) for step in steps]
+        return [_graph_time(step, pool, graphs, evict) for step in steps]
 
 
-def _graph_time(step: Step, pool: tuple, keep: list, flush: torch.Tensor) -> float:
+def _graph_time(step: Step, pool: tuple, keep: list, evict: torch.Tensor) -> float:
     """Seconds per call of step, from a CUDA graph of _CALLS_PER_STEP calls (captured in pool,
-    appended to keep), each timed replay after writing `flush` (twice L2) to empty L2."""
+    appended to keep), each timed replay after writing `evict` (twice L2) to empty L2."""
     step()  # loads (or compiles) its kernels, outside the graph
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -194,7 +194,7 @@ def _graph_time(step: Step, pool: tuple, keep: list, flush: torch.Tensor) -> flo
     times = []
     for _ in range(_REPLAYS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        flush.zero_()  # before the start event: not timed
+        evict.zero_()  # before the start event: not timed
         start.record()
         graph.replay()
         end.record()
