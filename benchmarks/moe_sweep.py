@@ -36,9 +36,9 @@ def grid(mode: str, tokens: int, quick: bool) -> list[MoEConfig]:
     stages = (3, 4) if quick else (2, 3, 4, 5)
     configs = [MoEConfig(*c) for c in itertools.product(block_ms, (64, 128), block_ks, warps,
                                                         stages)]
-    if tokens <= 32:  # decode: 32-wide column tiles give the few experts' slots twice the
-        # programs (at one token 96 programs of 64 columns run on 132 SMs), and room for more
-        # stages
+    # decode: 32-wide column tiles give the few experts' slots twice the programs (at one
+    # token 96 programs of 64 columns run on 132 SMs), and room for more stages
+    if tokens <= 32:
         configs += [MoEConfig(*c) for c in itertools.product(
             block_ms, (32,), block_ks, warps, stages + (() if quick else (6, 8)))]
     return list(dict.fromkeys([default_for(mode, tokens)] + configs))

@@ -66,8 +66,8 @@ def choose_max_tokens(sizes: list[int], fused_s: list[float], unfused_s: list[fl
 
 def class_layers(model: nn.Module
                  ) -> dict[LayerClass, list[tuple[LinearBase, nn.Module | None]]]:
-    """Up to _CALLS_PER_STEP projections of each class bound to a fused kernel (the first
-    layers'), each with its parent module."""
+    """The first _CALLS_PER_STEP projections of each class bound to a fused kernel, each with
+    its parent module (a timing graph's calls: with fewer layers some read theirs twice)."""
     parents = {child: parent for parent in model.modules() for child in parent.children()}
     found: dict[LayerClass, list[tuple[LinearBase, nn.Module | None]]] = {}
     for module in model.modules():
@@ -79,8 +79,7 @@ def class_layers(model: nn.Module
 
 
 def rotating(steps: list[Step]) -> Step:
-    """One step that runs `steps` in turn, a call each: a timing graph's calls then read
-    different layers' weights, from HBM as a decode step does, not one layer's from L2."""
+    """One step that runs `steps` in turn, a call each (a graph's calls read different layers)."""
     turn = itertools.cycle(steps)
     return lambda: next(turn)()
 
@@ -97,8 +96,10 @@ def calibrate(model: nn.Module, sizes: list[int], time_steps: StepTimer,
              for layers in classes.values() for n in sizes for fused in (True, False)]
     if not steps:
         return {}
-    times = time_steps(steps)
-    _random_input.cache_clear()  # the steps hold what they use
+    try:
+        times = time_steps(steps)
+    finally:
+        _random_input.cache_clear()  # the steps hold what they use
     assert len(times) == len(steps), f"{len(times)} times for {len(steps)} steps"
     per_class = 2 * len(sizes)
     limits = {}
@@ -183,7 +184,8 @@ def cuda_graph_times(steps: list[Step], compile_threads: int = 0) -> list[float]
 def _graph_time(step: Step, pool: tuple, keep: list, evict: torch.Tensor) -> float:
     """Seconds per call of step, from a CUDA graph of _CALLS_PER_STEP calls (captured in pool,
     appended to keep), each timed replay after writing `evict` (twice L2) to empty L2."""
-    step()  # loads (or compiles) its kernels, outside the graph
+    for _ in range(_CALLS_PER_STEP):  # every layer's kernels loaded (or compiled) outside it
+        step()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool):

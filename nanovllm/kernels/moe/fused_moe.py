@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.linear.fp8_gemm import per_token_group_quant
-from nanovllm.kernels.moe.combine import topk_sum
 from nanovllm.kernels.moe.config import MoEConfig, moe_config
+from nanovllm.kernels.moe.moe_sum import moe_sum
 from nanovllm.kernels.pdl import launch_options, wait_then_release
 
 # moe_align_block_size groups up to here in one program, whose loops run serially: up to 1,024
@@ -296,4 +296,4 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         num_slots, hidden, inter, h_in.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         h_scale, s2, stride_hs, s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
         g2[0], g2[1], **consts)
-    return topk_sum(out, top_k)
+    return moe_sum(out, top_k)

@@ -1,6 +1,5 @@
-"""The last step of a mixture-of-experts layer: each token's top-k expert outputs (already
-weighted by the down-projection kernel) summed in one launch, float32 in k order, rounded once,
-where torch's sum over k ran a generic reduction."""
+"""vLLM's moe_sum: each token's top-k expert outputs (weighted by the down GEMM) summed in one
+launch, float32 in k order, rounded once (torch's sum over k ran a generic reduction)."""
 import torch
 import triton
 import triton.language as tl
@@ -8,9 +7,9 @@ import triton.language as tl
 from nanovllm.kernels.pdl import launch_options, wait_then_release
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
-def _topk_sum_kernel(slots_ptr, out_ptr, num_tokens, hidden, TOP_K: tl.constexpr,
-                     BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+@triton.jit
+def _moe_sum_kernel(slots_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                    USE_PDL: tl.constexpr):
     """Grid (tokens, cdiv(hidden, BLOCK)): out[t, cols] = sum_k slots[t * TOP_K + k, cols]."""
     wait_then_release(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -23,14 +22,13 @@ def _topk_sum_kernel(slots_ptr, out_ptr, num_tokens, hidden, TOP_K: tl.constexpr
     tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def topk_sum(slots: torch.Tensor, top_k: int) -> torch.Tensor:
+def moe_sum(slots: torch.Tensor, top_k: int) -> torch.Tensor:
     """[M * top_k, H] slot outputs (token-major) summed over each token's top_k rows: [M, H]."""
     num_slots, hidden = slots.shape
     assert slots.is_contiguous() and num_slots % top_k == 0, (slots.shape, top_k)
     out = torch.empty(num_slots // top_k, hidden, dtype=slots.dtype, device=slots.device)
     block = min(1024, triton.next_power_of_2(hidden))
     if num_slots:
-        _topk_sum_kernel[(num_slots // top_k, triton.cdiv(hidden, block))](
-            slots, out, num_slots // top_k, hidden, TOP_K=top_k, BLOCK=block,
-            **launch_options())
+        _moe_sum_kernel[(num_slots // top_k, triton.cdiv(hidden, block))](
+            slots, out, hidden, TOP_K=top_k, BLOCK=block, **launch_options())
     return out

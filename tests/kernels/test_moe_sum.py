@@ -8,7 +8,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from nanovllm.kernels.moe.combine import topk_sum  # noqa: E402
+from nanovllm.kernels.moe.moe_sum import moe_sum  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -16,13 +16,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.mark.parametrize("tokens,top_k,hidden,dtype", [
     (1, 8, 2048, torch.bfloat16),   # Qwen3-30B-A3B at batch 1: two column blocks
     (13, 3, 72, torch.float16),     # hidden not a power of two
+    (3, 2, 1100, torch.bfloat16),   # two column blocks, the last ragged
     (5, 1, 64, torch.float32),
     (0, 2, 64, torch.bfloat16),
 ])
-def test_topk_sum_matches_torch(tokens, top_k, hidden, dtype) -> None:
+def test_moe_sum_matches_torch(tokens, top_k, hidden, dtype) -> None:
     g = torch.Generator().manual_seed(tokens + top_k)
     slots = torch.randn(tokens * top_k, hidden, generator=g).to(DEVICE, dtype)
-    got = topk_sum(slots, top_k)
+    got = moe_sum(slots, top_k)
     want = slots.view(tokens, top_k, hidden).float().sum(dim=1).to(dtype)
     assert got.shape == (tokens, hidden) and got.dtype == dtype
     # float32 sums in another order: at most one rounding step of the output dtype apart
