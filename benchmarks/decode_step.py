@@ -246,6 +246,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     llm, shape, lora = open_llm(args)
     max_id = shape["vocab_size"] - 1
+    limits = dict(getattr(llm.model_runner, "fused_limits", {}))
     try:
         run = run_decode(llm, args.batch, args.tokens, max_id, lora)
         kernels, per_kernel = (kernel_phases(llm, args.batch, 16, max_id, lora)
@@ -261,6 +262,9 @@ def main(argv: list[str] | None = None) -> dict:
           f"{run['wall_us']:.0f} us a decode step over {run['steps']} steps; GPU "
           f"{run['gpu_us']:.0f} us a step (median), idle {run['gap_us']:.0f} us between steps; "
           f"floor {floor_us:.0f} us")
+    if limits:  # start-up measures them: a step's kernels depend on them
+        print("fused decode projections up to (tokens, measured at start-up): "
+              + ", ".join(f"{name}: {n}" for name, n in limits.items()))
     print("\n| host phase (inclusive) | us per step |\n|---|---|")
     for label, depth, *_ in PHASES:
         print(f"| {'- ' * depth}{label} | {run['host_us'].get(label, 0.0):.1f} |")

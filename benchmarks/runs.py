@@ -98,7 +98,8 @@ def engine_env(llm, startup_s: float) -> dict:
                 block_size=config.kvcache_block_size, kv_blocks=runner.num_kvcache_blocks,
                 max_model_len=config.max_model_len, pipelined=llm._pipelined,
                 startup_s=startup_s,
-                startup_parts_s=dict(getattr(runner, "startup_s", {})))
+                startup_parts_s=dict(getattr(runner, "startup_s", {})),
+                fused_limits=dict(getattr(runner, "fused_limits", {})))
 
 
 def machine_env(args: argparse.Namespace) -> dict:

@@ -59,6 +59,7 @@ class ModelRunner:
         self.lora_manager = LoRAManager(self.model, config) if config.enable_lora else None
         self.max_loras = config.max_loras if config.enable_lora else 0
         self.startup_s = {"load": perf_counter() - t0}
+        self.fused_limits: dict[str, int] = {}  # calibrate_fused_limits's, on CUDA
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = select_backend(config.attention_backend, config.device,
                                       config.kv_cache_dtype)
@@ -138,8 +139,9 @@ class ModelRunner:
                            partial(cuda_graph_times, compile_threads=self.compile_threads))
         bind_backend(self.model, self.backend, limits)
         torch.cuda.empty_cache()  # the timing graphs' pools: the KV pool is sized already
+        self.fused_limits = {f"{name} {list(shape)}": n for (name, shape), n in limits.items()}
         logger.info("fused decode projections up to (tokens, measured): %s",
-                    ", ".join(f"{name} {list(shape)}: {n}" for (name, shape), n in limits.items()))
+                    ", ".join(f"{k}: {n}" for k, n in self.fused_limits.items()))
 
     def allocate_kv_cache(self) -> int:
         """Size the KV pool (kv_cache.num_kv_blocks), allocate it and return its block count."""
