@@ -67,16 +67,18 @@ def _split_k_kernel(w_desc, x_desc, part_ptr, M, N, K_SPLIT, s_ptr, stride_s, sc
     tl.store(part_ptr + (split * M + toks).to(tl.int64) * N + cols, acc, mask=toks < M)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _sum_partials_kernel(part_ptr, bias_ptr, out_ptr, M, N, SPLITS: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+@triton.jit
+def _sum_partials_kernel(part_ptr, bias_ptr, out_ptr, N, stride_s, stride_m,
+                         SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     """Grid (M, N / BLOCK): out = sum of the splits in order (+ bias), rounded once."""
     wait_then_release(USE_PDL)
     row, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     acc = tl.zeros([BLOCK], tl.float32)
     for split in tl.static_range(SPLITS):
-        acc += tl.load(part_ptr + (split * M + row) * N + cols, mask=mask, other=0.0)
+        acc += tl.load(part_ptr + split * stride_s + row * stride_m + cols, mask=mask,
+                       other=0.0).to(tl.float32)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=mask).to(tl.float32)
     tl.store(out_ptr + row * N + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -84,15 +86,18 @@ def _sum_partials_kernel(part_ptr, bias_ptr, out_ptr, M, N, SPLITS: tl.constexpr
 
 def sum_partials(part: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None
                  ) -> torch.Tensor:
-    """Split partials [S, M, N] (split_k_linear's, w8a8_swap's) summed (+ bias) into [M, N]
-    of dtype in one PDL launch: torch's sum and cast were two launches that waited for
-    split-K to end."""
+    """Split partials [S, M, N] (split_k_linear's, w8a8_swap's; any strides but a unit last
+    one, any dtype) summed in float32 (+ bias) into [M, N] of dtype in one PDL launch: torch's
+    sum and cast were two launches that waited for split-K to end."""
     splits, num_tokens, output_size = part.shape
+    assert part.stride(2) == 1
     out = torch.empty(num_tokens, output_size, dtype=dtype, device=part.device)
     block = min(1024, triton.next_power_of_2(output_size))
-    _sum_partials_kernel[(num_tokens, triton.cdiv(output_size, block))](
-        part, part if bias is None else bias, out, num_tokens, output_size, SPLITS=splits,
-        HAS_BIAS=bias is not None, BLOCK=block, **launch_options())
+    if num_tokens:
+        _sum_partials_kernel[(num_tokens, triton.cdiv(output_size, block))](
+            part, part if bias is None else bias, out, output_size, part.stride(0),
+            part.stride(1), SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=block,
+            **launch_options())
     return out
 
 
