@@ -222,10 +222,10 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
     max_padded = num_slots + min(num_experts, num_slots) * (block_m - 1)
     num_blocks = triton.cdiv(max_padded, block_m)
     device, ids = topk_ids.device, topk_ids.reshape(-1)
+    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
     if num_slots <= ONE_PROGRAM_SLOTS:
         sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
-        expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
-        num_padded = torch.empty(1, dtype=torch.int32, device=device)
         _align_one_program_kernel[(1,)](
             ids, sorted_ids, expert_ids, num_padded, num_slots, num_experts, num_blocks,
             BLOCK_M=block_m, E_P2=triton.next_power_of_2(num_experts), CHUNK=32,
@@ -234,8 +234,6 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
     counts_cursors_starts = torch.zeros(3, num_experts, dtype=torch.int32, device=device)
     counts, cursors, starts = counts_cursors_starts.unbind(0)
     sorted_ids = torch.full((num_blocks * block_m,), num_slots, dtype=torch.int32, device=device)
-    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
-    num_padded = torch.empty(1, dtype=torch.int32, device=device)
     grid = (triton.cdiv(num_slots, 256),)
     _count_kernel[grid](ids, counts, num_slots, BLOCK=256)
     _offsets_kernel[(1,)](counts, starts, expert_ids, num_padded, num_experts, num_blocks,
