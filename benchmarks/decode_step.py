@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     llm, shape, lora = open_llm(args)
     max_id = shape["vocab_size"] - 1
-    limits = dict(getattr(llm.model_runner, "fused_limits", {}))
+    limits = dict(llm.model_runner.fused_limits)
     try:
         run = run_decode(llm, args.batch, args.tokens, max_id, lora)
         kernels, per_kernel = (kernel_phases(llm, args.batch, 16, max_id, lora)

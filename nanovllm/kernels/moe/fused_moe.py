@@ -224,12 +224,12 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
     device, ids = topk_ids.device, topk_ids.reshape(-1)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    groups = dict(BLOCK_M=block_m, E_P2=triton.next_power_of_2(num_experts), CHUNK=32)
     if num_slots <= ONE_PROGRAM_SLOTS:
         sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
         _align_one_program_kernel[(1,)](
             ids, sorted_ids, expert_ids, num_padded, num_slots, num_experts, num_blocks,
-            BLOCK_M=block_m, E_P2=triton.next_power_of_2(num_experts), CHUNK=32,
-            **launch_options())
+            **groups, **launch_options())
         return sorted_ids, expert_ids, num_padded
     counts_cursors_starts = torch.zeros(3, num_experts, dtype=torch.int32, device=device)
     counts, cursors, starts = counts_cursors_starts.unbind(0)
@@ -237,7 +237,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
     grid = (triton.cdiv(num_slots, 256),)
     _count_kernel[grid](ids, counts, num_slots, BLOCK=256)
     _offsets_kernel[(1,)](counts, starts, expert_ids, num_padded, num_experts, num_blocks,
-                          BLOCK_M=block_m, E_P2=triton.next_power_of_2(num_experts), CHUNK=32)
+                          **groups)
     _scatter_kernel[grid](ids, starts, cursors, sorted_ids, num_slots, BLOCK=256)
     return sorted_ids, expert_ids, num_padded
 
