@@ -26,6 +26,12 @@ def launch_options() -> dict:
     return {"launch_pdl": True, "USE_PDL": True} if enabled() else {"USE_PDL": False}
 
 
+def prefetches(block_t: int) -> bool:
+    """Whether a decode projection's programs prefetch their first weight tiles before the
+    PDL wait (prefetch_tile): under PDL, up to 16 tokens, where weights are all it reads."""
+    return enabled() and block_t <= 16
+
+
 @triton.jit
 def wait_then_release(USE_PDL: tl.constexpr):
     """Block until the previous kernel has finished and its writes are visible, then let the
@@ -34,3 +40,22 @@ def wait_then_release(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+PREFETCH_STEPS = tl.constexpr(2)  # K steps of weight tiles a program asks L2 for before its wait
+
+
+@triton.jit
+def prefetch_tile(ptr, row0, col0, stride, ROWS: tl.constexpr, ROW_BYTES: tl.constexpr,
+                  ELEM_BYTES: tl.constexpr, ENABLED: tl.constexpr):
+    """Ask L2 for rows row0:+ROWS, ROW_BYTES from column col0, of a row-major matrix, one
+    request per 128-byte line, and wait for nothing. Called before wait_then_release with a
+    weight (no kernel writes one): under PDL its first tiles then stream while the kernel
+    before still runs."""
+    if ENABLED:
+        LINES: tl.constexpr = ROW_BYTES // 128
+        rows = (row0 + tl.arange(0, ROWS)[:, None]).to(tl.int64)
+        cols = col0 + tl.arange(0, LINES)[None, :] * (128 // ELEM_BYTES)
+        lines = (ptr + rows * stride + cols).to(tl.int64)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                  [lines], dtype=tl.int32, is_pure=False, pack=1)

@@ -234,15 +234,17 @@ for dtype, name, w_scale, with_lora in ((torch.bfloat16, "bf16", 0, None),
     block_t, block_k, stages, warps = fused._launch(1, torch.empty(1, dtype=dtype),
                                                     *(with_lora or (None, None)), 224, 132)
     consts = dict(HAS_BIAS=False, BLOCK_T=block_t, BLOCK_K=block_k, STAGES=stages, USE_PDL=True,
-                  W_SCALE=w_scale,
+                  W_SCALE=w_scale, ELEM_BYTES=dtype.itemsize, PREFETCH=True,
                   **(dict(LORA_K=64, RANK=16, AHEAD=8, AHEAD_SR=32) if with_lora else off))
     names = [p.name for p in kernel.params]
-    types = dict(T, w_desc=f"tensordesc<{name[:4] if with_lora else name}[64, 128]>")
+    types = dict(T, w_desc=f"tensordesc<{name[:4] if with_lora else name}[64, 128]>",
+                 w_ptr=f"*{name[:4] if with_lora else name}")
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
     src = ASTSource(fn=kernel, signature=sig,
                     constexprs={(names.index(n),): v for n, v in consts.items()})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-    print(name, stages, k.metadata.shared, spill_bytes(k.asm["ptx"]))
+    print(name, stages, k.metadata.shared, spill_bytes(k.asm["ptx"]),
+          k.asm["ptx"].count("prefetch.global.L2"))
 """
 
 
@@ -250,13 +252,15 @@ def test_sm90_two_resident_programs_fit() -> None:
     """Compiled for sm_90 (no GPU needed), two 8B gate_up programs at the stages _launch gives
     fit one SM's 228 KB of shared memory (each block also reserves 1 KB), also with a LoRA
     shrink computed ahead (B's tiles beside the pipeline; its 8 chunks summed without
-    spilling registers)."""
+    spilling registers), and with the weight prefetch before the PDL wait in the code."""
     stdout = _compile_for_sm90(_RESIDENT_SM90)
     lines = [line.split() for line in stdout.splitlines()]
     assert [(name, int(stages)) for name, stages, *_ in lines] == [
         ("bf16", 3), ("fp8e4nv", 5), ("bf16-lora-ahead", 2)]
-    assert all(2 * (int(shared) + 1024) <= 228 * 1024 for _, _, shared, _ in lines), stdout
-    assert all(int(spills) == 0 for *_, spills in lines), stdout
+    assert all(2 * (int(shared) + 1024) <= 228 * 1024 for _, _, shared, *_ in lines), stdout
+    assert all(int(spills) == 0 for *_, spills, _ in lines), stdout
+    # the first two K steps of its gate and up rows asked of L2 before the PDL wait
+    assert all(int(prefetches) > 0 for *_, prefetches in lines), stdout
 
 
 def test_split_k_keeps_its_programs_resident() -> None:
@@ -276,9 +280,10 @@ from triton.compiler import ASTSource
 from nanovllm.kernels.linear import split_k
 stages = split_k._stages(8, 1, None, torch.empty(1, dtype=torch.float8_e4m3fn), 384, 132)
 consts = dict(a_desc=None, b_desc=None, lora_slots_ptr=None, BLOCK_T=16, BLOCK_K=128,
-              STAGES=stages, USE_PDL=True, K_MAJOR=False, W_SCALE=1, LORA_K=0, RANK=1)
+              STAGES=stages, USE_PDL=True, K_MAJOR=False, W_SCALE=1, LORA_K=0, RANK=1,
+              ELEM_BYTES=1, PREFETCH=True)
 types = dict(w_desc="tensordesc<fp8e4nv[64, 128]>", x_desc="tensordesc<bf16[16, 128]>",
-             part_ptr="*fp32", s_ptr="*fp32")
+             part_ptr="*fp32", s_ptr="*fp32", w_ptr="*fp8e4nv")
 names = [p.name for p in split_k._split_k_kernel.params]
 sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
 src = ASTSource(fn=split_k._split_k_kernel, signature=sig,

@@ -35,7 +35,9 @@ def _pdl_kernels() -> list:
 
 def test_every_pdl_kernel_waits_first() -> None:
     """A PDL kernel may start while the previous one still writes: no load, store or early
-    return may come before wait_then_release (and every program must reach it)."""
+    return may come before wait_then_release (and every program must reach it). Only a
+    prefetch of weights (pdl.prefetch_tile, a hint that reads nothing into registers) may:
+    no kernel writes a weight."""
     kernels = _pdl_kernels()
     names = {k.fn.__name__ for k in kernels}
     assert {"_rms_norm_kernel", "_silu_and_mul_kernel", "_decode_split_kernel",

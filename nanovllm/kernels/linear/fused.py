@@ -45,7 +45,13 @@ from nanovllm.kernels.linear.lora import (
     fused_lora_args,
     lora_keep,
 )
-from nanovllm.kernels.pdl import launch_options, wait_then_release
+from nanovllm.kernels.pdl import (
+    PREFETCH_STEPS,
+    launch_options,
+    prefetch_tile,
+    prefetches,
+    wait_then_release,
+)
 
 ROWS = TILE_ROWS  # weight rows per MMA tile: a half head, or a gate or up slice
 
@@ -105,20 +111,24 @@ def _pair_gemm(w_desc, x_desc, row_a, row_b, tok0, K, s_ptr, stride_s, scale_row
 def _qkv_rope_store_kernel(w_desc, x_desc, bias_ptr, q_out_ptr, qn_w_ptr, kn_w_ptr, pos_ptr,
                            cs_ptr, stride_cs, k_cache_ptr, v_cache_ptr, slot_ptr, M, K, eps,
                            k_inv_scale, v_inv_scale, s_ptr, stride_s, scale_rows, a_desc,
-                           b_desc, lora_slots_ptr, ahead_ptr, rstd_ptr,
+                           b_desc, lora_slots_ptr, ahead_ptr, rstd_ptr, w_ptr,
                            NUM_Q_HEADS: tl.constexpr,
                            NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                            HAS_BIAS: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                            USE_PDL: tl.constexpr, W_SCALE: tl.constexpr, LORA_K: tl.constexpr,
                            RANK: tl.constexpr, AHEAD: tl.constexpr,
-                           AHEAD_SR: tl.constexpr):
+                           AHEAD_SR: tl.constexpr, ELEM_BYTES: tl.constexpr,
+                           PREFETCH: tl.constexpr):
     """Grid (q + k + v heads, token tiles): one head's projection for BLOCK_T tokens; q heads
     normed, rotated and stored to q_out, k heads normed, rotated and written to the cache, v
-    heads written to the cache (slot < 0: a padding row, not written)."""
-    wait_then_release(USE_PDL)
+    heads written to the cache (slot < 0: a padding row, not written). With PREFETCH the
+    head's first weight tiles are asked of L2 before the wait (w_ptr: the weight)."""
     HALF: tl.constexpr = HEAD_DIM // 2
     head = tl.program_id(0)
+    prefetch_tile(w_ptr, head * HEAD_DIM, 0, K, HEAD_DIM, PREFETCH_STEPS * BLOCK_K * ELEM_BYTES,
+                  ELEM_BYTES, PREFETCH)
+    wait_then_release(USE_PDL)
     tok0 = tl.program_id(1) * BLOCK_T
     # Everything the epilogue reads besides the products is requested before the K loop, so
     # that its memory latency hides behind the loop's instead of following it.
@@ -178,15 +188,19 @@ def _qkv_rope_store_kernel(w_desc, x_desc, bias_ptr, q_out_ptr, qn_w_ptr, kn_w_p
 
 @triton.jit(do_not_specialize=["M"])
 def _gate_up_silu_kernel(w_desc, x_desc, bias_ptr, out_ptr, M, K, inter, s_ptr, stride_s,
-                         scale_rows, a_desc, b_desc, lora_slots_ptr, ahead_ptr, rstd_ptr,
+                         scale_rows, a_desc, b_desc, lora_slots_ptr, ahead_ptr, rstd_ptr, w_ptr,
                          HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                          STAGES: tl.constexpr, USE_PDL: tl.constexpr, W_SCALE: tl.constexpr,
                          LORA_K: tl.constexpr, RANK: tl.constexpr, AHEAD: tl.constexpr,
-                         AHEAD_SR: tl.constexpr):
+                         AHEAD_SR: tl.constexpr, ELEM_BYTES: tl.constexpr,
+                         PREFETCH: tl.constexpr):
     """Grid (inter / 64, token tiles): silu(gate) * up for 64 columns of BLOCK_T tokens; gate
-    rows are W[:inter], up rows W[inter:]."""
-    wait_then_release(USE_PDL)
+    rows are W[:inter], up rows W[inter:]; PREFETCH as in the qkv kernel."""
     col0 = tl.program_id(0) * 64  # ROWS
+    PREFETCH_BYTES: tl.constexpr = PREFETCH_STEPS * BLOCK_K * ELEM_BYTES
+    prefetch_tile(w_ptr, col0, 0, K, 64, PREFETCH_BYTES, ELEM_BYTES, PREFETCH)  # gate rows
+    prefetch_tile(w_ptr, inter + col0, 0, K, 64, PREFETCH_BYTES, ELEM_BYTES, PREFETCH)  # up
+    wait_then_release(USE_PDL)
     tok0 = tl.program_id(1) * BLOCK_T
     cols = col0 + tl.arange(0, 64)[:, None]
     if HAS_BIAS:  # requested before the K loop, as in the qkv kernel
@@ -243,10 +257,21 @@ def _launch(num_tokens: int, weight: torch.Tensor, lora: LoRASlots | None,
     return 16, K_STEP, resident_stages(stages, programs, sms, stage, b_tiles), 4
 
 
-def _descriptors(x: torch.Tensor, weight: torch.Tensor, block_t: int, block_k: int):
+def _weight_args(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None,
+                 w_block: Block, lora: LoRASlots | None, ahead: LoRAAhead | None,
+                 programs: int) -> dict:
+    """Both kernels' arguments for the GEMM part: weight and token tiles (TMA), scales, LoRA,
+    the weight to prefetch, and _launch's tiles for `programs` weight programs."""
     assert x.stride(-1) == 1 and weight.is_contiguous() and weight.shape[1] == x.shape[1]
-    return (TensorDescriptor.from_tensor(weight, [ROWS, block_k]),
-            TensorDescriptor.from_tensor(x, [block_t, block_k]))
+    block_t, block_k, stages, warps = _launch(x.shape[0], weight, lora, ahead, programs,
+                                              num_sms(x.device))
+    s_ptr, stride_s, scale_rows, w_scale_kind = scale_args(weight, w_scale, w_block)
+    return dict(w_desc=TensorDescriptor.from_tensor(weight, [ROWS, block_k]),
+                x_desc=TensorDescriptor.from_tensor(x, [block_t, block_k]), s_ptr=s_ptr,
+                stride_s=stride_s, scale_rows=scale_rows, **fused_lora_args(lora, block_k),
+                **ahead_args(ahead), w_ptr=weight, BLOCK_T=block_t, BLOCK_K=block_k,
+                STAGES=stages, W_SCALE=w_scale_kind, ELEM_BYTES=weight.element_size(),
+                PREFETCH=prefetches(block_t), num_warps=warps, **launch_options())
 
 
 def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -268,22 +293,16 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.stride(-1) == 1
     q = torch.empty(num_tokens, num_q_heads, head_dim, dtype=x.dtype, device=x.device)
     heads = num_q_heads + 2 * num_kv_heads
-    block_t, block_k, stages, warps = _launch(num_tokens, weight, lora, ahead, heads,
-                                              num_sms(x.device))
-    scales = scale_args(weight, w_scale, w_block)
-    w_desc, x_desc = _descriptors(x, weight, block_t, block_k)
+    args = _weight_args(x, weight, w_scale, w_block, lora, ahead, heads)
     norm = q_norm is not None
-    grid = (heads, triton.cdiv(num_tokens, block_t))
-    _qkv_rope_store_kernel[grid](
-        w_desc, x_desc, bias if bias is not None else weight, q,
-        q_norm if norm else cos_sin_cache, k_norm if norm else cos_sin_cache, positions,
-        cos_sin_cache, cos_sin_cache.stride(0), k_cache, v_cache, slot_mapping, num_tokens,
-        hidden, eps, 1.0 / kv_scales[0], 1.0 / kv_scales[1], *scales[:3],
-        **fused_lora_args(lora, block_k), **ahead_args(ahead), NUM_Q_HEADS=num_q_heads,
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim, HAS_BIAS=bias is not None, NORM=norm, FP8=k_cache.dtype == FP8_DTYPE,
-        BLOCK_T=block_t, BLOCK_K=block_k, STAGES=stages, W_SCALE=scales[3], num_warps=warps,
-        **launch_options())
+    _qkv_rope_store_kernel[(heads, triton.cdiv(num_tokens, args["BLOCK_T"]))](
+        bias_ptr=bias if bias is not None else weight, q_out_ptr=q,
+        qn_w_ptr=q_norm if norm else cos_sin_cache, kn_w_ptr=k_norm if norm else cos_sin_cache,
+        pos_ptr=positions, cs_ptr=cos_sin_cache, stride_cs=cos_sin_cache.stride(0),
+        k_cache_ptr=k_cache, v_cache_ptr=v_cache, slot_ptr=slot_mapping, M=num_tokens, K=hidden,
+        eps=eps, k_inv_scale=1.0 / kv_scales[0], v_inv_scale=1.0 / kv_scales[1],
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HAS_BIAS=bias is not None, NORM=norm, FP8=k_cache.dtype == FP8_DTYPE, **args)
     return q
 
 
@@ -297,14 +316,8 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     inter = weight.shape[0] // 2
     assert fits_gate_up(hidden, inter, x.dtype, weight.dtype, w_block)
     out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
-    block_t, block_k, stages, warps = _launch(num_tokens, weight, lora, ahead, inter // ROWS,
-                                              num_sms(x.device))
-    w_desc, x_desc = _descriptors(x, weight, block_t, block_k)
-    scales = scale_args(weight, w_scale, w_block)
-    _gate_up_silu_kernel[(inter // ROWS, triton.cdiv(num_tokens, block_t))](
-        w_desc, x_desc, bias if bias is not None else weight, out, num_tokens, hidden, inter,
-        *scales[:3], **fused_lora_args(lora, block_k), **ahead_args(ahead),
-        HAS_BIAS=bias is not None,
-        BLOCK_T=block_t, BLOCK_K=block_k, STAGES=stages, W_SCALE=scales[3], num_warps=warps,
-        **launch_options())
+    args = _weight_args(x, weight, w_scale, w_block, lora, ahead, inter // ROWS)
+    _gate_up_silu_kernel[(inter // ROWS, triton.cdiv(num_tokens, args["BLOCK_T"]))](
+        bias_ptr=bias if bias is not None else weight, out_ptr=out, M=num_tokens, K=hidden,
+        inter=inter, HAS_BIAS=bias is not None, **args)
     return out

@@ -23,25 +23,45 @@ from nanovllm.kernels.linear.fused_fp8 import (
     weight_stages,
 )
 from nanovllm.kernels.linear.lora import LoRASlots, add_lora, fused_lora_args, lora_keep
-from nanovllm.kernels.pdl import launch_options, wait_then_release
+from nanovllm.kernels.pdl import (
+    PREFETCH_STEPS,
+    launch_options,
+    prefetch_tile,
+    prefetches,
+    wait_then_release,
+)
 
 ROWS = TILE_ROWS  # output columns per MMA tile
 
 
+@triton.jit
+def _prefetch_weight(w_ptr, n0, k0, stride_w, K_MAJOR: tl.constexpr, BLOCK_K: tl.constexpr,
+                     ELEM_BYTES: tl.constexpr, PREFETCH: tl.constexpr):
+    """pdl.prefetch_tile of a program's first weight tiles, as the weight is stored."""
+    if K_MAJOR:  # [K, N]: a tile is BLOCK_K rows of 64 columns
+        prefetch_tile(w_ptr, k0, n0, stride_w, PREFETCH_STEPS * BLOCK_K, 64 * ELEM_BYTES,
+                      ELEM_BYTES, PREFETCH)
+    else:  # [N, K]: 64 rows of BLOCK_K columns
+        prefetch_tile(w_ptr, n0, k0, stride_w, 64, PREFETCH_STEPS * BLOCK_K * ELEM_BYTES,
+                      ELEM_BYTES, PREFETCH)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _split_k_kernel(w_desc, x_desc, part_ptr, M, N, K_SPLIT, s_ptr, stride_s, scale_rows,
-                    a_desc, b_desc, lora_slots_ptr, BLOCK_T: tl.constexpr,
+                    a_desc, b_desc, lora_slots_ptr, w_ptr, stride_w, BLOCK_T: tl.constexpr,
                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr,
                     K_MAJOR: tl.constexpr, W_SCALE: tl.constexpr, LORA_K: tl.constexpr,
-                    RANK: tl.constexpr):
+                    RANK: tl.constexpr, ELEM_BYTES: tl.constexpr, PREFETCH: tl.constexpr):
     """Grid (N / 64, splits, token tiles): part[split] = x[:, ks] @ W[:, ks].T (ks: the split's
     K_SPLIT columns) for 64 output columns of BLOCK_T tokens; W stored k-major ([K, N]) when
     K_MAJOR (16-bit weights), else [N, K] (FP8 codes, scaled as _pair_gemm's). With LoRA each
     split adds B @ its own part of the shrink: B and the slot mask are linear, so the partials
-    still sum to the delta (rounded per split, not once)."""
-    wait_then_release(USE_PDL)
+    still sum to the delta (rounded per split, not once). With PREFETCH its first weight
+    tiles are asked of L2 before the wait (w_ptr, the weight as stored, rows stride_w apart)."""
     pid_n, split, pid_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n0, tok0 = pid_n * 64, pid_t * BLOCK_T
+    n0, tok0, k0 = pid_n * 64, pid_t * BLOCK_T, split * K_SPLIT
+    _prefetch_weight(w_ptr, n0, k0, stride_w, K_MAJOR, BLOCK_K, ELEM_BYTES, PREFETCH)
+    wait_then_release(USE_PDL)
     s_row = s_ptr + n0 // scale_rows * stride_s
     scale = channel_scales(s_row, W_SCALE)
     acc = tl.zeros([64, BLOCK_T], tl.float32)  # ROWS
@@ -49,7 +69,6 @@ def _split_k_kernel(w_desc, x_desc, part_ptr, M, N, K_SPLIT, s_ptr, stride_s, sc
     if LORA_K > 0:  # requested before the K loop, as in _pair_gemm
         keep = lora_keep(lora_slots_ptr, tok0, M, LORA_K, RANK, BLOCK_T)
         b = b_desc.load([n0, 0])
-    k0 = split * K_SPLIT
     for k in tl.range(k0, k0 + K_SPLIT, BLOCK_K, num_stages=STAGES):
         if K_MAJOR:
             w = w_desc.load([k, n0]).T
@@ -156,7 +175,8 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, *, w_scale: torch.Tens
     _split_k_kernel[grid](
         TensorDescriptor.from_tensor(stored, [K_STEP, ROWS] if k_major else [ROWS, K_STEP]),
         TensorDescriptor.from_tensor(x, [block_t, K_STEP]), part, num_tokens, output_size,
-        input_size // splits, *scales[:3], **fused_lora_args(lora, K_STEP), BLOCK_T=block_t,
-        BLOCK_K=K_STEP, STAGES=stages, K_MAJOR=k_major, W_SCALE=scales[3], num_warps=4,
-        **launch_options())
+        input_size // splits, *scales[:3], **fused_lora_args(lora, K_STEP), w_ptr=stored,
+        stride_w=stored.stride(0), BLOCK_T=block_t, BLOCK_K=K_STEP, STAGES=stages,
+        K_MAJOR=k_major, W_SCALE=scales[3], ELEM_BYTES=weight.element_size(),
+        PREFETCH=prefetches(block_t), num_warps=4, **launch_options())
     return part
