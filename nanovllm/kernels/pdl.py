@@ -5,7 +5,9 @@ PDL kernel be scheduled in turn. A kernel boundary then costs no launch and no r
 the wait's release; CUDA graphs keep the relation as a programmatic edge. It pays only
 between two such kernels: cuBLAS GEMMs never release their dependents early
 (docs/benchmarks.md). A MoE layer's kernels as PDL launches took the Qwen3-30B-A3B batch-1
-step from 4,236 to 4,146 us (H200, alternated x2, 2026-12-04)."""
+step from 4,236 to 4,146 us (H200, alternated x2, 2026-12-04). Before its wait, a decode
+projection's program may ask L2 for its first weight tiles (prefetch_tile): no kernel writes a
+weight, so they stream while the kernel before still runs (its gain: docs/benchmarks.md)."""
 import functools
 import os
 
