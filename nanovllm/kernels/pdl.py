@@ -48,16 +48,25 @@ PREFETCH_STEPS = tl.constexpr(2)  # K steps of weight tiles a program asks L2 fo
 
 
 @triton.jit
-def prefetch_tile(ptr, row0, col0, stride, ROWS: tl.constexpr, ROW_BYTES: tl.constexpr,
-                  ELEM_BYTES: tl.constexpr, ENABLED: tl.constexpr):
-    """Ask L2 for rows row0:+ROWS, ROW_BYTES from column col0, of a row-major matrix, one
-    request per 128-byte line, and wait for nothing. Called before wait_then_release with a
-    weight (no kernel writes one): under PDL its first tiles then stream while the kernel
-    before still runs."""
+def prefetch_lines(ptr, row0, col0, stride, row_end, col_end, ROWS: tl.constexpr,
+                   ROW_BYTES: tl.constexpr, ELEM_BYTES: tl.constexpr):
+    """Addresses (int64) of the 128-byte lines of rows row0:+ROWS, ROW_BYTES from column col0,
+    of a row-major matrix, held below row_end and col_end (a split's or the matrix's end:
+    a line past them is asked for again, never one outside the weight)."""
+    LINES: tl.constexpr = ROW_BYTES // 128
+    rows = tl.minimum(row0 + tl.arange(0, ROWS)[:, None], row_end - 1).to(tl.int64)
+    cols = tl.minimum(col0 + tl.arange(0, LINES)[None, :] * (128 // ELEM_BYTES), col_end - 1)
+    return (ptr + rows * stride + cols).to(tl.int64)
+
+
+@triton.jit
+def prefetch_tile(ptr, row0, col0, stride, row_end, col_end, ROWS: tl.constexpr,
+                  ROW_BYTES: tl.constexpr, ELEM_BYTES: tl.constexpr, ENABLED: tl.constexpr):
+    """Ask L2 for prefetch_lines's lines and wait for nothing. Called before wait_then_release
+    with a weight (no kernel writes one): under PDL its first tiles then stream while the
+    kernel before still runs."""
     if ENABLED:
-        LINES: tl.constexpr = ROW_BYTES // 128
-        rows = (row0 + tl.arange(0, ROWS)[:, None]).to(tl.int64)
-        cols = col0 + tl.arange(0, LINES)[None, :] * (128 // ELEM_BYTES)
-        lines = (ptr + rows * stride + cols).to(tl.int64)
+        lines = prefetch_lines(ptr, row0, col0, stride, row_end, col_end, ROWS, ROW_BYTES,
+                               ELEM_BYTES)
         tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
                                   [lines], dtype=tl.int32, is_pure=False, pack=1)

@@ -15,6 +15,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 import nanovllm.kernels  # noqa: E402
 from nanovllm.kernels import pdl  # noqa: E402
 
@@ -86,3 +89,39 @@ def test_sm90_code_has_the_wait() -> None:
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[:2] == ["True True True True", "False False False False"]
+
+
+@triton.jit
+def _lines_kernel(w_ptr, out_ptr, row0, col0, stride, row_end, col_end, ROWS: tl.constexpr,
+                  ROW_BYTES: tl.constexpr, ELEM_BYTES: tl.constexpr):
+    lines = pdl.prefetch_lines(w_ptr, row0, col0, stride, row_end, col_end, ROWS, ROW_BYTES,
+                               ELEM_BYTES)
+    LINES: tl.constexpr = ROW_BYTES // 128
+    offs = tl.arange(0, ROWS)[:, None] * LINES + tl.arange(0, LINES)[None, :]
+    tl.store(out_ptr + offs, lines - w_ptr.to(tl.int64))
+
+
+def _prefetched_bytes(weight: torch.Tensor, row0: int, col0: int, row_end: int, col_end: int,
+                      rows: int, row_bytes: int) -> set[int]:
+    """Byte offsets into weight of the lines prefetch_lines asks for."""
+    out = torch.empty(rows * (row_bytes // 128), dtype=torch.int64, device=weight.device)
+    _lines_kernel[(1,)](weight, out, row0, col0, weight.stride(0), row_end, col_end, rows,
+                        row_bytes, weight.element_size())
+    return set(out.tolist())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_prefetch_lines_stay_inside_the_split(dtype) -> None:
+    """The last split of a k-major weight asks for its own rows only, two K steps of 128
+    rows wide where the split is one step (0.6B o_proj: no line past the weight's end); a row-
+    major weight's columns stop at the split's end; every 128-byte line of the tile is asked."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    elem = torch.empty(0, dtype=dtype).element_size()
+    k_major = torch.empty(256, 64 * 2 // elem, dtype=dtype, device=device)  # 128-byte rows
+    got = _prefetched_bytes(k_major, 128, 0, 256, k_major.shape[1], 256, 128)
+    assert got == {r * 128 for r in range(128, 256)}
+    row_major = torch.empty(64, 384 * 2 // elem, dtype=dtype, device=device)
+    row_bytes = row_major.stride(0) * elem
+    got = _prefetched_bytes(row_major, 0, 256 * 2 // elem, 64, row_major.shape[1], 64, 256)
+    assert got == {r * row_bytes + b for r in range(64) for b in (512, 640)}
+    assert max(got) < row_major.numel() * elem

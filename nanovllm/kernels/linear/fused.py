@@ -126,8 +126,8 @@ def _qkv_rope_store_kernel(w_desc, x_desc, bias_ptr, q_out_ptr, qn_w_ptr, kn_w_p
     head's first weight tiles are asked of L2 before the wait (w_ptr: the weight)."""
     HALF: tl.constexpr = HEAD_DIM // 2
     head = tl.program_id(0)
-    prefetch_tile(w_ptr, head * HEAD_DIM, 0, K, HEAD_DIM, PREFETCH_STEPS * BLOCK_K * ELEM_BYTES,
-                  ELEM_BYTES, PREFETCH)
+    prefetch_tile(w_ptr, head * HEAD_DIM, 0, K, (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, K,
+                  HEAD_DIM, PREFETCH_STEPS * BLOCK_K * ELEM_BYTES, ELEM_BYTES, PREFETCH)
     wait_then_release(USE_PDL)
     tok0 = tl.program_id(1) * BLOCK_T
     # Everything the epilogue reads besides the products is requested before the K loop, so
@@ -198,8 +198,10 @@ def _gate_up_silu_kernel(w_desc, x_desc, bias_ptr, out_ptr, M, K, inter, s_ptr, 
     rows are W[:inter], up rows W[inter:]; PREFETCH as in the qkv kernel."""
     col0 = tl.program_id(0) * 64  # ROWS
     PREFETCH_BYTES: tl.constexpr = PREFETCH_STEPS * BLOCK_K * ELEM_BYTES
-    prefetch_tile(w_ptr, col0, 0, K, 64, PREFETCH_BYTES, ELEM_BYTES, PREFETCH)  # gate rows
-    prefetch_tile(w_ptr, inter + col0, 0, K, 64, PREFETCH_BYTES, ELEM_BYTES, PREFETCH)  # up
+    prefetch_tile(w_ptr, col0, 0, K, 2 * inter, K, 64, PREFETCH_BYTES, ELEM_BYTES,
+                  PREFETCH)  # the gate rows
+    prefetch_tile(w_ptr, inter + col0, 0, K, 2 * inter, K, 64, PREFETCH_BYTES, ELEM_BYTES,
+                  PREFETCH)  # the up rows
     wait_then_release(USE_PDL)
     tok0 = tl.program_id(1) * BLOCK_T
     cols = col0 + tl.arange(0, 64)[:, None]

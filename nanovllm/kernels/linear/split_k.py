@@ -35,15 +35,16 @@ ROWS = TILE_ROWS  # output columns per MMA tile
 
 
 @triton.jit
-def _prefetch_weight(w_ptr, n0, k0, stride_w, K_MAJOR: tl.constexpr, BLOCK_K: tl.constexpr,
-                     ELEM_BYTES: tl.constexpr, PREFETCH: tl.constexpr):
-    """pdl.prefetch_tile of a program's first weight tiles, as the weight is stored."""
+def _prefetch_weight(w_ptr, n0, k0, k_end, N, stride_w, K_MAJOR: tl.constexpr,
+                     BLOCK_K: tl.constexpr, ELEM_BYTES: tl.constexpr, PREFETCH: tl.constexpr):
+    """pdl.prefetch_tile of a program's first weight tiles (within its split, k0:k_end), as
+    the weight is stored."""
     if K_MAJOR:  # [K, N]: a tile is BLOCK_K rows of 64 columns
-        prefetch_tile(w_ptr, k0, n0, stride_w, PREFETCH_STEPS * BLOCK_K, 64 * ELEM_BYTES,
-                      ELEM_BYTES, PREFETCH)
+        prefetch_tile(w_ptr, k0, n0, stride_w, k_end, N, PREFETCH_STEPS * BLOCK_K,
+                      64 * ELEM_BYTES, ELEM_BYTES, PREFETCH)
     else:  # [N, K]: 64 rows of BLOCK_K columns
-        prefetch_tile(w_ptr, n0, k0, stride_w, 64, PREFETCH_STEPS * BLOCK_K * ELEM_BYTES,
-                      ELEM_BYTES, PREFETCH)
+        prefetch_tile(w_ptr, n0, k0, stride_w, N, k_end, 64,
+                      PREFETCH_STEPS * BLOCK_K * ELEM_BYTES, ELEM_BYTES, PREFETCH)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -60,7 +61,8 @@ def _split_k_kernel(w_desc, x_desc, part_ptr, M, N, K_SPLIT, s_ptr, stride_s, sc
     tiles are asked of L2 before the wait (w_ptr, the weight as stored, rows stride_w apart)."""
     pid_n, split, pid_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n0, tok0, k0 = pid_n * 64, pid_t * BLOCK_T, split * K_SPLIT
-    _prefetch_weight(w_ptr, n0, k0, stride_w, K_MAJOR, BLOCK_K, ELEM_BYTES, PREFETCH)
+    _prefetch_weight(w_ptr, n0, k0, k0 + K_SPLIT, N, stride_w, K_MAJOR, BLOCK_K, ELEM_BYTES,
+                     PREFETCH)
     wait_then_release(USE_PDL)
     s_row = s_ptr + n0 // scale_rows * stride_s
     scale = channel_scales(s_row, W_SCALE)
