@@ -35,11 +35,10 @@ _compile_only: ContextVar[bool] = ContextVar("nanovllm_compile_only", default=Fa
 def compile_threads(device: str, ranks_per_host: int) -> int:
     """Threads that compile start-up's kernels ahead; 0: none, kernels compile as they launch
     (not CUDA, the interpreter, NANOVLLM_PARALLEL_COMPILE=0, or no AsyncCompileMode)."""
-    if (device != "cuda" or os.environ.get(ENV, "1") == "0"
-            or os.environ.get("TRITON_INTERPRET") == "1"):
+    if device != "cuda" or os.environ.get(ENV, "1") == "0":
         return 0
     import triton
-    if not hasattr(triton, "AsyncCompileMode"):
+    if triton.knobs.runtime.interpret or not hasattr(triton, "AsyncCompileMode"):
         return 0
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     threads = min(MAX_THREADS, (cpus or 1) // ranks_per_host)  # every rank compiles the same

@@ -9,7 +9,6 @@ step from 4,236 to 4,146 us (H200, alternated x2, 2026-12-04). Before its wait, 
 projection's program may ask L2 for its first weight tiles (prefetch_tile): no kernel writes a
 weight, so they stream while the kernel before still runs (its gain: docs/benchmarks.md)."""
 import functools
-import os
 
 import torch
 import triton
@@ -19,7 +18,7 @@ import triton.language as tl
 @functools.cache
 def enabled() -> bool:
     """PDL on a Hopper-or-newer GPU; never under the interpreter (CPU tests)."""
-    return (os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available()
+    return (not triton.knobs.runtime.interpret and torch.cuda.is_available()
             and torch.cuda.get_device_capability()[0] >= 9)
 
 

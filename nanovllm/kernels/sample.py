@@ -1,6 +1,5 @@
 """Fused sampling: per-row argmax(l / T + Gumbel) (argmax(l) if T = 0) in one pass (Triton)."""
 
-import os
 
 import torch
 import triton
@@ -8,7 +7,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 # The interpreter has no libdevice fast_log2f: there the fast noise takes the accurate log2.
-_HW_LOG = os.environ.get("TRITON_INTERPRET") != "1"
+_HW_LOG = not triton.knobs.runtime.interpret
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 

@@ -154,8 +154,9 @@ def test_compile_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(compile_ahead.ENV, "0")
     assert compile_threads("cuda", 1) == 0
     monkeypatch.setenv(compile_ahead.ENV, "1")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert compile_threads("cuda", 1) == 0
+    for interpret in ("1", "true"):  # Triton's own reading of it
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        assert compile_threads("cuda", 1) == 0
     monkeypatch.delenv("TRITON_INTERPRET")
     monkeypatch.delattr(triton, "AsyncCompileMode")
     assert compile_threads("cuda", 1) == 0
