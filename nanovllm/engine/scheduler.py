@@ -4,6 +4,7 @@ A prompt longer than the token budget left in a step is prefilled over several s
 chunks run it stays at the head of `waiting`, holding its whole block table; the step that
 computes its last chunk samples its first token and moves it to `running` (decoding).
 """
+import logging
 from collections import deque
 from itertools import islice
 from time import perf_counter
@@ -11,6 +12,8 @@ from time import perf_counter
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.structured_outputs import accept_token
 from nanovllm.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -228,10 +231,16 @@ class Scheduler:
             seq.commit_pending_token(token_id)
             if seq.num_completion_tokens == 1:
                 seq.first_token_time = now
-            stops = self._stops_on(seq, token_id)
+            stops, rejected = self._stops_on(seq, token_id), False
             if seq.grammar is not None:  # advanced by every token; "stop" once it terminates
-                stops = accept_token(seq.grammar, token_id) or stops
-            if stops:
+                terminated = accept_token(seq.grammar, token_id)
+                rejected, stops = terminated is None, bool(terminated) or stops
+            if rejected:  # its constraints left no token: it ends alone, the batch goes on
+                logger.warning("request %s: token %d breaks its grammar (its other "
+                               "constraints left no token the grammar allows): aborted",
+                               seq.request_id, token_id)
+                self.finish(seq, "abort", now)
+            elif stops:
                 self.finish(seq, "stop", now)
             if seq.is_finished:
                 seq.finish_time = now  # a length limit is set in advance(); the token lands now

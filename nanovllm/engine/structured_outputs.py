@@ -4,7 +4,8 @@
     LLMEngine._queue -> seq.grammar = matcher()      (one GrammarMatcher per completion)
     runner prepare_sample -> the matchers fill the step's token bitmask
                                                      (layers.sampling.token_bitmask)
-    Scheduler.commit -> accept_token                 (a terminated grammar finishes with "stop")
+    Scheduler.commit -> accept_token                 (a terminated grammar finishes with "stop",
+                                                     a rejected token with "abort")
 """
 import json
 import re
@@ -88,9 +89,11 @@ class StructuredOutputs:
         return self.compiler
 
 
-def accept_token(matcher: object, token_id: int) -> bool:
-    """Advance a sequence's matcher by its committed token; True once the grammar terminated."""
+def accept_token(matcher: object, token_id: int) -> bool | None:
+    """Advance a sequence's matcher by its committed token: True once the grammar terminated,
+    None if the grammar rejects the token. The bitmask allows only tokens it accepts, so that
+    happens only when the request's other constraints left none of them (allowed_token_ids
+    outside the grammar's)."""
     if not matcher.accept_token(token_id):
-        # The bitmask allows only tokens the matcher accepts, so this is a bug, not bad input.
-        raise RuntimeError(f"token {token_id} was sampled but its grammar rejects it")
+        return None
     return matcher.is_terminated()

@@ -187,6 +187,24 @@ def test_a_terminated_grammar_stops_even_with_ignore_eos(llm):
     assert_conforms(llm, Structured(choice=CHOICES), out)
 
 
+def _rejected_first_token(llm, structured: Structured) -> int:
+    """A token id the grammar cannot start with."""
+    matcher = xgrammar.GrammarMatcher(llm.grammars.compile(structured))
+    return next(t for t in range(llm.config.hf_config.vocab_size) if not matcher.accept_token(t))
+
+
+def test_allowed_tokens_outside_the_grammar_abort_only_their_request(llm):
+    """allowed_token_ids outside the grammar's first tokens leave no token to sample: that
+    request ends with "abort", and the request batched with it runs as it runs alone."""
+    structured = Structured(choice=CHOICES)
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    alone = llm.generate(PROMPTS[2], plain, use_tqdm=False)[0]
+    constrained = params(structured, allowed_token_ids=[_rejected_first_token(llm, structured)])
+    bad, other = llm.generate([PROMPTS[0], PROMPTS[2]], [constrained, plain], use_tqdm=False)
+    assert bad["finish_reason"] == "abort", bad
+    assert other["token_ids"] == alone["token_ids"] and other["finish_reason"] == "length"
+
+
 def test_stop_string_cuts_a_constrained_output(llm):
     sp = params(Structured(regex=r"[a-z]{2,12}-(cat|dog)"), stop="-", temperature=0.7, seed=1)
     out = llm.generate(PROMPTS[3], sp, use_tqdm=False)[0]
