@@ -54,6 +54,12 @@ WORKS = {
     "structured_outputs": "test_server_structured::test_structured_outputs_field",
     "tools": "test_tool_calls::test_required_tool_call_arguments_follow_the_schema",
     "tool_choice": "test_tool_calls::test_named_tool_choice_calls_that_tool",
+    "messages.name": "test_request_fields::test_tool_fields_of_messages_reach_the_template",
+    "messages.tool_calls": "test_request_fields::test_tool_fields_of_messages_reach_the_template",
+    "messages.tool_call_id":
+        "test_request_fields::test_tool_fields_of_messages_reach_the_template",
+    "add_generation_prompt": "test_request_fields::test_template_options_reach_the_template",
+    "chat_template_kwargs": "test_request_fields::test_template_options_reach_the_template",
 }
 # field -> a value it refuses with a 400 naming it
 REFUSED_VALUES = {"suffix": "!", "best_of": 2, "use_beam_search": True,
@@ -92,8 +98,82 @@ def test_refused_fields_are_400s_naming_them(app, route, field):  # noqa: F811
     body = (chat if "chat" in route else completion)(**{field: REFUSED_VALUES[field]})
     response = client.post(route, json=body)
     assert response.status_code == 400 and response.json()["error"]["param"] == field
-    neutral = client.post(route, json={**body, field: REFUSED[field]})
-    assert neutral.status_code == 200, neutral.text
+    for value in REFUSED[field]:  # e.g. best_of=1, OpenAI's default
+        neutral = client.post(route, json={**body, field: value})
+        assert neutral.status_code == 200, neutral.text
+
+
+def test_chat_echo_is_refused(app):  # noqa: F811
+    """echo is a completions field (the prompt leads the text); a chat request's is a 400."""
+    client, _ = app
+    response = client.post("/v1/chat/completions", json=chat(echo=True))
+    assert response.status_code == 400 and response.json()["error"]["param"] == "echo"
+    assert client.post("/v1/chat/completions", json=chat(echo=False)).status_code == 200
+
+
+@pytest.mark.parametrize("route, field", [
+    ("/v1/completions", "n"), ("/v1/completions", "stream"), ("/v1/completions", "echo"),
+    ("/v1/completions", "best_of"), ("/v1/chat/completions", "n"),
+    ("/v1/chat/completions", "stream"), ("/v1/chat/completions", "logprobs")])
+def test_null_fields_take_their_defaults(app, route, field):  # noqa: F811
+    """OpenAI documents these as nullable: null is the default (as vLLM takes it)."""
+    client, _ = app
+    body = (chat if "chat" in route else completion)()
+    expected = client.post(route, json=body).json()["choices"]
+    response = client.post(route, json={**body, field: None})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"] == expected
+
+
+def _prompt_tokens(client, body: dict) -> int:
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()["usage"]["prompt_tokens"]
+
+
+# renders an assistant's tool calls and a tool result's call id and name, as Qwen3's does
+# (tersely: the app's context is 64 tokens)
+TOOL_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}{{ c.function.name }}{{ c.function.arguments }}"
+    "{% endfor %}{% if m.tool_call_id %}{{ m.tool_call_id }}{% endif %}"
+    "{% if m.name %}{{ m.name }}{% endif %};{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+    "{% if enable_thinking is false %}no thinking{% endif %}")
+
+
+@pytest.fixture
+def tool_template(app):  # noqa: F811
+    _, tokenizer = app
+    template, tokenizer.chat_template = tokenizer.chat_template, TOOL_TEMPLATE
+    yield
+    tokenizer.chat_template = template
+
+
+def test_tool_fields_of_messages_reach_the_template(app, tool_template):  # noqa: F811
+    """An assistant's tool_calls and a result's tool_call_id and name are what the template
+    renders of a tool conversation: each one lengthens the prompt it renders."""
+    client, _ = app
+    call = {"id": "c1", "type": "function", "function": {"name": "paged", "arguments": "{}"}}
+    turns = [{"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "c1", "name": "paged", "content": "the"}]
+    full = _prompt_tokens(client, chat(messages=turns, max_tokens=1))
+    for field in ("tool_calls", "tool_call_id", "name"):
+        fewer = [{k: v for k, v in t.items() if k != field} for t in turns]
+        assert _prompt_tokens(client, chat(messages=fewer, max_tokens=1)) < full, field
+
+
+def test_template_options_reach_the_template(app, tool_template):  # noqa: F811
+    """add_generation_prompt=false leaves the assistant's header out; chat_template_kwargs are
+    the template's variables (Qwen3's enable_thinking); a bad one is a 400."""
+    client, _ = app
+    plain = _prompt_tokens(client, chat())
+    assert _prompt_tokens(client, chat(add_generation_prompt=False)) < plain
+    thinking_off = chat(chat_template_kwargs={"enable_thinking": False})
+    assert _prompt_tokens(client, thinking_off) > plain
+    clash = client.post("/v1/chat/completions",
+                        json=chat(chat_template_kwargs={"tokenize": True}))
+    assert clash.status_code == 400 and clash.json()["error"]["param"] == "messages"
 
 
 @pytest.mark.parametrize("fields", [dict(top_k=1), dict(top_p=1e-9), dict(min_p=1.0)])
@@ -167,6 +247,8 @@ def test_continuous_usage_stats(app, route):  # noqa: F811
     assert got[-1]["choices"] == []
     plain = events(client, route, {**body, "stream_options": {"include_usage": True}})
     assert all("usage" not in event for event in plain[:-1])
+    alone = events(client, route, {**body, "stream_options": {"continuous_usage_stats": True}})
+    assert all("usage" not in event for event in alone)  # it needs include_usage (vLLM)
 
 
 def test_plain_text_response_format_is_served(app):  # noqa: F811

@@ -1,7 +1,7 @@
 """OpenAI's request bodies (with vLLM's extra sampling fields) and their SamplingParams."""
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 from nanovllm.serve.openai.structured import requested_structure
@@ -24,11 +24,19 @@ STRICT = ConfigDict(extra="ignore", strict=True)
 REQUEST = ConfigDict(extra="allow", strict=True)
 
 
+def _null_is_default(data: object, fields: dict) -> object:
+    """A body without its declared fields set to null: OpenAI's nullable fields (n, stream,
+    echo, ...) then take their defaults, as vLLM takes them."""
+    if isinstance(data, dict):
+        return {k: v for k, v in data.items() if v is not None or k not in fields}
+    return data
+
+
 class StreamOptions(BaseModel):
     model_config = STRICT
 
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (with include_usage)
 
 
 class _SamplingRequest(BaseModel):
@@ -66,6 +74,11 @@ class _SamplingRequest(BaseModel):
     # OpenAI's and vLLM's ways to constrain the output (structured.py): at most one
     response_format: dict | None = None
     structured_outputs: dict | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: object) -> object:
+        return _null_is_default(data, cls.model_fields)
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The SamplingParams asked for; ValueError names a bad or unsupported field."""
@@ -124,7 +137,8 @@ class _SamplingRequest(BaseModel):
 
     @property
     def continuous_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+        """Usage in every chunk: continuous_usage_stats with include_usage (vLLM)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def num_logprobs(self) -> int | None:
         """SamplingParams.logprobs: the top logprobs asked per token, None for no logprobs."""
@@ -174,14 +188,20 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[TextPart] | None = None
+    # what chat templates read of tool conversations: an assistant's calls, a result's call
+    name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
-    def as_dict(self) -> dict[str, str]:
-        """{"role", "content"} with text parts joined by newlines (vLLM), as a chat template
-        reads it."""
+    def as_dict(self) -> dict:
+        """{"role", "content"} with text parts joined by newlines (vLLM), and the tool fields
+        set, as a chat template reads them."""
         content = self.content or ""
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
-        return {"role": self.role, "content": content}
+        tool_fields = self.model_dump(include={"name", "tool_calls", "tool_call_id"},
+                                      exclude_none=True)
+        return {"role": self.role, "content": content, **tool_fields}
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -191,6 +211,10 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None  # and the top k's, with logprobs=true
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # "auto" with tools, "none" without (tool_calls.py)
+    # vLLM's: the chat template's generation prompt and its own keyword arguments
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None
+    echo: bool = False  # vLLM's chat echo: refused unless false
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -207,6 +231,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """As for any request; a tool choice other than "none" is not streamed."""
+        if self.echo:
+            raise FieldError("echo", "echo=true is not supported for chat completions")
         if self.stream and self.effective_tool_choice() != "none":
             raise FieldError("tools", "tools with a tool_choice other than \"none\" are "
                                       "supported without stream only")

@@ -173,9 +173,10 @@ def chat_prompt(llm: AsyncLLM, body: ChatCompletionRequest) -> list[int]:
     if tokenizer.chat_template is None:
         raise ValueError("messages: this model's tokenizer has no chat template")
     try:
-        text = tokenizer.apply_chat_template([m.as_dict() for m in body.messages],
-                                             tools=body.template_tools(), tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [m.as_dict() for m in body.messages], tools=body.template_tools(), tokenize=False,
+            add_generation_prompt=body.add_generation_prompt,
+            **(body.chat_template_kwargs or {}))
     except Exception as e:  # a template may raise anything (jinja2's errors, its own)
         raise ValueError(f"messages: the chat template failed: {e}") from None
     return tokenizer.encode(text, add_special_tokens=False)

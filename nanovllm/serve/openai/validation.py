@@ -2,10 +2,10 @@
 (or refuse) streaming, and the context length."""
 from pydantic import BaseModel
 
-# Fields that would change the output but are not supported, with the value that changes
+# Fields that would change the output but are not supported, with the values that change
 # nothing: any other value is a 400 naming the field.
-REFUSED = {"suffix": None, "best_of": None, "use_beam_search": False,
-           "include_stop_str_in_output": False}
+REFUSED = {"suffix": (None, ""), "best_of": (None, 1), "use_beam_search": (False,),
+           "include_stop_str_in_output": (False,)}
 
 
 class FieldError(ValueError):
@@ -26,8 +26,8 @@ def check_range(name: str, value: int, low: int, high: int) -> None:
 def refuse_unsupported(body: BaseModel) -> None:
     """A FieldError for the first field of REFUSED set to anything but its neutral value."""
     for name, neutral in REFUSED.items():
-        value = getattr(body, name, neutral)
-        if value != neutral:
+        value = getattr(body, name, neutral[0])
+        if value not in neutral:
             raise FieldError(name, f"{name}={value!r} is not supported by this server")
 
 
