@@ -274,6 +274,9 @@ class LLMEngine:
         for seq in aborted:
             self.scheduler.finish(seq, "abort")
             self.stop_checker.forget(seq)
+            # its penalty row, as a finished sequence's (a step in flight that still counts
+            # into it runs before the next sequence's zeroing, on the same stream)
+            self.model_runner.token_counts.release(seq.seq_id)
         self._requests.finished(aborted)  # step() never returns an aborted request
         return bool(aborted)
 

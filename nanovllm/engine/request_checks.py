@@ -42,7 +42,8 @@ def resolve_steering(params: SamplingParams, limits: RequestLimits,
     copy holding their token ids (tokenized here, once per request, never per step)."""
     vocab = limits.vocab_size
     for name, ids in (("logit_bias", params.logit_bias or ()),
-                      ("allowed_token_ids", params.allowed_token_ids or ())):
+                      ("allowed_token_ids", params.allowed_token_ids or ()),
+                      ("stop_token_ids", params.stop_token_ids or ())):
         bad = next((i for i in ids if i >= vocab), None)
         if bad is not None:
             raise ValueError(f"{name}: token id {bad} is outside [0, {vocab}) (the model's "

@@ -130,6 +130,22 @@ def nanovllm_shm() -> set[str]:
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_abort_request_releases_penalty_rows(llm):
+    """An aborted request's penalty rows (TokenCounts) are freed as a finished one's: five
+    aborted streams hold none, and the table does not grow past its first rows."""
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True,
+                            repetition_penalty=1.2)
+    counts = llm.model_runner.token_counts
+    for i in range(5):
+        request_id = llm.add_request([1 + i, 2, 3, 4], params)
+        for _ in range(3):
+            llm.step()
+        assert llm.abort_request(request_id)
+    while not llm.is_finished():
+        llm.step()
+    assert counts.slots == {} and counts.output_counts.shape[0] <= 8
+
+
 def test_sigint_during_generate_then_generate_again(tiny_model):
     shm_before = nanovllm_shm()
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}

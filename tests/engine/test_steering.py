@@ -218,8 +218,12 @@ def test_bad_values_name_the_field(kwargs, name):
 
 
 def test_bias_is_clipped_and_ids_outside_the_vocab_are_refused(llm):
+    """Before any work: an id the model cannot sample is a ValueError naming its field."""
     assert SamplingParams(logit_bias={3: 1e9, 4: -1e9}).logit_bias == {3: 100.0, 4: -100.0}
     for kwargs, name in [(dict(logit_bias={512: 1.0}), "logit_bias"),
-                         (dict(allowed_token_ids=[3, 600]), "allowed_token_ids")]:
+                         (dict(allowed_token_ids=[3, 600]), "allowed_token_ids"),
+                         # with min_tokens its ids index the logits: 10**6 failed every step
+                         (dict(stop_token_ids=[10**6], min_tokens=2), "stop_token_ids"),
+                         (dict(stop_token_ids=[512]), "stop_token_ids")]:
         with pytest.raises(ValueError, match=rf"^request 0: {name}: token id \d+ is outside"):
             llm.generate(PROMPTS[:1], SamplingParams(**kwargs), use_tqdm=False)
