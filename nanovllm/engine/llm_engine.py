@@ -18,7 +18,7 @@ from nanovllm.lora.request import LoRARequest
 from nanovllm.runner.sampled_ids import InFlightStep, SampledIds, StepLogits
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence
-from nanovllm.utils.tokenizer import load_tokenizer
+from nanovllm.utils.tokenizer import eos_token_ids, load_tokenizer
 
 
 class LLMEngine:
@@ -34,9 +34,7 @@ class LLMEngine:
                                           if config.tensor_parallel_size > 1
                                           else UniprocExecutor(config))
         self.model_runner = self.executor.runner  # rank 0's
-        eos = self.tokenizer.eos_token_id
-        if eos is None:
-            eos = getattr(config.hf_config, "eos_token_id", None)
+        eos = eos_token_ids(self.tokenizer, config.hf_config, config.model)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, eos,
                                    self.model_runner.num_kvcache_blocks,
@@ -95,7 +93,7 @@ class LLMEngine:
                              max_model_len=self.config.max_model_len,
                              block_size=self.config.kvcache_block_size,
                              num_blocks=self.model_runner.num_kvcache_blocks,
-                             eos_token_id=self.scheduler.eos_token_id)
+                             eos_token_ids=self.scheduler.eos_token_ids)
 
     def step(self) -> tuple[list[dict], int]:
         """Run one step; returns (finished requests' outputs, tokens: + prefill, - decode)."""

@@ -19,7 +19,7 @@ class RequestLimits:
     max_model_len: int
     block_size: int
     num_blocks: int
-    eos_token_id: int | None = None  # min_tokens holds it back with stop_token_ids
+    eos_token_ids: tuple[int, ...] = ()  # min_tokens holds them back with stop_token_ids
 
 
 def max_blocks_needed(num_prompt_tokens: int, max_tokens: int, max_model_len: int,
@@ -54,8 +54,8 @@ def resolve_steering(params: SamplingParams, limits: RequestLimits,
     if params.bad_words:
         params._bad_words_token_ids = bad_words_token_ids(params.bad_words, encode, vocab)
     if params.min_tokens:
-        eos = [] if limits.eos_token_id is None else [limits.eos_token_id]
-        params._min_tokens_stop_ids = sorted({*(params.stop_token_ids or ()), *eos})
+        params._min_tokens_stop_ids = sorted({*(params.stop_token_ids or ()),
+                                              *limits.eos_token_ids})
     return params
 
 

@@ -21,14 +21,14 @@ class Scheduler:
     unfinished is followed by a decode step, so decodes advance once per chunk of a long prompt."""
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 eos_token_id: int | None, num_blocks: int, block_size: int,
+                 eos_token_ids: tuple[int, ...], num_blocks: int, block_size: int,
                  longest_first: bool = False, max_loras: int = 0):
         self.max_num_seqs = max_num_seqs
         self.max_loras = max_loras  # adapters among the running and scheduled; 0: no LoRA
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.longest_first = longest_first
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids  # any of them ends a completion (unless ignore_eos)
         self.block_manager = BlockManager(num_blocks, block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -262,6 +262,6 @@ class Scheduler:
 
     def _stops_on(self, seq: Sequence, token_id: int) -> bool:
         params = seq.sampling_params
-        stops = ((not params.ignore_eos and token_id == self.eos_token_id)
+        stops = ((not params.ignore_eos and token_id in self.eos_token_ids)
                  or bool(params.stop_token_ids and token_id in params.stop_token_ids))
         return stops and seq.num_completion_tokens >= params.min_tokens  # vLLM's check_stop

@@ -35,11 +35,11 @@ class StructuredOutputs:
     """The engine's grammar compiler and its cache: structured-output params -> a compiled
     grammar, and a fresh GrammarMatcher per sequence."""
 
-    def __init__(self, tokenizer: object, vocab_size: int, eos_token_id: int | None):
+    def __init__(self, tokenizer: object, vocab_size: int, eos_token_ids: tuple[int, ...]):
         self.tokenizer = tokenizer
         # The logits' width, which may exceed the tokenizer's vocabulary: ids past it are masked.
         self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids  # a grammar ends on any of them
         self.compiler = None  # built on first use: xgrammar is optional
         self.cache: OrderedDict[tuple[str, str, bool], object] = OrderedDict()
 
@@ -81,7 +81,7 @@ class StructuredOutputs:
             except ImportError:
                 raise ValueError(f"structured_outputs.{kind} needs xgrammar, which is not "
                                  f"installed: {STRUCTURED_HINT}") from None
-            stop = None if self.eos_token_id is None else [self.eos_token_id]
+            stop = list(self.eos_token_ids) or None
             info = xgrammar.TokenizerInfo.from_huggingface(
                 self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop)
             # Its own cache off: ours (above) is the one cache, bounded.

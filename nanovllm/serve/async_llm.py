@@ -14,7 +14,7 @@ from nanovllm.lora.request import LoRARequest
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.serve.engine_loop import EngineStats, EngineThread, Update
 from nanovllm.serve.engine_process import EngineProcess
-from nanovllm.utils.tokenizer import load_tokenizer
+from nanovllm.utils.tokenizer import eos_token_ids, load_tokenizer
 
 
 class EngineDeadError(RuntimeError):
@@ -65,10 +65,9 @@ class AsyncLLM:
         # Compiles structured outputs here, before queueing, so a grammar that does not compile
         # is a ValueError of generate() (a 400) wherever the engine runs; the engine compiles
         # again for its matchers (xgrammar's objects do not cross processes).
-        eos = self.tokenizer.eos_token_id
-        if eos is None:
-            eos = getattr(config.hf_config, "eos_token_id", None)
-        self.grammars = StructuredOutputs(self.tokenizer, config.hf_config.vocab_size, eos)
+        self.grammars = StructuredOutputs(self.tokenizer, config.hf_config.vocab_size,
+                                          eos_token_ids(self.tokenizer, config.hf_config,
+                                                        config.model))
         self.stats = EngineStats()
         self._streams: dict[int, _Stream] = {}
         self._handles: dict[str, int] = {}  # request id -> handle of its stream

@@ -8,6 +8,25 @@ from transformers import PreTrainedTokenizerBase
 _ERRORS = (OSError, ValueError, ImportError, TypeError)
 
 
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, hf_config: object, model: str
+                  ) -> tuple[int, ...]:
+    """The ids that end a completion, as vLLM stops on them: the tokenizer's EOS (else the
+    config's), then those of generation_config.json (Llama-3's <|eot_id|>, Qwen3's
+    <|endoftext|> beside <|im_end|>), each an int or a list."""
+    found = [tokenizer.eos_token_id if tokenizer.eos_token_id is not None
+             else getattr(hf_config, "eos_token_id", None)]
+    path = os.path.join(model, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            found.append(json.load(f).get("eos_token_id"))
+    ids: list[int] = []
+    for entry in found:
+        for i in entry if isinstance(entry, list) else [entry]:
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return tuple(ids)
+
+
 def load_tokenizer(model: str) -> PreTrainedTokenizerBase:
     """The checkpoint's tokenizer, with an error that names the directory."""
     try:

@@ -159,7 +159,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.num_blocks, self.max_num_seqs, self.budget = 8, 3, 6
-        self.s = Scheduler(self.max_num_seqs, self.budget, MAX_MODEL_LEN, EOS,
+        self.s = Scheduler(self.max_num_seqs, self.budget, MAX_MODEL_LEN, (EOS,),
                            self.num_blocks, BS)
         self.seqs: list[Sequence] = []
         self.pending: list[Sequence] = []  # the pipelined engine's in-flight batch

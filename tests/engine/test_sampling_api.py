@@ -1,5 +1,7 @@
 """Sampling through the whole engine: filters, seeds, stop strings and ids, finish reasons, chat."""
+import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -138,6 +140,33 @@ def test_stop_token_ids_finish_with_the_token_kept(llm, prompts, greedy_ids):
 
 
 EOS_PROMPT = [7, 8, 9]  # the tiny checkpoint's greedy answer ends in EOS after 59 tokens
+
+
+def test_generation_config_eos_ids_end_a_completion(tiny_model, tmp_path):
+    """Every id of generation_config.json's eos_token_id ends a completion as the tokenizer's
+    EOS does (Llama-3's <|eot_id|>, Qwen3's two), unless ignore_eos; min_tokens holds them
+    back; the token stays in token_ids, out of the text."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    with open(model / "generation_config.json") as f:
+        generation = json.load(f)
+    eos, other = generation["eos_token_id"], 7
+    (model / "generation_config.json").write_text(json.dumps(
+        {**generation, "eos_token_id": [eos, other]}))
+    llm = LLM(str(model), num_kvcache_blocks=8)
+    try:
+        assert llm.scheduler.eos_token_ids == (eos, other)
+        favour = SamplingParams(temperature=0, max_tokens=5, logit_bias={other: 100})
+        out = llm.generate([[1, 2, 3]], favour, use_tqdm=False)[0]
+        assert out["token_ids"] == [other] and out["finish_reason"] == "stop"
+        assert out["text"] == ""
+        for kwargs in (dict(ignore_eos=True), dict(min_tokens=5)):
+            out = llm.generate([[1, 2, 3]], SamplingParams(
+                temperature=0, max_tokens=5, logit_bias={other: 100}, **kwargs),
+                use_tqdm=False)[0]
+            assert len(out["token_ids"]) == 5 and out["finish_reason"] == "length", kwargs
+    finally:
+        llm.shutdown()
 
 
 def test_text_leaves_out_special_tokens_unless_asked(llm):

@@ -10,7 +10,7 @@ EOS = 0
 
 
 def make(num_blocks=8, max_num_seqs=4, max_tokens_budget=32, max_model_len=64) -> Scheduler:
-    return Scheduler(max_num_seqs, max_tokens_budget, max_model_len, EOS, num_blocks, BS)
+    return Scheduler(max_num_seqs, max_tokens_budget, max_model_len, (EOS,), num_blocks, BS)
 
 
 def seq(n: int, max_tokens: int = 16, ignore_eos: bool = True, start: int = 1) -> Sequence:
@@ -39,7 +39,7 @@ def test_prefill_first_then_decode():
 
 
 def test_longest_first_orders_decode_batches_not_running():
-    s = Scheduler(4, 32, 64, EOS, 8, BS, longest_first=True)
+    s = Scheduler(4, 32, 64, (EOS,), 8, BS, longest_first=True)
     a, b, c = seq(3, start=1), seq(6, start=20), seq(4, start=40)
     for x in (a, b, c):
         s.add(x)

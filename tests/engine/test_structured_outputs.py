@@ -134,7 +134,7 @@ def test_bad_specs_are_refused_before_queueing(llm, structured, match):
 
 def test_missing_xgrammar_names_the_extra(llm, monkeypatch):
     monkeypatch.setitem(sys.modules, "xgrammar", None)
-    grammars = StructuredOutputs(llm.tokenizer, 512, llm.tokenizer.eos_token_id)
+    grammars = StructuredOutputs(llm.tokenizer, 512, (llm.tokenizer.eos_token_id,))
     with pytest.raises(ValueError, match=r'regex needs xgrammar.*install -e "\.\[structured\]"'):
         grammars.compile(Structured(regex=REGEX))
 
