@@ -16,16 +16,25 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> N
 
 
 def load_model(model: nn.Module, path: str) -> None:
-    """Copy every tensor of every *.safetensors file into the matching parameter."""
+    """Copy every tensor of every *.safetensors file into the matching parameter; a parameter
+    that none of them fills is a ValueError naming it (a missing FP8 scale would otherwise
+    keep uninitialised memory)."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in {path!r}")
-    load_weights(model, _safetensors_weights(files))
+    filled = load_weights(model, _safetensors_weights(files))
+    missing = [name for name, param in model.named_parameters() if id(param) not in filled]
+    if missing:
+        raise ValueError(f"the checkpoint in {path!r} has no tensor for {len(missing)} "
+                         f"parameter(s): {missing[:5]}")
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy (checkpoint name, tensor) pairs, on any device, through the parameters' loaders."""
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[int]:
+    """Copy (checkpoint name, tensor) pairs, on any device, through the parameters' loaders;
+    return the ids of the parameters written (a float weight quantized into FP8 codes writes
+    its scales too)."""
     resolve = _resolver(model)
+    filled: set[int] = set()
     for name, weight in weights:
         resolved = resolve(name)
         if resolved is None:
@@ -33,6 +42,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         param, shard = resolved
         if param is not None:
             getattr(param, "weight_loader", default_weight_loader)(param, weight, *shard)
+            filled.add(id(param))
+            if getattr(param, "quant_format", None) is not None and weight.dtype != FP8_CODES:
+                filled.add(id(param.quant_scale))
+    return filled
 
 
 def check_weight_names(model: nn.Module, names: Iterable[str]) -> None:

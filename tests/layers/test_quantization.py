@@ -46,6 +46,12 @@ def test_the_released_formats_resolve():
     assert resolve_quant_config(None, None) is None
 
 
+def _with_targets(quant: dict, targets: list[str]) -> dict:
+    quant = json.loads(json.dumps(quant))
+    quant["config_groups"]["group_0"]["targets"] = targets
+    return quant
+
+
 @pytest.mark.parametrize("quant,quantization,message", [
     ({"quant_method": "awq", "bits": 4}, None, "quant_method='awq' is not supported"),
     ({"quant_method": "gptq"}, "fp8", "quant_method='gptq' is not supported"),
@@ -58,6 +64,13 @@ def test_the_released_formats_resolve():
     ({**quantization_config("block", 128), "weight_block_size": None}, None, "per-tensor"),
     ({**quantization_config("channel", 128), "format": "pack-quantized"}, None,
      "format='pack-quantized'"),
+    # they change what the stored weights mean: rotated, or 2:4-sparse
+    ({**quantization_config("channel", 128), "transform_config": {"config_groups": {}}}, None,
+     "transform_config"),
+    ({**quantization_config("channel", 128),
+      "sparsity_config": {"format": "sparse-24-bitmask"}}, None, "sparsity_config"),
+    (_with_targets(quantization_config("channel", 128), ["re:.*self_attn.*"]), None,
+     "targets"),
 ])
 def test_unsupported_quantization_is_a_value_error_before_loading(tiny_model, tmp_path, quant,
                                                                   quantization, message):
@@ -140,3 +153,20 @@ def test_fp8_layers_the_kernels_do_not_take_run_their_fp8_gemm(block, dtype):
         assert not layer.fits_fused_decode()
         assert layer.fused_decode_max_tokens == 0
         assert layer.fp8_linear is not None
+
+
+def test_a_checkpoint_missing_a_scale_is_a_value_error(tiny_model, tmp_path):
+    """An FP8 checkpoint without one weight's scale fails the load, naming the parameter,
+    where it loaded with uninitialised scales."""
+    from safetensors.torch import load_file, save_file
+
+    from nanovllm import LLM
+    from tests.fp8_checkpoints import quantize_checkpoint
+    path = quantize_checkpoint(tiny_model, str(tmp_path / "fp8"), "block")
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    name = next(n for n in sorted(tensors) if n.endswith("down_proj.weight_scale_inv"))
+    del tensors[name]
+    save_file(tensors, file)
+    with pytest.raises(ValueError, match=f"no tensor for 1 parameter.*{name}"):
+        LLM(path, device="cpu", num_kvcache_blocks=8)

@@ -100,10 +100,22 @@ def _compressed_tensors_config(cfg: dict) -> QuantConfig:
     if cfg.get("kv_cache_scheme"):
         raise ValueError("compressed-tensors kv_cache_scheme is not supported; use "
                          "kv_cache_dtype='fp8' (scales calculated at start-up)")
+    # they change what the stored weights mean (rotated, or 2:4-sparse)
+    if cfg.get("transform_config"):
+        raise ValueError("compressed-tensors transform_config (rotated weights) is not "
+                         "supported")
+    sparsity = (cfg.get("sparsity_config") or {}).get("format")
+    if sparsity not in (None, "dense"):
+        raise ValueError(f"compressed-tensors sparsity_config format={sparsity!r} is not "
+                         f"supported (dense weights)")
     groups = list((cfg.get("config_groups") or {}).values())
     if len(groups) != 1:
         raise ValueError(f"compressed-tensors with {len(groups)} config_groups is not supported "
                          f"(one FP8 group)")
+    targets = groups[0].get("targets", ["Linear"])
+    if targets != ["Linear"]:  # every linear layer but `ignore`'s is what we quantize
+        raise ValueError(f"compressed-tensors targets={targets!r} are not supported: "
+                         f"['Linear'] (every linear layer, less the ignore list)")
     weights, inputs = groups[0].get("weights") or {}, groups[0].get("input_activations")
     fp8 = weights.get("type") == "float" and weights.get("num_bits") == 8
     if not fp8 or weights.get("dynamic") or not weights.get("symmetric", True):
