@@ -138,9 +138,12 @@ class DecoderLayer(nn.Module):
         self.self_attn = DecoderAttention(config, spec, rotary_emb, layer_idx)
         moe, prefix = spec.moe, f"model.layers.{layer_idx}.mlp."
         if moe is not None and moe.sparse_layers[layer_idx]:
+            # each expert's projections by their own names, as compressed-tensors lists them
+            experts = [f"{prefix}experts.{e}.{proj}" for e in range(moe.num_experts)
+                       for proj in ("gate_proj", "up_proj", "down_proj")]
             self.mlp = SparseMoeBlock(config.hidden_size, moe.num_experts, moe.top_k,
                                       moe.intermediate_size, moe.norm_topk_prob,
-                                      linear_format(spec.quant, [prefix + "experts"]))
+                                      linear_format(spec.quant, experts))
         else:
             self.mlp = DecoderMLP(config, spec, prefix)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)

@@ -118,3 +118,29 @@ def test_stacked_expert_checkpoint_gives_the_same_tokens(moe_checkpoints, tmp_pa
     save_file(stacked, os.path.join(dst, "model.safetensors"))
     batch = prompts()[:2]
     assert generate(dst, batch) == generate(src, batch)
+
+
+@pytest.mark.parametrize("ignored, quantized", [
+    ([], True),
+    ([f"model.layers.0.mlp.experts.{e}.{p}" for e in range(8)
+      for p in ("gate_proj", "up_proj", "down_proj")], False),  # compressed-tensors' names
+    (["re:.*mlp\\.experts\\..*"], False),
+    (["model.layers.0.mlp.experts"], False),
+    (["model.layers.0.mlp.experts.3.down_proj"], None),  # one expert: not as a whole
+])
+def test_ignored_experts_are_matched_by_their_own_names(moe_checkpoints, ignored, quantized):
+    """An ignore list names each expert's projections (llm-compressor writes every unquantized
+    Linear): all of a layer's experts ignored keep it unquantized, some of them are a
+    ValueError (the fused experts are quantized as a whole)."""
+    from nanovllm.layers.fused_moe import FusedMoE
+    from nanovllm.layers.quantization import QuantConfig
+    from nanovllm.models.registry import build_model
+    hf_config = read_config_json(moe_checkpoints["moe_norm_dense"])
+    quant = QuantConfig("compressed-tensors", None, "weight_scale", tuple(ignored))
+    if quantized is None:
+        with pytest.raises(ValueError, match="as a whole"):
+            build_model(hf_config, quant)
+        return
+    experts = next(m for m in build_model(hf_config, quant).modules()
+                   if isinstance(m, FusedMoE))
+    assert (experts.quant is not None) == quantized
