@@ -29,7 +29,8 @@ class LLM(LLMEngine):
     def __init__(self, model: str, data_parallel_size: int = 1, **kwargs):
         super().__init__(model, **kwargs)
         self._sleep_level = 0  # 0 = awake
-        self._weights_dropped = False  # woken from sleep(level=2), update_weights not yet run
+        self._weights_dropped = False  # woken from sleep(level=2), weights not all refilled
+        self._refilled: set[int] = set()  # ids of the parameters refilled since
 
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -77,20 +78,26 @@ class LLM(LLMEngine):
 
     # ---- weights and memory, between rollouts -------------------------------------------
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load (checkpoint name, tensor) pairs in place; drops the prefix cache (old K/V)."""
+        """Load (checkpoint name, tensor) pairs in place; drops the prefix cache (old K/V),
+        also when a bad pair stops it part way (the pairs before it are loaded)."""
         self._check_idle("update_weights")
         if self._sleep_level:
             raise RuntimeError("update_weights() while asleep: call wake_up() first")
-        items = iter(weights)
-        while batch := list(islice(items, WEIGHTS_PER_COMMAND)):
-            if not all(isinstance(item, tuple | list) and len(item) == 2
-                       and isinstance(item[1], torch.Tensor) for item in batch):
-                raise ValueError("update_weights() takes (name, torch.Tensor) pairs")
-            check_weight_names(self.model_runner.model, [name for name, _ in batch])
-            specs = [(name, tuple(t.shape), t.dtype) for name, t in batch]
-            self.executor.execute("update_weights", specs, weights=[t for _, t in batch])
-        self.scheduler.reset_prefix_cache()
-        self._weights_dropped = False
+        items, filled = iter(weights), set()
+        try:
+            while batch := list(islice(items, WEIGHTS_PER_COMMAND)):
+                if not all(isinstance(item, tuple | list) and len(item) == 2
+                           and isinstance(item[1], torch.Tensor) for item in batch):
+                    raise ValueError("update_weights() takes (name, torch.Tensor) pairs")
+                filled |= check_weight_names(self.model_runner.model, batch)
+                specs = [(name, tuple(t.shape), t.dtype) for name, t in batch]
+                self.executor.execute("update_weights", specs, weights=[t for _, t in batch])
+        finally:
+            self.scheduler.reset_prefix_cache()
+        if self._weights_dropped:  # after sleep(level=2): ready once every weight is back
+            self._refilled |= filled
+            params = {id(p) for p in self.model_runner.model.parameters()}
+            self._weights_dropped = not params <= self._refilled
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV pool, CUDA graphs and weights (level 1: to host memory; 2: dropped)."""
@@ -109,7 +116,8 @@ class LLM(LLMEngine):
             return
         self._check_idle("wake_up")
         self.executor.execute("wake_up")
-        self._weights_dropped = self._sleep_level == 2
+        if self._sleep_level == 2:  # until update_weights has refilled every parameter
+            self._weights_dropped, self._refilled = True, set()
         self._sleep_level = 0
 
     def _check_idle(self, what: str) -> None:

@@ -6,6 +6,7 @@ from torch import nn
 
 from nanovllm.layers.linear import divide, tp_rank_and_size
 from nanovllm.utils.context import get_context
+from nanovllm.utils.loader import check_shape
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -22,6 +23,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         shard = param.data.size(0)
+        check_shape(loaded_weight, (shard * self.tp_size, param.data.size(1)))
         param.data.copy_(loaded_weight.narrow(0, self.tp_rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ from torch import nn
 
 from nanovllm.layers.quantization.fp8 import Cols, Fp8Format, Rows, load_shard
 from nanovllm.utils.context import get_context
+from nanovllm.utils.loader import check_shape
 
 
 def tp_rank_and_size() -> tuple[int, int]:
@@ -158,6 +159,9 @@ class LinearBase(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, *shard_id) -> None:
         rows, cols = self.shard(*shard_id)
+        if self.tp_size == 1 and rows is not None and not hasattr(param, "scale_block"):
+            # one rank takes a packed module's rows whole: more rows is a wrong tensor
+            check_shape(loaded_weight, (rows[2], *param.shape[1:]))
         load_shard(param, loaded_weight, rows, cols)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

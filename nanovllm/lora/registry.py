@@ -40,6 +40,13 @@ def lora_request_list(lora_request: object, num_prompts: int, enabled: bool
     return requests
 
 
+def snapshot(adapter: LoRAAdapter) -> LoRAAdapter:
+    """The adapter with host copies of its tensors."""
+    weights = {key: tuple(t.detach().to("cpu", copy=True) for t in pair)
+               for key, pair in adapter.weights.items()}
+    return LoRAAdapter(adapter.lora_int_id, adapter.rank, adapter.scaling, weights)
+
+
 class LoRARegistry:
     """Registered requests by lora_int_id; an id keeps its adapter until removed. `executor`
     runs the ranks' add_lora and remove_lora; its `runner` (rank 0's) shows what is cached."""
@@ -48,6 +55,9 @@ class LoRARegistry:
         self.hf_config, self.max_lora_rank = hf_config, max_lora_rank
         self.executor = executor
         self.requests: dict[int, LoRARequest] = {}
+        # in-memory adapters as registered: their tensors are the caller's, who may change them
+        # in place (an RL loop's live state dict); a reload must send what was checked
+        self.snapshots: dict[int, LoRAAdapter] = {}
 
     def register(self, requests: list[LoRARequest | None]) -> int:
         """Check every new adapter, then send them all to the ranks; returns how many were new.
@@ -59,6 +69,8 @@ class LoRARegistry:
         for request, adapter in adapters:
             self._send(adapter)
             self.requests[request.lora_int_id] = request
+            if request.in_memory:
+                self.snapshots[request.lora_int_id] = snapshot(adapter)
         return len(adapters)
 
     def reload(self, lora_ids: set[int]) -> None:
@@ -66,10 +78,12 @@ class LoRARegistry:
         manager = self.executor.runner.lora_manager  # every rank's cache holds the same ids
         for lora_int_id in lora_ids:
             if lora_int_id and not manager.has(lora_int_id):
-                self._send(self.load(self.requests[lora_int_id]))
+                adapter = self.snapshots.get(lora_int_id)
+                self._send(adapter or self.load(self.requests[lora_int_id]))
 
     def remove(self, lora_int_id: int) -> None:
         del self.requests[lora_int_id]
+        self.snapshots.pop(lora_int_id, None)
         self.executor.execute("remove_lora", lora_int_id)
 
     def _send(self, adapter: LoRAAdapter) -> None:

@@ -11,7 +11,15 @@ FP8_CODES = torch.float8_e4m3fn  # FP8 weights' codes (layers.quantization)
 FP8_MAX = 448.0
 
 
+def check_shape(loaded: torch.Tensor, expected: torch.Size | tuple) -> None:
+    """ValueError unless the checkpoint tensor (or this rank's part of it) has the shape its
+    destination needs: copy_ would broadcast a [1] or cut nothing of a larger tensor."""
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(f"shape {list(loaded.shape)} where {list(expected)} is expected")
+
+
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    check_shape(loaded_weight, param.shape)
     param.data.copy_(loaded_weight)
 
 
@@ -41,19 +49,31 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
         param, shard = resolved
         if param is not None:
-            getattr(param, "weight_loader", default_weight_loader)(param, weight, *shard)
+            try:
+                getattr(param, "weight_loader", default_weight_loader)(param, weight, *shard)
+            except (ValueError, RuntimeError) as e:  # a shape torch's narrow or copy_ refuses
+                raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
             filled.add(id(param))
             if getattr(param, "quant_format", None) is not None and weight.dtype != FP8_CODES:
                 filled.add(id(param.quant_scale))
     return filled
 
 
-def check_weight_names(model: nn.Module, names: Iterable[str]) -> None:
-    """Raise ValueError for the first name no parameter of `model` takes."""
-    resolve = _resolver(model)
-    for name in names:
-        if not isinstance(name, str) or resolve(name) is None:
+def check_weight_names(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
+                       ) -> set[int]:
+    """Raise ValueError for the first name no parameter of `model` takes; else the ids of the
+    parameters the weights fill, as load_weights returns them."""
+    resolve, filled = _resolver(model), set()
+    for name, weight in weights:
+        resolved = resolve(name) if isinstance(name, str) else None
+        if resolved is None:
             raise ValueError(f"weight {name!r} has no matching parameter")
+        param = resolved[0]
+        if param is not None:
+            filled.add(id(param))
+            if getattr(param, "quant_format", None) is not None and weight.dtype != FP8_CODES:
+                filled.add(id(param.quant_scale))
+    return filled
 
 
 def _safetensors_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -54,6 +54,24 @@ def test_in_memory_adapter_equals_the_same_from_files(llm, adapters):
     assert from_files != ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
 
 
+def test_an_in_memory_adapter_is_what_was_registered_after_eviction(tiny_model, adapters):
+    """The caller's tensors change in place after registration (an RL trainer's live state
+    dict): an id evicted from the host cache and sent again is still the adapter it was."""
+    engine = LLM(tiny_model, enable_lora=True, max_loras=1, max_lora_rank=4, max_cpu_loras=1,
+                 num_kvcache_blocks=32)
+    try:
+        path = adapters["all_r4"]
+        first = in_memory(path, 1)
+        before = ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=first))
+        for tensor in first.lora_tensors.values():
+            tensor.mul_(-1.5)
+        engine.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=in_memory(path, 2))
+        again = ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=first))
+        assert again == before
+    finally:
+        engine.shutdown()
+
+
 def test_an_id_is_one_adapter_until_removed(llm, adapters):
     first = LoRARequest("a", 21, adapters["all_r4"])
     out = ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=first))

@@ -89,6 +89,46 @@ def test_errors_name_the_problem_and_change_nothing(llm, prompts):
     assert greedy_tokens(llm, prompts) == before
 
 
+def _wrong_shapes(state: dict) -> list[tuple[str, torch.Tensor]]:
+    """Tensors of the right names and the wrong shapes: a copy_ or a narrow took each."""
+    k, down = "model.layers.0.self_attn.k_proj.weight", "model.layers.0.mlp.down_proj.weight"
+    return [(k, torch.cat([state[k], state[k]])),  # more rows: the first ones were taken
+            (down, state[down].t().contiguous()),  # transposed: reshaped into place
+            ("model.norm.weight", state["model.norm.weight"][:1]),  # [1]: broadcast
+            ("model.embed_tokens.weight", torch.cat([state["model.embed_tokens.weight"]] * 2)),
+            ("lm_head.weight", state["lm_head.weight"][:, :1])]
+
+
+def test_a_wrong_shape_is_a_value_error_and_the_prefix_cache_is_dropped(
+        llm, other_model, prompts):
+    """Each wrong-shaped tensor is a ValueError naming it. The pairs before it are loaded,
+    so the prefix cache is dropped anyway: the next outputs are the new weights' own."""
+    greedy_tokens(llm, prompts)  # fills the prefix cache
+    hf = load_hf(other_model)
+    state = hf.state_dict()
+    for name, tensor in _wrong_shapes(state):
+        with pytest.raises(ValueError, match=f"{name}.*shape"):
+            llm.update_weights([*state.items(), (name, tensor)])
+    assert greedy_tokens(llm, prompts) == [hf_greedy(hf, p, NUM_TOKENS) for p in prompts]
+
+
+def test_after_sleep_2_every_weight_must_come_back(llm, tiny_model, prompts):
+    """After sleep(level=2) the engine runs only once update_weights has refilled every
+    parameter: a later sleep(1), an empty or a partial update keep it refused."""
+    before = greedy_tokens(llm, prompts)
+    state = list(load_hf(tiny_model).state_dict().items())
+    llm.sleep(2)
+    llm.wake_up()
+    llm.sleep(1)
+    llm.wake_up()
+    for part in ([], state[:len(state) // 2]):
+        llm.update_weights(part)
+        with pytest.raises(RuntimeError, match="update_weights"):
+            llm.generate(prompts, GREEDY, use_tqdm=False)
+    llm.update_weights(state[len(state) // 2:])  # with the first half: all of them
+    assert greedy_tokens(llm, prompts) == before
+
+
 def test_tensor_parallel_update_weights_and_sleep(tiny_model, other_model, prompts):
     """TP=2 (gloo): every rank loads its shard of the broadcast tensors, and sleeps."""
     llm = LLM(tiny_model, tensor_parallel_size=2, num_kvcache_blocks=16)

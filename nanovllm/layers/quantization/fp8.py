@@ -17,6 +17,7 @@ from nanovllm.kernels.linear.fp8_reference import (
     quantize_groups,
 )
 from nanovllm.layers.quantization.config import QuantConfig
+from nanovllm.utils.loader import check_shape
 
 # (dst offset, src offset, size) of a shard's rows, or (src offset, size) of its columns, in
 # elements of the weight; None: all of them.
@@ -106,6 +107,10 @@ def load_shard(param: nn.Parameter, loaded: torch.Tensor, rows: Rows, cols: Cols
             loaded = _narrow(loaded, 0, rows[1], rows[2], group_n)
     if cols is not None and dst.dim() == 2 and group_k is not None and loaded.numel() > 1:
         loaded = _narrow(loaded, 1, *cols, group_k)
-    # one per-tensor scale fills every row; a [N] per-channel scale fills [N, 1]
-    dst.copy_(loaded.reshape(()).expand_as(dst) if loaded.numel() == 1 and dst.numel() > 1
-              else loaded.reshape(dst.shape))
+    if hasattr(param, "scale_block"):  # one per-tensor scale fills every row, [N] fills [N, 1]
+        if loaded.numel() == 1 and dst.numel() > 1:
+            loaded = loaded.reshape(()).expand_as(dst)
+        elif loaded.numel() == dst.numel():
+            loaded = loaded.reshape(dst.shape)
+    check_shape(loaded, dst.shape)  # a weight: exactly this rank's part
+    dst.copy_(loaded)
