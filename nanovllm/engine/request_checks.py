@@ -38,8 +38,8 @@ def check_sampling_params(params: SamplingParams) -> None:
 
 def resolve_steering(params: SamplingParams, limits: RequestLimits,
                      encode: Callable[..., list[int]]) -> SamplingParams:
-    """Check the steering fields' ids against the vocabulary; with bad_words or min_tokens, a
-    copy holding their token ids (tokenized here, once per request, never per step)."""
+    """Check the steering fields' ids against the vocabulary; return a copy of params, holding
+    bad_words' and min_tokens' token ids (tokenized here, once per request, never per step)."""
     vocab = limits.vocab_size
     for name, ids in (("logit_bias", params.logit_bias or ()),
                       ("allowed_token_ids", params.allowed_token_ids or ()),
@@ -48,9 +48,9 @@ def resolve_steering(params: SamplingParams, limits: RequestLimits,
         if bad is not None:
             raise ValueError(f"{name}: token id {bad} is outside [0, {vocab}) (the model's "
                              f"vocab_size)")
-    if not (params.bad_words or params.min_tokens):
-        return params
-    params = copy(params)  # the caller's object may serve other engines (other tokenizers)
+    # A copy, as vLLM takes one: the caller may change and reuse its object for the next
+    # request (or another engine, another tokenizer) while this one is queued.
+    params = copy(params)
     if params.bad_words:
         params._bad_words_token_ids = bad_words_token_ids(params.bad_words, encode, vocab)
     if params.min_tokens:

@@ -239,6 +239,7 @@ class ModelRunner:
         step = StepLogits(seqs, logits[:len(seqs)], prompt, is_prefill, list(map(len, seqs)))
         return step if defer_sample else self.sample(step)
 
+    @torch.inference_mode()  # a deferred sample runs outside launch(): its tensors are too
     def sample(self, step: StepLogits) -> SampledIds:
         """Enqueue the sampler on a launched step's logits (rank 0)."""
         # Prepared after the (asynchronous) forward was launched, so it overlaps the GPU.

@@ -36,9 +36,12 @@ def prepare_sample(seqs: list[Sequence], lengths: list[int], token_counts: Token
                                               Steering.build(seqs, upload, lengths))
     penalties = None
     if any(p.uses_penalties for p in params):
+        # a sequence finished by the commit before a deferred sample has released its row:
+        # its dropped token takes the zero row, not a new one that nothing would release
         rows = [token_counts.slot(seq.seq_id, seq.token_ids[:seq.num_prompt_tokens],
                                   seq.completion_token_ids)
-                if p.uses_penalties else 0 for seq, p in zip(seqs, params)]
+                if p.uses_penalties and not seq.is_finished else 0
+                for seq, p in zip(seqs, params)]
         penalties = Penalties.build(token_counts, rows, params, upload)
     ks = [p.logprobs for p in params if p.logprobs is not None]
     # grammars are at their sequences' committed tokens: the engine defers the sampling of

@@ -250,3 +250,18 @@ def test_cuda_graphs_match_eager_for_seeded_mixed_batch(tiny_model):
         finally:
             llm.shutdown()
     assert outs[True] == outs[False]
+
+
+def test_a_queued_request_keeps_the_params_it_was_added_with(llm, prompts):
+    """add_request copies its SamplingParams (as vLLM does): the caller's object, changed and
+    reused for the next request, leaves the queued one as it was."""
+    expected = {seed: llm.generate(prompts[0], SamplingParams(
+        temperature=1.0, max_tokens=8, seed=seed, ignore_eos=True), use_tqdm=False)[0]
+        for seed in (0, 1)}
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=0, ignore_eos=True)
+    first = llm.add_request(prompts[0], params)
+    params.seed, params.max_tokens, params.stop = 1, 3, 123  # 123: never validated
+    outputs = {}
+    while not llm.is_finished():
+        outputs.update((out["request_id"], out) for out in llm.step()[0])
+    assert outputs[first]["token_ids"] == expected[0]["token_ids"]

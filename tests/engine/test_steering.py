@@ -227,3 +227,27 @@ def test_bias_is_clipped_and_ids_outside_the_vocab_are_refused(llm):
                          (dict(stop_token_ids=[512]), "stop_token_ids")]:
         with pytest.raises(ValueError, match=rf"^request 0: {name}: token id \d+ is outside"):
             llm.generate(PROMPTS[:1], SamplingParams(**kwargs), use_tqdm=False)
+
+
+def test_penalties_with_deferred_sampling_run_and_free_their_rows(tiny_model):
+    """bad_words (like a grammar) defers a step's sampling until the step before is committed,
+    outside launch()'s inference mode: with a penalty a request joining a step in flight, or a
+    chunked prefill, failed on the penalty rows' in-place updates. Rows of sequences that
+    finished just before such a sample were taken again and never freed."""
+    engine = LLM(tiny_model, num_kvcache_blocks=16, max_num_batched_tokens=12)
+    params = SamplingParams(temperature=1.0, max_tokens=12, repetition_penalty=1.2, seed=3,
+                            bad_words=["zzqx"], stop_token_ids=list(range(3, 200)))
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                            repetition_penalty=1.2, bad_words=["zzqx"])
+    try:
+        engine.add_request(PROMPTS[0], greedy)
+        engine.step()  # sampled at launch: no step in flight
+        engine.add_request(PROMPTS[1], greedy)  # its prefill's sample waits for that step
+        while not engine.is_finished():
+            engine.step()
+        for _ in range(2):
+            outputs = engine.generate([p * 2 for p in PROMPTS], params, use_tqdm=False)
+            assert all(out["token_ids"] for out in outputs)
+        assert engine.model_runner.token_counts.slots == {}
+    finally:
+        engine.shutdown()
