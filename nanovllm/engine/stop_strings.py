@@ -11,14 +11,17 @@ class StopStringChecker:
         self.states: dict[int, IncrementalDetokenizer] = {}
 
     def check(self, seq: Sequence) -> str | None:
-        """The completion text before a stop string that now appears, else None."""
+        """The completion text before a stop string that now appears, else None. A token that
+        stopped the sequence (EOS, stop_token_ids, a grammar's end) is left out, as from its
+        text (vLLM)."""
         state = self.states.get(seq.seq_id)
         if state is None:
             state = self.states[seq.seq_id] = IncrementalDetokenizer(
                 self.tokenizer, start=seq.num_prompt_tokens,
                 skip_special_tokens=seq.sampling_params.skip_special_tokens)
         old_len = len(state.decoded)
-        state.read(seq.token_ids)
+        stopped_by_token = seq.is_finished and seq.finish_reason == "stop"
+        state.read(seq.token_ids[:-1] if stopped_by_token else seq.token_ids)
         # vLLM: text of the first min_tokens tokens is never searched (a match may end after);
         # token_ids: the committed tokens, which the text covers
         if (len(state.decoded) == old_len

@@ -265,3 +265,27 @@ def test_a_queued_request_keeps_the_params_it_was_added_with(llm, prompts):
     while not llm.is_finished():
         outputs.update((out["request_id"], out) for out in llm.step()[0])
     assert outputs[first]["token_ids"] == expected[0]["token_ids"]
+
+
+def test_a_stop_tokens_own_text_is_not_searched_for_stop_strings(llm):
+    """The token that stops a completion (here one of stop_token_ids) is not in `text`, and its
+    text is not searched for stop strings either (vLLM): a stop string that only appears with
+    it leaves the text whole."""
+    tokenizer, rng = llm.tokenizer, random.Random(0)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for _ in range(20):
+        prompt = [rng.randrange(3, 300) for _ in range(8)]
+        ids = llm.generate([prompt], greedy, use_tqdm=False)[0]["token_ids"]
+        # a token new to the text, and a stop string that straddles it
+        found = next(((k, before[-1] + text[0], before) for k in range(1, len(ids))
+                      for before, text in [(tokenizer.decode(ids[:k]), tokenizer.decode(ids[k]))]
+                      if ids[k] not in ids[:k] and before and text and text.isprintable()
+                      and before[-1].isprintable() and before[-1] + text[0] not in before),
+                     None)
+        if found:
+            break
+    k, stop, before = found
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                stop_token_ids=[ids[k]], stop=stop),
+                       use_tqdm=False)[0]
+    assert out["token_ids"] == ids[:k + 1] and out["text"] == before

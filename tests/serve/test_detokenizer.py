@@ -111,6 +111,7 @@ def test_stop_strings_are_found_where_the_whole_decode_has_them(tokenizer):
             stops.append(whole[start:start + rng.randint(1, 4)])
         prompt = [rng.randrange(len(tokenizer)) for _ in range(5)]
         seq = SimpleNamespace(seq_id=case, num_prompt_tokens=len(prompt), token_ids=prompt,
+                              is_finished=False, finish_reason=None,
                               sampling_params=SimpleNamespace(stop_strings=stops, min_tokens=0,
                                                               skip_special_tokens=True))
         checker, found = StopStringChecker(tokenizer), None
