@@ -29,8 +29,8 @@ class LLM(LLMEngine):
     def __init__(self, model: str, data_parallel_size: int = 1, **kwargs):
         super().__init__(model, **kwargs)
         self._sleep_level = 0  # 0 = awake
-        self._weights_dropped = False  # woken from sleep(level=2), weights not all refilled
-        self._refilled: set[int] = set()  # ids of the parameters refilled since
+        # after sleep(level=2): ids of the parameters update_weights has not refilled yet
+        self._unfilled: set[int] = set()
 
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -94,10 +94,7 @@ class LLM(LLMEngine):
                 self.executor.execute("update_weights", specs, weights=[t for _, t in batch])
         finally:
             self.scheduler.reset_prefix_cache()
-        if self._weights_dropped:  # after sleep(level=2): ready once every weight is back
-            self._refilled |= filled
-            params = {id(p) for p in self.model_runner.model.parameters()}
-            self._weights_dropped = not params <= self._refilled
+        self._unfilled -= filled
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV pool, CUDA graphs and weights (level 1: to host memory; 2: dropped)."""
@@ -117,7 +114,7 @@ class LLM(LLMEngine):
         self._check_idle("wake_up")
         self.executor.execute("wake_up")
         if self._sleep_level == 2:  # until update_weights has refilled every parameter
-            self._weights_dropped, self._refilled = True, set()
+            self._unfilled = {id(p) for p in self.model_runner.model.parameters()}
         self._sleep_level = 0
 
     def _check_idle(self, what: str) -> None:
@@ -129,7 +126,7 @@ class LLM(LLMEngine):
         if getattr(self, "_sleep_level", 0):
             raise RuntimeError(f"{what}() while asleep (level {self._sleep_level}): call "
                                f"wake_up() first")
-        if getattr(self, "_weights_dropped", False):
+        if getattr(self, "_unfilled", None):
             raise RuntimeError(f"{what}() after sleep(level=2) and wake_up(): the weights were "
                                f"dropped; call update_weights() first")
 

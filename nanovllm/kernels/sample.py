@@ -1,6 +1,5 @@
 """Fused sampling: per-row argmax(l / T + Gumbel) (argmax(l) if T = 0) in one pass (Triton)."""
 
-
 import torch
 import triton
 import triton.language as tl

@@ -53,10 +53,16 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
                 getattr(param, "weight_loader", default_weight_loader)(param, weight, *shard)
             except (ValueError, RuntimeError) as e:  # a shape torch's narrow or copy_ refuses
                 raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
-            filled.add(id(param))
-            if getattr(param, "quant_format", None) is not None and weight.dtype != FP8_CODES:
-                filled.add(id(param.quant_scale))
+            filled |= _fills(param, weight)
     return filled
+
+
+def _fills(param: nn.Parameter, weight: torch.Tensor) -> set[int]:
+    """Ids of the parameters a tensor loaded into param writes: param, and the scales of FP8
+    codes that a float tensor is quantized into."""
+    if getattr(param, "quant_format", None) is not None and weight.dtype != FP8_CODES:
+        return {id(param), id(param.quant_scale)}
+    return {id(param)}
 
 
 def check_weight_names(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
@@ -68,11 +74,8 @@ def check_weight_names(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
         resolved = resolve(name) if isinstance(name, str) else None
         if resolved is None:
             raise ValueError(f"weight {name!r} has no matching parameter")
-        param = resolved[0]
-        if param is not None:
-            filled.add(id(param))
-            if getattr(param, "quant_format", None) is not None and weight.dtype != FP8_CODES:
-                filled.add(id(param.quant_scale))
+        if resolved[0] is not None:
+            filled |= _fills(resolved[0], weight)
     return filled
 
 
