@@ -88,3 +88,17 @@ def test_slots_are_reused_cleared_and_survive_growth():
     assert counts.output_counts[slots[0]].eq(0).all()
     assert counts.prompt_mask[slots[0]].nonzero().flatten().tolist() == [2]
     assert counts.output_counts[slots[1], 6] == 1
+
+
+def test_a_tiny_repetition_penalty_gives_finite_logits_and_logprobs():
+    """1e-46 is 0 in float32: seen positive logits divide by it; they must stay finite so the
+    softmax (logprobs) has no NaN, and the penalised token still wins."""
+    logits = torch.tensor([[1.0, 3.0, -2.0, 0.5] + [0.0] * (VOCAB - 4)])
+    params = [SamplingParams(temperature=0, repetition_penalty=1e-46)]
+    counts = TokenCounts(VOCAB, CPU)
+    rows = [counts.slot(0, [0, 2])]
+    p = Penalties.build(counts, rows, params, to_cpu)
+    got = Sampler().apply_penalties(logits, counts.output_counts, counts.prompt_mask, p.rows,
+                                    p.repetition, p.presence, p.frequency)
+    assert not torch.isnan(torch.log_softmax(got, -1)).any()
+    assert got.isfinite()[0, :2].all() and int(got.argmax()) == 0

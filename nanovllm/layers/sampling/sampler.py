@@ -23,6 +23,7 @@ from nanovllm.layers.sampling.steering import Steering
 from nanovllm.layers.sampling.token_bitmask import apply_token_bitmask
 from nanovllm.sampling_params import MAX_SEED, SamplingParams
 from nanovllm.utils.compile import compile_on_cuda
+from nanovllm.utils.field_checks import FLOAT32_MAX
 
 # splitmix64 constants, written as the signed int64 values with the same bits
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -207,8 +208,11 @@ class Sampler(nn.Module):
         seen = prompt_mask[rows] | generated
         r = repetition.unsqueeze(1)
         logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
-        return (logits - frequency.unsqueeze(1) * counts
-                - presence.unsqueeze(1) * generated.float())
+        logits = (logits - frequency.unsqueeze(1) * counts
+                  - presence.unsqueeze(1) * generated.float())
+        # A tiny repetition_penalty overflows float32: +inf logits make the softmax NaN (-inf,
+        # as a masked token's, is fine).
+        return logits.clamp(max=FLOAT32_MAX)
 
     def race(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
         """The fast path: exponential race (fused kernel on CUDA), argmax for greedy rows."""
