@@ -1,0 +1,181 @@
+"""The persistent decode layer (kernels.persistent) against the per-kernel decode path, GPU time.
+
+python -m benchmarks.persistent_layer [--shape qwen3-0.6b] [--batches 1 16] [--context 384]
+                                      [--rounds 3]
+
+A stack of the shape's dense layers (random bf16 weights in the layouts the model keeps) runs
+one decode step as a CUDA graph, each way alternated per round: the per-kernel path (the
+production kernels: add + RMSNorm over split-K partials, fused qkv + RoPE + K/V write, split
+decode attention, split-K o_proj and down_proj, fused gate_up + SiLU), and the persistent layer
+with and without its L2 prefetch. Also: one grid barrier against one PDL kernel boundary, and
+the layers' outputs against each other. Prints a table of us per step and per layer.
+"""
+import argparse
+import statistics
+
+import torch
+import triton
+import triton.language as tl
+
+from benchmarks.shapes import SHAPES
+from nanovllm.kernels.attention.decode import decode_attention_triton
+from nanovllm.kernels.fused_ops import add_partials_rms_norm, rms_norm
+from nanovllm.kernels.linear.fused import gate_up_silu, qkv_rope_store
+from nanovllm.kernels.linear.split_k import split_k_linear
+from nanovllm.kernels.pdl import launch_options, wait_then_release
+from nanovllm.kernels.persistent.decode_layer import LayerWeights, PersistentDecodeLayer
+from nanovllm.kernels.persistent.sync import grid_sync
+
+BLOCK = 256
+DENSE = ("qwen3-0.6b", "llama-3.2-1b", "llama-3.1-8b")  # no bias, no experts, no window
+
+
+@triton.jit
+def _barriers_kernel(bar_ptr, P, ROUNDS: tl.constexpr):
+    """ROUNDS empty phases, each ended by a grid barrier."""
+    for _ in range(ROUNDS):
+        grid_sync(bar_ptr, P)
+
+
+@triton.jit
+def _pdl_kernel(USE_PDL: tl.constexpr):
+    """An empty phase as its own PDL launch."""
+    wait_then_release(USE_PDL)
+
+
+def make_layers(cfg: dict, n: int) -> list[LayerWeights]:
+    """Random layers: qkv and gate_up [out, in]; o and down stored k-major (RowParallelLinear)."""
+    h, i, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    def rand(*shape, scale=0.02):
+        return torch.randn(*shape, device="cuda").mul_(scale).bfloat16()
+
+    def kmajor(w):
+        return w.t().contiguous().t()
+
+    norm = cfg["architectures"][0].startswith("Qwen3")  # q/k norm
+    return [LayerWeights(1 + rand(h, scale=0.1), rand((hq + 2 * hkv) * d, h),
+                         1 + rand(d, scale=0.1) if norm else None,
+                         1 + rand(d, scale=0.1) if norm else None, kmajor(rand(h, hq * d)),
+                         1 + rand(h, scale=0.1), rand(2 * i, h), kmajor(rand(h, i)), 1e-6)
+            for _ in range(n)]
+
+
+def per_kernel_step(x, layers, cfg, inputs, caches, scale):
+    """The production kernels' decode layers; returns the last layer's output."""
+    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    cos_sin, pos, slots, ctx, tables = inputs
+    t = x.shape[0]
+    parts, resid = None, x
+    for w, (kc, vc) in zip(layers, caches):
+        if parts is None:
+            h = rms_norm(x, w.input_norm, w.eps)
+        else:
+            h, resid = add_partials_rms_norm(parts, resid, w.input_norm, w.eps)
+        q = qkv_rope_store(h, w.qkv, None, hq, hkv, pos, w.q_norm, w.k_norm, w.eps,
+                           cos_sin, kc, vc, slots)
+        attn = decode_attention_triton(q, kc, vc, ctx, tables, scale)
+        parts = split_k_linear(attn.view(t, -1), w.o)
+        h, resid = add_partials_rms_norm(parts, resid, w.post_norm, w.eps)
+        parts = split_k_linear(gate_up_silu(h, w.gate_up, None), w.down)
+    return (parts.sum(0) + resid.float()).bfloat16()
+
+
+def persistent_step(x, layers, layer, inputs, caches, scale, prefetch):
+    cos_sin, pos, slots, ctx, tables = inputs
+    for w, (kc, vc) in zip(layers, caches):
+        x = layer(x, w, cos_sin, pos, slots, ctx, tables, kc, vc, scale, prefetch=prefetch)
+    return x
+
+
+def graph_us(fn, replays: int = 20) -> tuple[float, torch.cuda.CUDAGraph, torch.Tensor]:
+    """GPU us per replay of fn captured as a CUDA graph (and the graph's output)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / replays, graph, out
+
+
+def barrier_us(programs: int, rounds: int = 200) -> tuple[float, float]:
+    """(us per grid barrier, us per empty PDL kernel boundary), each in a CUDA graph."""
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    bar, _, _ = graph_us(lambda: _barriers_kernel[(programs,)](counter, programs, rounds))
+    pdl, _, _ = graph_us(lambda: [_pdl_kernel[(programs,)](**launch_options())
+                                  for _ in range(rounds)])
+    return bar / rounds, pdl / rounds
+
+
+def run_batch(batch: int, cfg: dict, layers: list[LayerWeights], layer: PersistentDecodeLayer,
+              context: int, rounds: int) -> list[tuple]:
+    """Each way's step, alternated for `rounds` rounds: rows of the table."""
+    n, d, hkv = cfg["num_hidden_layers"], cfg["head_dim"], cfg["num_key_value_heads"]
+    scale = d ** -0.5
+    pages = -(-context // BLOCK)
+    caches = [torch.randn(2, batch * pages, BLOCK, hkv, d, device="cuda").bfloat16()
+              for _ in range(n)]
+    tables = torch.arange(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages)
+    ctx = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    pos = (ctx - 1).long()
+    slots = tables[:, -1].long() * BLOCK + (context - 1) % BLOCK
+    theta = 1e6 ** (-torch.arange(0, d, 2, device="cuda").float() / d)
+    freqs = torch.outer(torch.arange(context + 1, device="cuda").float(), theta)
+    inputs = (torch.cat((freqs.cos(), freqs.sin()), -1).contiguous(), pos, slots, ctx, tables)
+    x = torch.randn(batch, cfg["hidden_size"], device="cuda").bfloat16()
+    ways = {"per-kernel": lambda: per_kernel_step(x, layers, cfg, inputs, caches, scale),
+            "persistent": lambda: persistent_step(x, layers, layer, inputs, caches, scale, True),
+            "persistent, no prefetch": lambda: persistent_step(x, layers, layer, inputs, caches,
+                                                               scale, False)}
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    outs = {}
+    for _ in range(rounds):
+        for name, fn in ways.items():
+            us, _, outs[name] = graph_us(fn)
+            times[name].append(us)
+    ref = outs["per-kernel"].float()
+    rows = []
+    for name, ts in times.items():
+        err = (outs[name].float() - ref).abs().max().item() / ref.abs().max().item()
+        med = statistics.median(ts)
+        rows.append((batch, name, ts, med, med / n, err))
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="qwen3-0.6b", choices=DENSE)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--context", type=int, default=384, help="keys each sequence holds")
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    cfg = dict(SHAPES[args.shape])
+    cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    torch.manual_seed(0)
+    layers = make_layers(cfg, cfg["num_hidden_layers"])
+    layer = PersistentDecodeLayer(cfg["num_attention_heads"], cfg["num_key_value_heads"],
+                                  cfg["head_dim"], cfg["hidden_size"], cfg["intermediate_size"],
+                                  torch.bfloat16, torch.device("cuda"))
+    rows = []
+    bar, pdl = barrier_us(layer.programs)
+    print(f"grid barrier {bar:.2f} us, PDL kernel boundary {pdl:.2f} us "
+          f"({layer.programs} programs)", flush=True)
+    for batch in args.batches:
+        rows += run_batch(batch, cfg, layers, layer, args.context, args.rounds)
+    print("| batch | path | us per step (rounds) | median | us per layer | max diff vs "
+          "per-kernel (of max) |\n|---|---|---|---|---|---|")
+    for batch, name, ts, med, per_layer, err in rows:
+        print(f"| {batch} | {name} | {' '.join(f'{t:.0f}' for t in ts)} | {med:.0f} | "
+              f"{per_layer:.1f} | {err:.2e} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Persistent kernels: a decode layer in one launch, phases separated by grid barriers."""

@@ -1,0 +1,191 @@
+"""A dense decoder layer's decode step (up to 16 tokens) in one launch: one program per SM runs
+its phases, a grid barrier between each two, where the per-kernel path runs seven PDL kernels.
+
+    1 qkv_proj, the input RMSNorm applied to each x tile (split over K: float32 partials)
+    2 q/k norm + RoPE; the new K/V written to the paged cache (an item a token and head)
+    3 attention, split over the context (softmax partials)
+    4 o_proj, the splits' attention merged on the fly (split over K)
+    5 residual add
+    6 gate_up_proj, the post-attention RMSNorm applied to each x tile (split over K)
+    7 down_proj, SiLU-and-mul of gate_up's partials on the fly (split over K)
+    8 residual add: the layer's output
+
+Its programs may ask L2 for their share of the layer's weights first (no phase writes a weight),
+so HBM streams them while the phases before still run. Under the interpreter (CPU) programs run
+one after another and a barrier would wait for ever: each phase is then a launch of its own of
+the same code (PHASE), which the CPU tests check against torch."""
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.attention import prefill
+from nanovllm.kernels.attention.prefill import LOG2E
+from nanovllm.kernels.linear.fused_fp8 import num_sms
+from nanovllm.kernels.pdl import launch_options, wait_then_release
+from nanovllm.kernels.persistent import phases as ph
+from nanovllm.kernels.persistent.sync import BN, grid_sync, prefetch_items
+
+BK = 128  # K columns of a GEMM step
+MAX_TOKENS = 16
+PHASES = 8
+_MAX_SPLITS = 64  # attention splits of one (token, kv head)
+
+
+@triton.jit
+def _decode_layer_kernel(
+        x_ptr, out_ptr, in_norm_ptr, wqkv_ptr, s_qkv_n, s_qkv_k, qn_ptr, kn_ptr, wo_ptr, s_o_n,
+        s_o_k, post_norm_ptr, wgu_ptr, s_gu_n, s_gu_k, wd_ptr, s_d_n, s_d_k, cos_sin_ptr,
+        pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, ctx_ptr, bt_ptr, stride_bt, part1_ptr,
+        q_ptr, m_ptr, l_ptr, acc_ptr, part3_ptr, resid2_ptr, part5_ptr, part6_ptr, bar_ptr,
+        P, T, eps, qk_scale, NS, S1, S3, S5, S6, H: tl.constexpr, HQ: tl.constexpr,
+        HKV: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr, NORM: tl.constexpr, PRECISION: tl.constexpr,
+        PHASE: tl.constexpr, PREFETCH: tl.constexpr, CONTIG: tl.constexpr,
+        USE_PDL: tl.constexpr):
+    """Grid (P,), one program an SM: the phases of the module docstring. CONTIG: which weights
+    have a unit K stride (bits: qkv, o, gate_up, down)."""
+    pid = tl.program_id(0)
+    NQKV: tl.constexpr = (HQ + 2 * HKV) * D
+    if PREFETCH:
+        prefetch_items(wqkv_ptr, s_qkv_n, s_qkv_k, pid, P, NQKV // BN, S1, H // S1, 128,
+                       CONTIG & 1)
+        prefetch_items(wo_ptr, s_o_n, s_o_k, pid, P, H // BN, S3, HQ * D // S3, D,
+                       CONTIG >> 1 & 1)
+        prefetch_items(wgu_ptr, s_gu_n, s_gu_k, pid, P, 2 * INTER // BN, S5, H // S5, 128,
+                       CONTIG >> 2 & 1)
+        prefetch_items(wd_ptr, s_d_n, s_d_k, pid, P, H // BN, S6, INTER // S6, 128,
+                       CONTIG >> 3 & 1)
+    wait_then_release(USE_PDL)
+    if PHASE == 0 or PHASE == 1:
+        ph.normed_gemm(x_ptr, in_norm_ptr, wqkv_ptr, s_qkv_n, s_qkv_k, part1_ptr, pid, P, T, eps,
+                       NQKV // BN, S1, H, NQKV, 128, PRECISION)
+    if PHASE == 0:
+        grid_sync(bar_ptr, P)
+    if PHASE == 0 or PHASE == 2:
+        ph.qk_rope_store(part1_ptr, S1, q_ptr, qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr,
+                         k_cache_ptr, v_cache_ptr, pid, P, T, eps, HQ, HKV, D, NORM)
+    if PHASE == 0:
+        grid_sync(bar_ptr, P)
+    if PHASE == 0 or PHASE == 3:
+        ph.attention(q_ptr, k_cache_ptr, v_cache_ptr, ctx_ptr, bt_ptr, stride_bt, m_ptr, l_ptr,
+                     acc_ptr, NS, pid, P, T, qk_scale, HQ, HKV, D, BLOCK_SIZE, BLOCK_N,
+                     PRECISION)
+    if PHASE == 0:
+        grid_sync(bar_ptr, P)
+    if PHASE == 0 or PHASE == 4:
+        ph.o_proj(m_ptr, l_ptr, acc_ptr, NS, wo_ptr, s_o_n, s_o_k, part3_ptr, pid, P, T, H // BN,
+                  S3, H, HQ, D, PRECISION)
+    if PHASE == 0:
+        grid_sync(bar_ptr, P)
+    if PHASE == 0 or PHASE == 5:
+        ph.residual(part3_ptr, S3, x_ptr, resid2_ptr, pid, P, T, H)
+    if PHASE == 0:
+        grid_sync(bar_ptr, P)
+    if PHASE == 0 or PHASE == 6:
+        ph.gate_up(resid2_ptr, post_norm_ptr, wgu_ptr, s_gu_n, s_gu_k, part5_ptr, pid, P, T, eps,
+                   INTER // BN, S5, H, INTER, 128, PRECISION)
+    if PHASE == 0:
+        grid_sync(bar_ptr, P)
+    if PHASE == 0 or PHASE == 7:
+        ph.down(part5_ptr, S5, wd_ptr, s_d_n, s_d_k, part6_ptr, pid, P, T, H // BN, S6, H,
+                INTER, 128, PRECISION)
+    if PHASE == 0:
+        grid_sync(bar_ptr, P)
+    if PHASE == 0 or PHASE == 8:
+        ph.residual(part6_ptr, S6, resid2_ptr, out_ptr, pid, P, T, H)
+
+
+@dataclass
+class LayerWeights:
+    """One dense layer's weights, nn.Linear's shapes ([out, in]) in any strides."""
+
+    input_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [(HQ + 2 HKV) D, H]: q, k, v heads
+    q_norm: torch.Tensor | None  # [D] (Qwen3), or None (Llama)
+    k_norm: torch.Tensor | None
+    o: torch.Tensor  # [H, HQ D]
+    post_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2 I, H]: gate rows, then up rows
+    down: torch.Tensor  # [H, I]
+    eps: float
+
+
+def _pow2_splits(items: int, programs: int, k_steps: int) -> int:
+    """K splits (a power of two dividing k_steps) that bring `items` tiles nearest to one item a
+    program without exceeding it."""
+    splits = 1
+    while items * splits * 2 <= programs and k_steps % (splits * 2) == 0:
+        splits *= 2
+    return splits
+
+
+class PersistentDecodeLayer:
+    """Scratch and launch configuration of _decode_layer_kernel for one shape and device."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, hidden_size: int,
+                 intermediate_size: int, dtype: torch.dtype, device: torch.device,
+                 programs: int | None = None):
+        self.hq, self.hkv, self.d = num_heads, num_kv_heads, head_dim
+        self.h, self.i = hidden_size, intermediate_size
+        self.programs = programs or num_sms(device)
+        assert self.programs >= 2 and hidden_size % 256 == 0 and intermediate_size % BK == 0
+        assert hidden_size % BK == 0 and head_dim in (64, 128) and num_heads % num_kv_heads == 0
+        nqkv = (num_heads + 2 * num_kv_heads) * head_dim
+        p = self.programs
+        self.s1 = _pow2_splits(nqkv // BN, p, hidden_size // BK)
+        self.s3 = _pow2_splits(hidden_size // BN, p, num_heads)
+        self.s5 = _pow2_splits(2 * intermediate_size // BN, p, hidden_size // BK)
+        self.s6 = _pow2_splits(hidden_size // BN, p, intermediate_size // BK)
+        f32 = dict(dtype=torch.float32, device=device)
+        t = MAX_TOKENS
+        self.part1 = torch.empty(self.s1, t, nqkv, **f32)
+        self.q = torch.empty(t, num_heads, head_dim, dtype=dtype, device=device)
+        self.m = torch.empty(t, num_heads, _MAX_SPLITS, **f32)
+        self.l = torch.empty_like(self.m)
+        self.acc = torch.empty(t, num_heads, _MAX_SPLITS, head_dim, **f32)
+        self.part3 = torch.empty(self.s3, t, hidden_size, **f32)
+        self.resid2 = torch.empty(t, hidden_size, dtype=dtype, device=device)
+        self.part5 = torch.empty(self.s5, t, 2 * intermediate_size, **f32)
+        self.part6 = torch.empty(self.s6, t, hidden_size, **f32)
+        self.barrier = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def attention_splits(self, num_tokens: int, max_context: int) -> int:
+        """Splits of each (token, kv head)'s context: about one item a program, each >= 64 keys
+        (from shapes only: CUDA-graph safe)."""
+        by_programs = triton.cdiv(self.programs, num_tokens * self.hkv)
+        return max(1, min(by_programs, triton.cdiv(max_context, 64), _MAX_SPLITS))
+
+    def __call__(self, x: torch.Tensor, w: LayerWeights, cos_sin: torch.Tensor,
+                 positions: torch.Tensor, slot_mapping: torch.Tensor, context_lens: torch.Tensor,
+                 block_tables: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 scale: float, prefetch: bool = True) -> torch.Tensor:
+        """The layer's output [T, H] for x [T, H] (T <= 16 tokens, one a sequence); the tokens'
+        K/V are written to the cache ([blocks, block_size, HKV, D]) at slot_mapping."""
+        num_tokens = x.shape[0]
+        assert 1 <= num_tokens <= MAX_TOKENS and x.is_contiguous() and cos_sin.is_contiguous()
+        assert cos_sin.shape[1] == self.d and k_cache.is_contiguous() and v_cache.is_contiguous()
+        block_size = k_cache.shape[1]
+        out = torch.empty_like(x)
+        ns = self.attention_splits(num_tokens, block_tables.shape[1] * block_size)
+        weights = (w.qkv, w.o, w.gate_up, w.down)
+        contig = sum((t.stride(1) == 1) << i for i, t in enumerate(weights))
+        interpret = triton.knobs.runtime.interpret
+        args = (x, out, w.input_norm, w.qkv, *w.qkv.stride(), w.q_norm if w.q_norm is not None
+                else w.input_norm, w.k_norm if w.k_norm is not None else w.input_norm, w.o,
+                *w.o.stride(), w.post_norm, w.gate_up, *w.gate_up.stride(), w.down,
+                *w.down.stride(), cos_sin, positions, slot_mapping, k_cache, v_cache,
+                context_lens, block_tables, block_tables.stride(0), self.part1, self.q, self.m,
+                self.l, self.acc, self.part3, self.resid2, self.part5, self.part6, self.barrier,
+                self.programs, num_tokens, w.eps, scale * LOG2E, ns, self.s1, self.s3, self.s5,
+                self.s6)
+        consts = dict(H=self.h, HQ=self.hq, HKV=self.hkv, D=self.d, INTER=self.i,
+                      BLOCK_SIZE=block_size, BLOCK_N=min(64, block_size),
+                      NORM=w.q_norm is not None, PRECISION=prefill.dot_precision(x.dtype),
+                      PREFETCH=prefetch and not interpret, CONTIG=contig, num_warps=4)
+        # A phase's items are independent: under the interpreter each phase is a launch
+        for phase in range(1, PHASES + 1) if interpret else (0,):
+            _decode_layer_kernel[(self.programs,)](*args, PHASE=phase, **consts,
+                                                   **launch_options())
+        return out

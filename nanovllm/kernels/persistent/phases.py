@@ -1,0 +1,272 @@
+"""The phases of kernels.persistent.decode_layer: each runs its items (item = pid, pid + P,
+...) and writes what the next phase reads; the caller puts a grid barrier between them."""
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.attention.decode import _attend_chunk
+from nanovllm.kernels.attention.qk_norm_rope import _norm_rope
+from nanovllm.kernels.persistent.sync import BN, split_item
+
+T_P2 = tl.constexpr(16)  # token columns of every tile: the MMA's narrow side
+
+
+@triton.jit
+def rstd_of(x_ptr, T, H: tl.constexpr, eps):
+    """1 / RMS of each token's row of x [T, H] (float32 [T_P2]; padding rows 1)."""
+    offs_t = tl.arange(0, T_P2)
+    ss = tl.zeros([T_P2], tl.float32)
+    for h in range(0, H, 256):
+        x = tl.load(x_ptr + offs_t[:, None] * H + h + tl.arange(0, 256)[None, :],
+                    mask=offs_t[:, None] < T, other=0.0, cache_modifier=".cg").to(tl.float32)
+        ss += tl.sum(x * x, axis=1)
+    return tl.rsqrt(ss / H + eps)
+
+
+@triton.jit
+def _w_tile(w_ptr, s_n, s_k, n0, k, BK: tl.constexpr):
+    """Weight rows n0:+BN, columns k:+BK ([BN, BK]), as stored (either stride may be 1)."""
+    return tl.load(w_ptr + (n0 + tl.arange(0, BN))[:, None] * s_n
+                   + (k + tl.arange(0, BK))[None, :] * s_k)
+
+
+@triton.jit
+def _normed_tile(x_ptr, g_ptr, rstd, T, k, H: tl.constexpr, BK: tl.constexpr):
+    """RMSNorm(x)[:, k:+BK] transposed ([BK, T_P2]), rounded as RMSNorm.rms_forward rounds."""
+    offs_k = k + tl.arange(0, BK)
+    offs_t = tl.arange(0, T_P2)
+    x = tl.load(x_ptr + offs_t[None, :] * H + offs_k[:, None], mask=offs_t[None, :] < T,
+                other=0.0, cache_modifier=".cg")
+    g = tl.load(g_ptr + offs_k)
+    return ((x.to(tl.float32) * rstd[None, :]).to(x.dtype) * g[:, None]).to(x.dtype)
+
+
+@triton.jit
+def _store_partial(part_ptr, acc, split, T, n0, N: tl.constexpr):
+    """part[split, t, n0:+BN] = acc [BN, T_P2] (float32)."""
+    offs_t = tl.arange(0, T_P2)[None, :]
+    rows = (n0 + tl.arange(0, BN))[:, None]
+    tl.store(part_ptr + (split * T + offs_t) * N + rows, acc, mask=offs_t < T)
+
+
+@triton.jit
+def _sum_partials(part_ptr, S, T, t, cols, N: tl.constexpr):
+    """Sum over the S splits of part[s, t, cols] (float32, cols' shape)."""
+    acc = tl.zeros(cols.shape, tl.float32)
+    for s in range(S):
+        acc += tl.load(part_ptr + (s * T + t) * N + cols, cache_modifier=".cg")
+    return acc
+
+
+@triton.jit
+def normed_gemm(x_ptr, g_ptr, w_ptr, s_n, s_k, part_ptr, pid, P, T, eps, NT, S,
+                 H: tl.constexpr, N: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+    """Phases 1 and 6: part[split] = RMSNorm(x)[:, split's K] @ W[:, split's K].T."""
+    rstd = rstd_of(x_ptr, T, H, eps)
+    K_LEN = H // S
+    for item in range(pid, S * NT, P):
+        split, tile = split_item(item, NT)
+        n0 = tile * BN
+        acc = tl.zeros([BN, T_P2], tl.float32)
+        for k in range(split * K_LEN, (split + 1) * K_LEN, BK):
+            acc = tl.dot(_w_tile(w_ptr, s_n, s_k, n0, k, BK),
+                         _normed_tile(x_ptr, g_ptr, rstd, T, k, H, BK), acc,
+                         input_precision=PRECISION)
+        _store_partial(part_ptr, acc, split, T, n0, N)
+
+
+@triton.jit
+def qk_rope_store(part1_ptr, S1, q_ptr, qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr,
+                   k_cache_ptr, v_cache_ptr, pid, P, T, eps, HQ: tl.constexpr,
+                   HKV: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
+    """Phase 2: one item a (token, q or kv head): q normed and rotated into q, or k normed and
+    rotated and v into the token's cache slot."""
+    HALF: tl.constexpr = D // 2
+    NQKV: tl.constexpr = (HQ + 2 * HKV) * D
+    lo = tl.arange(0, HALF)[None, :]
+    dtype = q_ptr.dtype.element_ty
+    for item in range(pid, T * (HQ + HKV), P):
+        t, head = split_item(item, HQ + HKV)
+        x1 = _sum_partials(part1_ptr, S1, T, t, head * D + lo, NQKV).to(dtype)
+        x2 = _sum_partials(part1_ptr, S1, T, t, head * D + HALF + lo, NQKV).to(dtype)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        cos = tl.load(cos_sin_ptr + pos * D + lo)
+        sin = tl.load(cos_sin_ptr + pos * D + HALF + lo)
+        if head < HQ:
+            if NORM:
+                w1, w2 = tl.load(qn_ptr + lo).to(tl.float32), tl.load(qn_ptr + HALF + lo).to(
+                    tl.float32)
+            else:
+                w1, w2 = tl.zeros([1, HALF], tl.float32), tl.zeros([1, HALF], tl.float32)
+            x1, x2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, dtype, D, NORM, 1)
+            tl.store(q_ptr + (t * HQ + head) * D + lo, x1)
+            tl.store(q_ptr + (t * HQ + head) * D + HALF + lo, x2)
+        else:
+            if NORM:
+                w1, w2 = tl.load(kn_ptr + lo).to(tl.float32), tl.load(kn_ptr + HALF + lo).to(
+                    tl.float32)
+            else:
+                w1, w2 = tl.zeros([1, HALF], tl.float32), tl.zeros([1, HALF], tl.float32)
+            x1, x2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, dtype, D, NORM, 1)
+            v_cols = (head + HKV) * D  # v heads follow the k heads
+            v1 = _sum_partials(part1_ptr, S1, T, t, v_cols + lo, NQKV).to(dtype)
+            v2 = _sum_partials(part1_ptr, S1, T, t, v_cols + HALF + lo, NQKV).to(dtype)
+            slot = tl.load(slot_ptr + t).to(tl.int64)
+            kvh = head - HQ
+            dst = (slot * HKV + kvh) * D + lo
+            ok = lo < tl.where(slot >= 0, HALF, 0)  # slot < 0: a padding row, nothing written
+            tl.store(k_cache_ptr + dst, x1.to(k_cache_ptr.dtype.element_ty), mask=ok)
+            tl.store(k_cache_ptr + dst + HALF, x2.to(k_cache_ptr.dtype.element_ty), mask=ok)
+            tl.store(v_cache_ptr + dst, v1.to(v_cache_ptr.dtype.element_ty), mask=ok)
+            tl.store(v_cache_ptr + dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def attention(q_ptr, k_cache_ptr, v_cache_ptr, ctx_ptr, bt_ptr, stride_bt, m_ptr, l_ptr,
+               acc_ptr, NS, pid, P, T, qk_scale, HQ: tl.constexpr, HKV: tl.constexpr,
+               D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """Phase 3: one item a (token, kv head, split of its context): the group's query heads
+    over the split's keys (kernels.attention.decode's loop), softmax partials [T, HQ, NS]."""
+    GROUP: tl.constexpr = HQ // HKV
+    G_P2: tl.constexpr = 16 if GROUP < 16 else GROUP  # tl.dot's smallest side
+    PAGES: tl.constexpr = 16
+    offs_g = tl.arange(0, G_P2)
+    offs_d = tl.arange(0, D)
+    offs_p = tl.arange(0, PAGES)
+    for item in range(pid, T * HKV * NS, P):
+        rest, split = split_item(item, NS)
+        t, kvh = split_item(rest, HKV)
+        ctx = tl.load(ctx_ptr + t)
+        split_len = tl.cdiv(tl.cdiv(ctx, NS), BLOCK_N) * BLOCK_N
+        start = split * split_len
+        end = tl.minimum(start + split_len, ctx)
+        heads = kvh * GROUP + offs_g
+        q = tl.load(q_ptr + (t * HQ + heads[:, None]) * D + offs_d[None, :],
+                    mask=offs_g[:, None] < GROUP, other=0.0, cache_modifier=".cg")
+        m_i = tl.full([G_P2], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_P2], tl.float32)
+        acc = tl.zeros([G_P2, D], tl.float32)
+        end_page = tl.cdiv(end, BLOCK_SIZE)
+        for page0 in range(start // BLOCK_SIZE, end_page, PAGES):
+            pages = tl.load(bt_ptr + t * stride_bt + page0 + offs_p,
+                            mask=page0 + offs_p < end_page, other=0)
+            m_i, l_i, acc = _attend_chunk(
+                q, k_cache_ptr, v_cache_ptr, pages, page0,
+                tl.maximum(start, page0 * BLOCK_SIZE),
+                tl.minimum(end, (page0 + PAGES) * BLOCK_SIZE),
+                0, kvh, m_i, l_i, acc, qk_scale, HKV, D, BLOCK_SIZE, BLOCK_N, PAGES, PRECISION,
+                False)
+        part = ((t * HQ + heads) * NS + split)
+        ok = offs_g < GROUP
+        tl.store(m_ptr + part, m_i, mask=ok)
+        tl.store(l_ptr + part, l_i, mask=ok)
+        tl.store(acc_ptr + part[:, None] * D + offs_d[None, :], acc, mask=ok[:, None])
+
+
+@triton.jit
+def _merged_head(m_ptr, l_ptr, acc_ptr, NS, T, head, HQ: tl.constexpr, D: tl.constexpr,
+                 dtype):
+    """One head's attention output for every token, its splits merged ([D, T_P2], dtype): the
+    decode reduce kernel's sum, as o_proj's x tile."""
+    offs_t = tl.arange(0, T_P2)
+    offs_d = tl.arange(0, D)
+    ok = offs_t < T
+    row = (offs_t * HQ + head) * NS  # [T_P2]: split 0 of (t, head)
+    m_max = tl.full([T_P2], float("-inf"), tl.float32)
+    for s in range(NS):
+        m_max = tl.maximum(m_max, tl.load(m_ptr + row + s, mask=ok, other=float("-inf"),
+                                          cache_modifier=".cg"))
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # an empty context: zeros out
+    denom = tl.zeros([T_P2], tl.float32)
+    o = tl.zeros([D, T_P2], tl.float32)
+    for s in range(NS):
+        w = tl.exp2(tl.load(m_ptr + row + s, mask=ok, other=float("-inf"),
+                            cache_modifier=".cg") - m_max)
+        denom += w * tl.load(l_ptr + row + s, mask=ok, other=0.0, cache_modifier=".cg")
+        o += w[None, :] * tl.load(acc_ptr + (row + s)[None, :] * D + offs_d[:, None],
+                                  mask=ok[None, :], other=0.0, cache_modifier=".cg")
+    return (o / tl.where(denom == 0.0, 1.0, denom)[None, :]).to(dtype)
+
+
+@triton.jit
+def o_proj(m_ptr, l_ptr, acc_ptr, NS, w_ptr, s_n, s_k, part_ptr, pid, P, T, NT, S,
+            H: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr):
+    """Phase 4: part[split] = attention[:, split's heads] @ W_o[:, split's heads].T."""
+    K_LEN = HQ * D // S
+    dtype = w_ptr.dtype.element_ty
+    for item in range(pid, S * NT, P):
+        split, tile = split_item(item, NT)
+        n0 = tile * BN
+        acc = tl.zeros([BN, T_P2], tl.float32)
+        for k in range(split * K_LEN, (split + 1) * K_LEN, D):  # a head a K step
+            x = _merged_head(m_ptr, l_ptr, acc_ptr, NS, T, k // D, HQ, D, dtype)
+            acc = tl.dot(_w_tile(w_ptr, s_n, s_k, n0, k, D), x, acc, input_precision=PRECISION)
+        _store_partial(part_ptr, acc, split, T, n0, H)
+
+
+@triton.jit
+def residual(part_ptr, S, res_ptr, out_ptr, pid, P, T, H: tl.constexpr):
+    """Phases 5 and 8: out = residual + the partials' sum rounded (add + RMSNorm's add)."""
+    offs = tl.arange(0, 256)
+    for item in range(pid, T * (H // 256), P):
+        t, chunk = split_item(item, H // 256)
+        cols = chunk * 256 + offs
+        y = _sum_partials(part_ptr, S, T, t, cols, H).to(out_ptr.dtype.element_ty)
+        r = tl.load(res_ptr + t * H + cols, cache_modifier=".cg")
+        tl.store(out_ptr + t * H + cols, (y.to(tl.float32) + r.to(tl.float32)).to(y.dtype))
+
+
+@triton.jit
+def _act_tile(part5_ptr, S5, T, k, INTER: tl.constexpr, BK: tl.constexpr, dtype):
+    """SiLU(gate) * up for columns k:+BK of every token ([BK, T_P2]), as silu_and_mul rounds."""
+    offs_t = tl.arange(0, T_P2)
+    cols = k + tl.arange(0, BK)
+    ok = offs_t[None, :] < T
+    gate = tl.zeros([BK, T_P2], tl.float32)
+    up = tl.zeros([BK, T_P2], tl.float32)
+    for s in range(S5):
+        row = (s * T + offs_t[None, :]) * (2 * INTER)
+        gate += tl.load(part5_ptr + row + cols[:, None], mask=ok, other=0.0, cache_modifier=".cg")
+        up += tl.load(part5_ptr + row + INTER + cols[:, None], mask=ok, other=0.0,
+                      cache_modifier=".cg")
+    gate = gate.to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (silu * up.to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def gate_up(x_ptr, g_ptr, w_ptr, s_n, s_k, part_ptr, pid, P, T, eps, NT, S, H: tl.constexpr,
+             INTER: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+    """Phase 6: part[split] = RMSNorm(x)[:, split's K] @ [W_gate; W_up][:, split's K].T, each
+    item a tile of gate rows with the same tile of up rows (part: [S, T, 2I])."""
+    rstd = rstd_of(x_ptr, T, H, eps)
+    K_LEN = H // S
+    for item in range(pid, S * NT, P):
+        split, tile = split_item(item, NT)
+        n0 = tile * BN
+        gate = tl.zeros([BN, T_P2], tl.float32)
+        up = tl.zeros([BN, T_P2], tl.float32)
+        for k in range(split * K_LEN, (split + 1) * K_LEN, BK):
+            x = _normed_tile(x_ptr, g_ptr, rstd, T, k, H, BK)
+            gate = tl.dot(_w_tile(w_ptr, s_n, s_k, n0, k, BK), x, gate, input_precision=PRECISION)
+            up = tl.dot(_w_tile(w_ptr, s_n, s_k, INTER + n0, k, BK), x, up,
+                        input_precision=PRECISION)
+        _store_partial(part_ptr, gate, split, T, n0, 2 * INTER)
+        _store_partial(part_ptr, up, split, T, INTER + n0, 2 * INTER)
+
+
+@triton.jit
+def down(part5_ptr, S5, w_ptr, s_n, s_k, part_ptr, pid, P, T, NT, S, H: tl.constexpr,
+          INTER: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+    """Phase 7: part[split] = act[:, split's K] @ W_down[:, split's K].T."""
+    K_LEN = INTER // S
+    dtype = w_ptr.dtype.element_ty
+    for item in range(pid, S * NT, P):
+        split, tile = split_item(item, NT)
+        n0 = tile * BN
+        acc = tl.zeros([BN, T_P2], tl.float32)
+        for k in range(split * K_LEN, (split + 1) * K_LEN, BK):
+            acc = tl.dot(_w_tile(w_ptr, s_n, s_k, n0, k, BK),
+                         _act_tile(part5_ptr, S5, T, k, INTER, BK, dtype), acc,
+                         input_precision=PRECISION)
+        _store_partial(part_ptr, acc, split, T, n0, H)
