@@ -126,7 +126,8 @@ class PersistentDecodeLayer:
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, hidden_size: int,
                  intermediate_size: int, dtype: torch.dtype, device: torch.device,
-                 programs: int | None = None):
+                 programs: int | None = None, num_warps: int = 8):
+        self.num_warps = num_warps  # 8: ~100 registers a thread at 0.6B's shape, 4: ~190
         self.hq, self.hkv, self.d = num_heads, num_kv_heads, head_dim
         self.h, self.i = hidden_size, intermediate_size
         self.programs = programs or num_sms(device)
@@ -183,7 +184,7 @@ class PersistentDecodeLayer:
         consts = dict(H=self.h, HQ=self.hq, HKV=self.hkv, D=self.d, INTER=self.i,
                       BLOCK_SIZE=block_size, BLOCK_N=min(64, block_size),
                       NORM=w.q_norm is not None, PRECISION=prefill.dot_precision(x.dtype),
-                      PREFETCH=prefetch and not interpret, CONTIG=contig, num_warps=4)
+                      PREFETCH=prefetch and not interpret, CONTIG=contig, num_warps=self.num_warps)
         # A phase's items are independent: under the interpreter each phase is a launch
         for phase in range(1, PHASES + 1) if interpret else (0,):
             _decode_layer_kernel[(self.programs,)](*args, PHASE=phase, **consts,
