@@ -1,33 +1,47 @@
 """The persistent decode layer (kernels.persistent) against the per-kernel decode path, GPU time.
 
 python -m benchmarks.persistent_layer [--shape qwen3-0.6b] [--batches 1 16] [--context 384]
-                                      [--rounds 3]
+                                      [--rounds 3] [--tiny]
 
 A stack of the shape's dense layers (random bf16 weights in the layouts the model keeps) runs
 one decode step as a CUDA graph, each way alternated per round: the per-kernel path (the
 production kernels: add + RMSNorm over split-K partials, fused qkv + RoPE + K/V write, split
 decode attention, split-K o_proj and down_proj, fused gate_up + SiLU), and the persistent layer
 with and without its L2 prefetch. Also: one grid barrier against one PDL kernel boundary, and
-the layers' outputs against each other. Prints a table of us per step and per layer.
+the layers' outputs against each other, and each phase alone beside its floor. Prints tables
+of us per step and per layer. --tiny: a two-layer toy shape on CPU under the interpreter (a
+smoke run; its times mean nothing).
 """
 import argparse
+import os
 import statistics
+from time import perf_counter
 
 import torch
-import triton
-import triton.language as tl
 
-from benchmarks.shapes import SHAPES
-from nanovllm.kernels.attention.decode import decode_attention_triton
-from nanovllm.kernels.fused_ops import add_partials_rms_norm, rms_norm
-from nanovllm.kernels.linear.fused import gate_up_silu, qkv_rope_store
-from nanovllm.kernels.linear.split_k import split_k_linear
-from nanovllm.kernels.pdl import launch_options, wait_then_release
-from nanovllm.kernels.persistent.decode_layer import LayerWeights, PersistentDecodeLayer
-from nanovllm.kernels.persistent.sync import grid_sync
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # --tiny: before triton is imported
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from benchmarks.floor import BYTES  # noqa: E402
+from benchmarks.shapes import SHAPES  # noqa: E402
+from nanovllm.kernels.attention.decode import decode_attention_triton  # noqa: E402
+from nanovllm.kernels.fused_ops import add_partials_rms_norm, rms_norm  # noqa: E402
+from nanovllm.kernels.linear.fused import gate_up_silu, qkv_rope_store  # noqa: E402
+from nanovllm.kernels.linear.split_k import split_k_linear  # noqa: E402
+from nanovllm.kernels.pdl import launch_options, wait_then_release  # noqa: E402
+from nanovllm.kernels.persistent.decode_layer import (  # noqa: E402
+    LayerWeights,
+    PersistentDecodeLayer,
+)
+from nanovllm.kernels.persistent.sync import grid_sync  # noqa: E402
 
 BLOCK = 256
 DENSE = ("qwen3-0.6b", "llama-3.2-1b", "llama-3.1-8b")  # no bias, no experts, no window
+TINY = dict(architectures=["Qwen3ForCausalLM"], hidden_size=256, intermediate_size=384,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=128)
 
 
 @triton.jit
@@ -49,7 +63,7 @@ def make_layers(cfg: dict, n: int) -> list[LayerWeights]:
     hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
 
     def rand(*shape, scale=0.02):
-        return torch.randn(*shape, device="cuda").mul_(scale).bfloat16()
+        return torch.randn(*shape, device=DEVICE).mul_(scale).bfloat16()
 
     def kmajor(w):
         return w.t().contiguous().t()
@@ -90,7 +104,12 @@ def persistent_step(x, layers, layer, inputs, caches, scale, prefetch):
 
 
 def graph_us(fn, replays: int = 20) -> tuple[float, torch.cuda.CUDAGraph, torch.Tensor]:
-    """GPU us per replay of fn captured as a CUDA graph (and the graph's output)."""
+    """GPU us per replay of fn captured as a CUDA graph (and the graph's output); on CPU
+    (--tiny, the interpreter) the wall time of one call."""
+    if DEVICE == "cpu":
+        start = perf_counter()
+        out = fn()
+        return (perf_counter() - start) * 1e6, None, out
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -108,29 +127,36 @@ def graph_us(fn, replays: int = 20) -> tuple[float, torch.cuda.CUDAGraph, torch.
 
 def barrier_us(programs: int, rounds: int = 200) -> tuple[float, float]:
     """(us per grid barrier, us per empty PDL kernel boundary), each in a CUDA graph."""
-    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     bar, _, _ = graph_us(lambda: _barriers_kernel[(programs,)](counter, programs, rounds))
     pdl, _, _ = graph_us(lambda: [_pdl_kernel[(programs,)](**launch_options())
                                   for _ in range(rounds)])
     return bar / rounds, pdl / rounds
 
 
+def step_inputs(batch: int, cfg: dict, context: int) -> tuple:
+    """(x, (cos_sin, positions, slots, context_lens, block_tables), caches, scale) of a decode
+    step of `batch` sequences holding `context` keys each (the last one this step's)."""
+    n, d, hkv = cfg["num_hidden_layers"], cfg["head_dim"], cfg["num_key_value_heads"]
+    pages = -(-context // BLOCK)
+    caches = [torch.randn(2, batch * pages, BLOCK, hkv, d, device=DEVICE).bfloat16()
+              for _ in range(n)]
+    tables = torch.arange(batch * pages, device=DEVICE, dtype=torch.int32).view(batch, pages)
+    ctx = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
+    pos = (ctx - 1).long()
+    slots = tables[:, -1].long() * BLOCK + (context - 1) % BLOCK
+    theta = 1e6 ** (-torch.arange(0, d, 2, device=DEVICE).float() / d)
+    freqs = torch.outer(torch.arange(context + 1, device=DEVICE).float(), theta)
+    inputs = (torch.cat((freqs.cos(), freqs.sin()), -1).contiguous(), pos, slots, ctx, tables)
+    x = torch.randn(batch, cfg["hidden_size"], device=DEVICE).bfloat16()
+    return x, inputs, caches, d ** -0.5
+
+
 def run_batch(batch: int, cfg: dict, layers: list[LayerWeights], layer: PersistentDecodeLayer,
               context: int, rounds: int) -> list[tuple]:
     """Each way's step, alternated for `rounds` rounds: rows of the table."""
-    n, d, hkv = cfg["num_hidden_layers"], cfg["head_dim"], cfg["num_key_value_heads"]
-    scale = d ** -0.5
-    pages = -(-context // BLOCK)
-    caches = [torch.randn(2, batch * pages, BLOCK, hkv, d, device="cuda").bfloat16()
-              for _ in range(n)]
-    tables = torch.arange(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages)
-    ctx = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    pos = (ctx - 1).long()
-    slots = tables[:, -1].long() * BLOCK + (context - 1) % BLOCK
-    theta = 1e6 ** (-torch.arange(0, d, 2, device="cuda").float() / d)
-    freqs = torch.outer(torch.arange(context + 1, device="cuda").float(), theta)
-    inputs = (torch.cat((freqs.cos(), freqs.sin()), -1).contiguous(), pos, slots, ctx, tables)
-    x = torch.randn(batch, cfg["hidden_size"], device="cuda").bfloat16()
+    n = cfg["num_hidden_layers"]
+    x, inputs, caches, scale = step_inputs(batch, cfg, context)
     ways = {"per-kernel": lambda: per_kernel_step(x, layers, cfg, inputs, caches, scale),
             "persistent": lambda: persistent_step(x, layers, layer, inputs, caches, scale, True),
             "persistent, no prefetch": lambda: persistent_step(x, layers, layer, inputs, caches,
@@ -150,31 +176,74 @@ def run_batch(batch: int, cfg: dict, layers: list[LayerWeights], layer: Persiste
     return rows
 
 
+PHASE_NAMES = ("qkv_proj + input norm", "q/k norm + RoPE + K/V write", "attention",
+               "o_proj + merge", "residual add", "gate_up_proj + post norm",
+               "down_proj + SiLU-and-mul", "residual add")
+
+
+def phase_floors_bytes(cfg: dict, batch: int, context: int) -> tuple[float, ...]:
+    """Bytes each phase must read at least (weights, K/V), per layer."""
+    h, i, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    kv = batch * context * hkv * d * 2 * BYTES
+    return ((hq + 2 * hkv) * d * h * BYTES, 0, kv, h * hq * d * BYTES, 0, 2 * i * h * BYTES,
+            h * i * BYTES, 0)
+
+
+def phase_table(batch: int, cfg: dict, layers: list[LayerWeights],
+                layer: PersistentDecodeLayer, context: int, bandwidth: float) -> list[str]:
+    """Each phase alone (no barrier, no prefetch) for every layer in a graph: us per layer
+    beside its bandwidth floor."""
+    x, inputs, caches, scale = step_inputs(batch, cfg, context)
+    cos_sin, pos, slots, ctx, tables = inputs
+    lines = []
+    for p, (name, nbytes) in enumerate(zip(PHASE_NAMES, phase_floors_bytes(cfg, batch, context)),
+                                       start=1):
+        def run(p=p):
+            for w, (kc, vc) in zip(layers, caches):
+                layer(x, w, cos_sin, pos, slots, ctx, tables, kc, vc, scale, prefetch=False,
+                      phase=p)
+        us = statistics.median(graph_us(run)[0] for _ in range(3)) / len(layers)
+        lines.append(f"| {batch} | {p} {name} | {us:.1f} | {nbytes / bandwidth * 1e6:.1f} |")
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="qwen3-0.6b", choices=DENSE)
+    p.add_argument("--tiny", action="store_true", help="a two-layer toy shape on CPU (smoke)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--context", type=int, default=384, help="keys each sequence holds")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--bandwidth", type=float, default=4.27e12, help="bytes/s (H200 copy)")
     args = p.parse_args()
-    cfg = dict(SHAPES[args.shape])
+    cfg = dict(TINY if args.tiny else SHAPES[args.shape])
+    if args.tiny:
+        args.batches, args.context, args.rounds = [b for b in args.batches if b <= 2], 40, 1
     cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    assert DEVICE == "cuda" or args.tiny, "a CUDA GPU, or --tiny"
     torch.manual_seed(0)
     layers = make_layers(cfg, cfg["num_hidden_layers"])
     layer = PersistentDecodeLayer(cfg["num_attention_heads"], cfg["num_key_value_heads"],
                                   cfg["head_dim"], cfg["hidden_size"], cfg["intermediate_size"],
-                                  torch.bfloat16, torch.device("cuda"))
+                                  torch.bfloat16, torch.device(DEVICE),
+                                  programs=None if DEVICE == "cuda" else 4)
     rows = []
-    bar, pdl = barrier_us(layer.programs)
+    bar, pdl = barrier_us(layer.programs) if DEVICE == "cuda" else (float("nan"),) * 2
     print(f"grid barrier {bar:.2f} us, PDL kernel boundary {pdl:.2f} us "
           f"({layer.programs} programs)", flush=True)
+    phases = []
     for batch in args.batches:
         rows += run_batch(batch, cfg, layers, layer, args.context, args.rounds)
+        phases += phase_table(batch, cfg, layers, layer, args.context, args.bandwidth)
     print("| batch | path | us per step (rounds) | median | us per layer | max diff vs "
           "per-kernel (of max) |\n|---|---|---|---|---|---|")
     for batch, name, ts, med, per_layer, err in rows:
         print(f"| {batch} | {name} | {' '.join(f'{t:.0f}' for t in ts)} | {med:.0f} | "
               f"{per_layer:.1f} | {err:.2e} |")
+    print("\n| batch | phase alone (no barrier, no prefetch) | us per layer | floor us |\n"
+          "|---|---|---|---|")
+    print("\n".join(phases))
 
 
 if __name__ == "__main__":

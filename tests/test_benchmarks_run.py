@@ -51,6 +51,17 @@ def cold_compiles(tmp_path: Path) -> None:
        "round 1 serial: LLM() on an empty Triton cache:", "compile-ahead threads 0")
 
 
+def persistent_layer(tmp_path: Path) -> None:
+    proc = run(sys.executable, "-m", "benchmarks.persistent_layer", "--tiny", tmp_path=tmp_path,
+               OPENBLAS_NUM_THREADS="1")
+    ok(proc, "| 1 | per-kernel | ", "| 1 | persistent | ", "| 1 | persistent, no prefetch | ",
+       "| 1 | 8 residual add | ")
+    # the toy layers' outputs agree within bf16 rounding (a wrong phase gives ~1)
+    diffs = [float(line.split("|")[-2]) for line in proc.stdout.splitlines()
+             if line.startswith("| 1 | persistent")]
+    assert diffs and max(diffs) < 0.05, proc.stdout
+
+
 def shapes(tmp_path: Path) -> None:
     proc = run(sys.executable, "-m", "benchmarks.shapes", "--tiny", "--rounds", "2",
                tmp_path=tmp_path)
@@ -132,8 +143,8 @@ def moe_sweep(tmp_path: Path) -> None:
 
 
 CASES = {"cold_compiles.py": cold_compiles, "floor.py": floor, "gpu_figures.sh": gpu_figures,
-         "lora.py": lora, "moe_sweep.py": moe_sweep, "plot.py": plot,
-         "profile_steps.py": profile_steps, "shapes.py": shapes, "soak.py": soak}
+         "lora.py": lora, "moe_sweep.py": moe_sweep, "persistent_layer.py": persistent_layer,
+         "plot.py": plot, "profile_steps.py": profile_steps, "shapes.py": shapes, "soak.py": soak}
 SLOW = {"gpu_figures.sh", "profile_steps.py"}  # each takes ~20-30 s on CPU
 
 

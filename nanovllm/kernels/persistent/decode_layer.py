@@ -161,7 +161,7 @@ class PersistentDecodeLayer:
     def __call__(self, x: torch.Tensor, w: LayerWeights, cos_sin: torch.Tensor,
                  positions: torch.Tensor, slot_mapping: torch.Tensor, context_lens: torch.Tensor,
                  block_tables: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 scale: float, prefetch: bool = True) -> torch.Tensor:
+                 scale: float, prefetch: bool = True, phase: int = 0) -> torch.Tensor:
         """The layer's output [T, H] for x [T, H] (T <= 16 tokens, one a sequence); the tokens'
         K/V are written to the cache ([blocks, block_size, HKV, D]) at slot_mapping."""
         num_tokens = x.shape[0]
@@ -186,7 +186,8 @@ class PersistentDecodeLayer:
                       NORM=w.q_norm is not None, PRECISION=prefill.dot_precision(x.dtype),
                       PREFETCH=prefetch and not interpret, CONTIG=contig, num_warps=self.num_warps)
         # A phase's items are independent: under the interpreter each phase is a launch
-        for phase in range(1, PHASES + 1) if interpret else (0,):
-            _decode_layer_kernel[(self.programs,)](*args, PHASE=phase, **consts,
-                                                   **launch_options())
+        # phase n > 0 runs that phase alone (a benchmark's timing of it; the output is not the
+        # layer's)
+        for p in (range(1, PHASES + 1) if interpret and not phase else (phase,)):
+            _decode_layer_kernel[(self.programs,)](*args, PHASE=p, **consts, **launch_options())
         return out
