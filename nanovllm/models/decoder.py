@@ -168,6 +168,10 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, decoder layers and the final norm."""
 
+    # Runs a whole layer of a small decode step as one launch (layers.persistent_decode), bound
+    # by layers.backends where it fits; None: the per-kernel path
+    whole_layer_decode = None
+
     def __init__(self, config: PretrainedConfig, spec: DecoderSpec):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
@@ -181,6 +185,11 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         residual = self.embed_tokens(input_ids)
+        whole = self.whole_layer_decode
+        if whole is not None and whole.runs(residual, self.layers[0]):
+            for layer in self.layers:  # each layer's norms run inside it: residual to residual
+                residual = whole(layer, positions, residual)
+            return self.norm(residual)
         hidden_states = self.layers[0].input_layernorm(residual)
         for layer, next_norm in zip(self.layers, self.next_norms):
             hidden_states, residual = layer(positions, hidden_states, residual, next_norm)

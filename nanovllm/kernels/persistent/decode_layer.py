@@ -112,6 +112,14 @@ class LayerWeights:
     eps: float
 
 
+def fits_layer(num_heads: int, num_kv_heads: int, head_dim: int, hidden_size: int,
+               intermediate_size: int) -> bool:
+    """Whether the kernel takes a layer of these sizes (its tiles: 128-wide K steps, 64-row
+    output tiles, 256-wide residual chunks, a head a K step of o_proj)."""
+    return (head_dim in (64, 128) and num_heads % num_kv_heads == 0
+            and hidden_size % 256 == 0 and intermediate_size % BK == 0)
+
+
 def _pow2_splits(items: int, programs: int, k_steps: int) -> int:
     """K splits (a power of two dividing k_steps) that bring `items` tiles nearest to one item a
     program without exceeding it."""
@@ -130,9 +138,10 @@ class PersistentDecodeLayer:
         self.num_warps = num_warps  # 8: ~100 registers a thread at 0.6B's shape, 4: ~190
         self.hq, self.hkv, self.d = num_heads, num_kv_heads, head_dim
         self.h, self.i = hidden_size, intermediate_size
-        self.programs = programs or num_sms(device)
-        assert self.programs >= 2 and hidden_size % 256 == 0 and intermediate_size % BK == 0
-        assert hidden_size % BK == 0 and head_dim in (64, 128) and num_heads % num_kv_heads == 0
+        # one an SM; off CUDA (the interpreter runs them in turn) 3, so items wrap around
+        self.programs = programs or num_sms(device) or 3
+        assert self.programs >= 2 and fits_layer(num_heads, num_kv_heads, head_dim, hidden_size,
+                                                 intermediate_size)
         nqkv = (num_heads + 2 * num_kv_heads) * head_dim
         p = self.programs
         self.s1 = _pow2_splits(nqkv // BN, p, hidden_size // BK)

@@ -1,0 +1,59 @@
+"""A dense model's decode steps of up to 16 tokens as one launch a layer (kernels.persistent),
+where layers.backends binds it; every other step, and every model it does not fit, runs the
+per-kernel path, which is also the reference it is tested against."""
+import torch
+from torch import nn
+
+from nanovllm.utils.context import get_context
+
+
+def persistent_fits(model: nn.Module) -> bool:
+    """Whether the persistent layer runs every layer of a DecoderModel: dense MLPs, 16-bit
+    weights without biases, one rank, no LoRA, no sliding window, sizes the kernel takes."""
+    from nanovllm.kernels.persistent.decode_layer import fits_layer
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if not hasattr(mlp, "gate_up_proj") or attn.attn.sliding_window is not None:
+            return False
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(lin.bias is not None or lin.quant is not None or lin.lora_a is not None
+               or lin.tp_size != 1 for lin in linears):
+            return False
+        hidden, inter = mlp.down_proj.weight.shape
+        if not fits_layer(attn.num_heads, attn.num_kv_heads, attn.head_dim, hidden, inter):
+            return False
+    return True
+
+
+class PersistentDecode:
+    """Runs a DecoderLayer's decode step with kernels.persistent: residual in, residual out."""
+
+    def __init__(self) -> None:
+        self.kernel = None  # the launch configuration and scratch, made at the first call
+
+    @staticmethod
+    def runs(x: torch.Tensor, first_layer: nn.Module) -> bool:
+        """Whether this step runs it: a decode step of <= 16 tokens over a 16-bit cache that
+        is allocated and not being calibrated."""
+        from nanovllm.kernels.persistent.decode_layer import MAX_TOKENS
+        attn = first_layer.self_attn.attn
+        return (not get_context().is_prefill and 0 < x.shape[0] <= MAX_TOKENS
+                and attn.takes_projection() and attn.k_cache.dtype == x.dtype)
+
+    def __call__(self, layer: nn.Module, positions: torch.Tensor,
+                 residual: torch.Tensor) -> torch.Tensor:
+        from nanovllm.kernels.persistent.decode_layer import LayerWeights, PersistentDecodeLayer
+        attn, mlp, ctx = layer.self_attn, layer.mlp, get_context()
+        if self.kernel is None:
+            hidden, inter = mlp.down_proj.weight.shape
+            self.kernel = PersistentDecodeLayer(attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                                hidden, inter, residual.dtype, residual.device)
+        norm = attn.attn.q_norm is not None
+        weights = LayerWeights(
+            layer.input_layernorm.weight, attn.qkv_proj.weight,
+            attn.attn.q_norm.weight if norm else None, attn.attn.k_norm.weight if norm else None,
+            attn.o_proj.weight, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
+            mlp.down_proj.weight, layer.input_layernorm.eps)
+        return self.kernel(residual, weights, attn.attn.rotary_emb.cos_sin_cache.squeeze(1),
+                           positions, ctx.slot_mapping, ctx.context_lens, ctx.block_tables,
+                           attn.attn.k_cache, attn.attn.v_cache, attn.attn.scale)

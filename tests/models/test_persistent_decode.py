@@ -1,0 +1,88 @@
+"""Decode steps with each layer as one persistent launch (layers.persistent_decode) give the
+per-kernel path's greedy tokens in float32 (Triton interpreted on CPU), and the models it does
+not fit keep the per-kernel path."""
+import os
+from dataclasses import replace
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # tiny interpreter dots: test_attention
+
+import pytest  # noqa: E402
+
+from benchmarks.random_checkpoints import build_checkpoint  # noqa: E402
+from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.kernels.persistent import decode_layer  # noqa: E402
+from nanovllm.layers.backends import bind_backend  # noqa: E402
+from nanovllm.layers.persistent_decode import PersistentDecode, persistent_fits  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# sizes the kernel tiles: hidden a multiple of 256, intermediate of 128, head_dim 64 or 128
+SHAPE = dict(hidden_size=256, intermediate_size=384, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64, vocab_size=400)
+
+
+@pytest.fixture(scope="module", params=["Qwen3", "Llama"])
+def checkpoint(request, tmp_path_factory) -> str:
+    """Qwen3 (q/k norm) and Llama (none)."""
+    return build_checkpoint(str(tmp_path_factory.mktemp(request.param)), family=request.param,
+                            **SHAPE)
+
+
+def _rebind(llm: LLM, persistent: bool) -> None:
+    """Bind the model again with the persistent layer on or off (the engine binds it only on
+    CUDA when asked: here it runs interpreted, for this test only)."""
+    backend = llm.model_runner.backend
+    fast_path = replace(backend.fast_path, persistent_decode=persistent)
+    bind_backend(llm.model_runner.model, type(backend)(fast_path))
+
+
+def _greedy(llm: LLM) -> list[list[int]]:
+    prompts = [[(7 * i + 3 * j) % 300 + 1 for j in range(n)] for i, n in enumerate((5, 40, 17))]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    return [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("eager", [True, pytest.param(False, marks=pytest.mark.gpu)])
+def test_same_greedy_tokens_as_the_per_kernel_path(checkpoint, eager, monkeypatch):
+    """float32: every decode step of the 3 sequences runs one launch a layer and gives the
+    per-kernel path's tokens exactly (with CUDA graphs on the GPU)."""
+    llm = LLM(checkpoint, device=DEVICE, attention_backend="triton", dtype="float32",
+              enforce_eager=eager, num_kvcache_blocks=8, max_num_seqs=4, max_model_len=512)
+    try:
+        model = llm.model_runner.model
+        assert persistent_fits(model.model) and model.model.whole_layer_decode is None
+        _rebind(llm, False)
+        want = _greedy(llm)
+        calls = []
+        launch = decode_layer.PersistentDecodeLayer.__call__
+        monkeypatch.setattr(decode_layer.PersistentDecodeLayer, "__call__",
+                            lambda self, *a, **k: calls.append(1) or launch(self, *a, **k))
+        _rebind(llm, True)
+        assert isinstance(model.model.whole_layer_decode, PersistentDecode)
+        got = _greedy(llm)
+    finally:
+        llm.shutdown()
+    assert got == want
+    if eager:  # 5 decode steps of one batch, 2 layers (graph replays launch no Python)
+        assert len(calls) == 5 * 2
+
+
+@pytest.mark.parametrize("family,fields", [
+    ("Qwen2", {}),  # q/k/v biases
+    ("Qwen3Moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)),
+    ("Mistral", dict(sliding_window=64)),
+    ("Qwen3", dict(hidden_size=192)),  # not a multiple of 256
+])
+def test_models_it_does_not_fit_keep_the_per_kernel_path(family, fields, tmp_path):
+    path = build_checkpoint(str(tmp_path), family=family, **{**SHAPE, **fields})
+    llm = LLM(path, device="cpu", num_kvcache_blocks=8, max_num_seqs=4, max_model_len=512)
+    try:
+        model = llm.model_runner.model.model
+        assert not persistent_fits(model)
+        _rebind(llm, True)
+        assert model.whole_layer_decode is None
+    finally:
+        llm.shutdown()
