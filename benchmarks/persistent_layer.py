@@ -45,10 +45,10 @@ TINY = dict(architectures=["Qwen3ForCausalLM"], hidden_size=256, intermediate_si
 
 
 @triton.jit
-def _barriers_kernel(bar_ptr, P, ROUNDS: tl.constexpr):
+def _barriers_kernel(bar_ptr, P, ROUNDS: tl.constexpr, POLL: tl.constexpr):
     """ROUNDS empty phases, each ended by a grid barrier."""
     for _ in range(ROUNDS):
-        grid_sync(bar_ptr, P)
+        grid_sync(bar_ptr, P, POLL)
 
 
 @triton.jit
@@ -96,10 +96,11 @@ def per_kernel_step(x, layers, cfg, inputs, caches, scale):
     return (parts.sum(0) + resid.float()).bfloat16()
 
 
-def persistent_step(x, layers, layer, inputs, caches, scale, prefetch):
+def persistent_step(x, layers, layer, inputs, caches, scale, **options):
+    """The persistent layers (options: PersistentDecodeLayer.__call__'s prefetch, poll)."""
     cos_sin, pos, slots, ctx, tables = inputs
     for w, (kc, vc) in zip(layers, caches):
-        x = layer(x, w, cos_sin, pos, slots, ctx, tables, kc, vc, scale, prefetch=prefetch)
+        x = layer(x, w, cos_sin, pos, slots, ctx, tables, kc, vc, scale, **options)
     return x
 
 
@@ -125,13 +126,15 @@ def graph_us(fn, replays: int = 20) -> tuple[float, torch.cuda.CUDAGraph, torch.
     return start.elapsed_time(end) * 1e3 / replays, graph, out
 
 
-def barrier_us(programs: int, rounds: int = 200) -> tuple[float, float]:
-    """(us per grid barrier, us per empty PDL kernel boundary), each in a CUDA graph."""
+def barrier_us(programs: int, rounds: int = 200) -> tuple[float, float, float]:
+    """us per grid barrier (polled by volatile loads, by one thread's atomics) and per empty
+    PDL kernel boundary, each in a CUDA graph."""
     counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    bar, _, _ = graph_us(lambda: _barriers_kernel[(programs,)](counter, programs, rounds))
+    loads, atomics = (graph_us(lambda poll=poll: _barriers_kernel[(programs,)](
+        counter, programs, rounds, poll))[0] for poll in (0, 1))
     pdl, _, _ = graph_us(lambda: [_pdl_kernel[(programs,)](**launch_options())
                                   for _ in range(rounds)])
-    return bar / rounds, pdl / rounds
+    return loads / rounds, atomics / rounds, pdl / rounds
 
 
 def step_inputs(batch: int, cfg: dict, context: int) -> tuple:
@@ -157,10 +160,10 @@ def run_batch(batch: int, cfg: dict, layers: list[LayerWeights], layer: Persiste
     """Each way's step, alternated for `rounds` rounds: rows of the table."""
     n = cfg["num_hidden_layers"]
     x, inputs, caches, scale = step_inputs(batch, cfg, context)
-    ways = {"per-kernel": lambda: per_kernel_step(x, layers, cfg, inputs, caches, scale),
-            "persistent": lambda: persistent_step(x, layers, layer, inputs, caches, scale, True),
-            "persistent, no prefetch": lambda: persistent_step(x, layers, layer, inputs, caches,
-                                                               scale, False)}
+    ways = {"per-kernel": lambda: per_kernel_step(x, layers, cfg, inputs, caches, scale)}
+    for name, options in PERSISTENT_WAYS.items():
+        ways[name] = (lambda options=options: persistent_step(x, layers, layer, inputs, caches,
+                                                                scale, **options))
     times: dict[str, list[float]] = {name: [] for name in ways}
     outs = {}
     for _ in range(rounds):
@@ -176,9 +179,15 @@ def run_batch(batch: int, cfg: dict, layers: list[LayerWeights], layer: Persiste
     return rows
 
 
-PHASE_NAMES = ("qkv_proj + input norm", "q/k norm + RoPE + K/V write", "attention",
+PHASE_NAMES = ("qkv_proj + input norm", "q/k norm + RoPE + K/V write + attention",
                "o_proj + merge", "residual add", "gate_up_proj + post norm",
                "down_proj + SiLU-and-mul", "residual add")
+# the persistent layer's variants: L2 prefetch (1 after the PDL wait, 2 before, 0 none) and the
+# barrier's polling (1 one thread's atomics, 0 every thread's loads)
+PERSISTENT_WAYS = {"persistent": dict(prefetch=1, poll=1),
+                   "persistent, prefetch before the wait": dict(prefetch=2, poll=1),
+                   "persistent, no prefetch": dict(prefetch=0, poll=1),
+                   "persistent, barrier polled by loads": dict(prefetch=1, poll=0)}
 
 
 def phase_floors_bytes(cfg: dict, batch: int, context: int) -> tuple[float, ...]:
@@ -186,7 +195,7 @@ def phase_floors_bytes(cfg: dict, batch: int, context: int) -> tuple[float, ...]
     h, i, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     kv = batch * context * hkv * d * 2 * BYTES
-    return ((hq + 2 * hkv) * d * h * BYTES, 0, kv, h * hq * d * BYTES, 0, 2 * i * h * BYTES,
+    return ((hq + 2 * hkv) * d * h * BYTES, kv, h * hq * d * BYTES, 0, 2 * i * h * BYTES,
             h * i * BYTES, 0)
 
 
@@ -201,7 +210,7 @@ def phase_table(batch: int, cfg: dict, layers: list[LayerWeights],
                                        start=1):
         def run(p=p):
             for w, (kc, vc) in zip(layers, caches):
-                layer(x, w, cos_sin, pos, slots, ctx, tables, kc, vc, scale, prefetch=False,
+                layer(x, w, cos_sin, pos, slots, ctx, tables, kc, vc, scale, prefetch=0,
                       phase=p)
         us = statistics.median(graph_us(run)[0] for _ in range(3)) / len(layers)
         lines.append(f"| {batch} | {p} {name} | {us:.1f} | {nbytes / bandwidth * 1e6:.1f} |")
@@ -229,9 +238,9 @@ def main() -> None:
                                   torch.bfloat16, torch.device(DEVICE),
                                   programs=None if DEVICE == "cuda" else 4)
     rows = []
-    bar, pdl = barrier_us(layer.programs) if DEVICE == "cuda" else (float("nan"),) * 2
-    print(f"grid barrier {bar:.2f} us, PDL kernel boundary {pdl:.2f} us "
-          f"({layer.programs} programs)", flush=True)
+    loads, atomics, pdl = barrier_us(layer.programs) if DEVICE == "cuda" else (float("nan"),) * 3
+    print(f"grid barrier {loads:.2f} us polled by loads, {atomics:.2f} us by atomics; PDL "
+          f"kernel boundary {pdl:.2f} us ({layer.programs} programs)", flush=True)
     phases = []
     for batch in args.batches:
         rows += run_batch(batch, cfg, layers, layer, args.context, args.rounds)

@@ -66,10 +66,10 @@ def reference(x, w: LayerWeights, rope: RotaryEmbedding, pos, slots, ctx, tables
     return (resid2.float() + ((F.silu(gate) * up) @ w.down.T).float()).to(x.dtype)
 
 
-def case(num_tokens: int, dtype: torch.dtype):
-    """Inputs of one decode step: token i's sequence holds 5 + 23 i keys before it."""
+def case(num_tokens: int, dtype: torch.dtype, base: int = 6):
+    """Inputs of one decode step: token i's sequence holds base - 1 + 23 i keys before it."""
     g = torch.Generator().manual_seed(num_tokens)
-    ctx = torch.tensor([6 + 23 * i for i in range(num_tokens)], dtype=torch.int32)
+    ctx = torch.tensor([base + 23 * i for i in range(num_tokens)], dtype=torch.int32)
     pages = (ctx.max().item() + BLOCK - 1) // BLOCK
     tables = torch.randperm(num_tokens * pages, generator=g).view(num_tokens, pages).int()
     cache = torch.randn(2, num_tokens * pages, BLOCK, HKV, D, generator=g).to(dtype)
@@ -80,17 +80,21 @@ def case(num_tokens: int, dtype: torch.dtype):
     return on, cache.to(DEVICE)
 
 
-@pytest.mark.parametrize("num_tokens,norm,k_major,programs", [
-    (1, True, True, 3), (5, False, False, 4), (16, True, False, 2)])
-def test_matches_the_torch_layer_and_writes_the_same_kv(num_tokens, norm, k_major, programs):
+@pytest.mark.parametrize("num_tokens,norm,k_major,programs,base", [
+    (1, True, True, 3, 6), (5, False, False, 4, 6), (16, True, False, 2, 6),
+    (2, True, True, 16, 300)])  # 4 attention splits, the new tokens in the third, one empty
+def test_matches_the_torch_layer_and_writes_the_same_kv(num_tokens, norm, k_major, programs,
+                                                        base):
     dtype = torch.float32
     w = weights(norm, dtype, k_major)
     rope = RotaryEmbedding(D, 512, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
-    (x, pos, slots, ctx, tables), cache = case(num_tokens, dtype)
+    (x, pos, slots, ctx, tables), cache = case(num_tokens, dtype, base)
     scale = D ** -0.5
     ref_cache = cache.clone()
     expected = reference(x, w, rope, pos, slots, ctx, tables, *ref_cache, scale)
     layer = PersistentDecodeLayer(HQ, HKV, D, H, INTER, dtype, x.device, programs=programs)
+    if base == 300:
+        assert layer.attention_splits(num_tokens, tables.shape[1] * BLOCK) == 4
     cos_sin = rope.cos_sin_cache.squeeze(1).contiguous()
     got = layer(x, w, cos_sin, pos, slots, ctx, tables, cache[0], cache[1], scale)
     torch.testing.assert_close(cache, ref_cache, rtol=1e-5, atol=1e-5)

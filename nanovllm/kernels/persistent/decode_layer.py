@@ -2,13 +2,13 @@
 its phases, a grid barrier between each two, where the per-kernel path runs seven PDL kernels.
 
     1 qkv_proj, the input RMSNorm applied to each x tile (split over K: float32 partials)
-    2 q/k norm + RoPE; the new K/V written to the paged cache (an item a token and head)
-    3 attention, split over the context (softmax partials)
-    4 o_proj, the splits' attention merged on the fly (split over K)
-    5 residual add
-    6 gate_up_proj, the post-attention RMSNorm applied to each x tile (split over K)
-    7 down_proj, SiLU-and-mul of gate_up's partials on the fly (split over K)
-    8 residual add: the layer's output
+    2 attention, split over the context (softmax partials), each item first norming and
+      rotating its queries from the partials; the split holding the new token writes its K/V
+    3 o_proj, the splits' attention merged on the fly (split over K)
+    4 residual add
+    5 gate_up_proj, the post-attention RMSNorm applied to each x tile (split over K)
+    6 down_proj, SiLU-and-mul of gate_up's partials on the fly (split over K)
+    7 residual add: the layer's output
 
 Its programs may ask L2 for their share of the layer's weights first (no phase writes a weight),
 so HBM streams them while the phases before still run. Under the interpreter (CPU) programs run
@@ -29,7 +29,7 @@ from nanovllm.kernels.persistent.sync import BN, grid_sync, prefetch_items
 
 BK = 128  # K columns of a GEMM step
 MAX_TOKENS = 16
-PHASES = 8
+PHASES = 7
 _MAX_SPLITS = 64  # attention splits of one (token, kv head)
 
 
@@ -42,59 +42,71 @@ def _decode_layer_kernel(
         P, T, eps, qk_scale, NS, S1, S3, S5, S6, H: tl.constexpr, HQ: tl.constexpr,
         HKV: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, NORM: tl.constexpr, PRECISION: tl.constexpr,
-        PHASE: tl.constexpr, PREFETCH: tl.constexpr, CONTIG: tl.constexpr,
+        PHASE: tl.constexpr, PREFETCH: tl.constexpr, POLL: tl.constexpr, CONTIG: tl.constexpr,
         USE_PDL: tl.constexpr):
-    """Grid (P,), one program an SM: the phases of the module docstring. CONTIG: which weights
-    have a unit K stride (bits: qkv, o, gate_up, down)."""
+    """Grid (P,), one program an SM: the phases of the module docstring (PHASE 0: all, with
+    barriers; n: phase n alone). PREFETCH: 0 none, 1 after the PDL wait, 2 before it. POLL:
+    sync.grid_sync's. CONTIG: which weights have a unit K stride (bits: qkv, o, gate_up,
+    down)."""
     pid = tl.program_id(0)
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
-    if PREFETCH:
-        prefetch_items(wqkv_ptr, s_qkv_n, s_qkv_k, pid, P, NQKV // BN, S1, H // S1, 128,
-                       CONTIG & 1)
-        prefetch_items(wo_ptr, s_o_n, s_o_k, pid, P, H // BN, S3, HQ * D // S3, D,
-                       CONTIG >> 1 & 1)
-        prefetch_items(wgu_ptr, s_gu_n, s_gu_k, pid, P, 2 * INTER // BN, S5, H // S5, 128,
-                       CONTIG >> 2 & 1)
-        prefetch_items(wd_ptr, s_d_n, s_d_k, pid, P, H // BN, S6, INTER // S6, 128,
-                       CONTIG >> 3 & 1)
+    if PREFETCH == 2:  # before the wait: while the layer before still runs
+        _prefetch_layer(wqkv_ptr, s_qkv_n, s_qkv_k, wo_ptr, s_o_n, s_o_k, wgu_ptr, s_gu_n,
+                        s_gu_k, wd_ptr, s_d_n, s_d_k, pid, P, S1, S3, S5, S6, H, HQ, HKV, D,
+                        INTER, CONTIG)
     wait_then_release(USE_PDL)
+    if PREFETCH == 1:
+        _prefetch_layer(wqkv_ptr, s_qkv_n, s_qkv_k, wo_ptr, s_o_n, s_o_k, wgu_ptr, s_gu_n,
+                        s_gu_k, wd_ptr, s_d_n, s_d_k, pid, P, S1, S3, S5, S6, H, HQ, HKV, D,
+                        INTER, CONTIG)
     if PHASE == 0 or PHASE == 1:
         ph.normed_gemm(x_ptr, in_norm_ptr, wqkv_ptr, s_qkv_n, s_qkv_k, part1_ptr, pid, P, T, eps,
                        NQKV // BN, S1, H, NQKV, 128, PRECISION)
     if PHASE == 0:
-        grid_sync(bar_ptr, P)
+        grid_sync(bar_ptr, P, POLL)
     if PHASE == 0 or PHASE == 2:
-        ph.qk_rope_store(part1_ptr, S1, q_ptr, qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr,
-                         k_cache_ptr, v_cache_ptr, pid, P, T, eps, HQ, HKV, D, NORM)
-    if PHASE == 0:
-        grid_sync(bar_ptr, P)
-    if PHASE == 0 or PHASE == 3:
-        ph.attention(q_ptr, k_cache_ptr, v_cache_ptr, ctx_ptr, bt_ptr, stride_bt, m_ptr, l_ptr,
-                     acc_ptr, NS, pid, P, T, qk_scale, HQ, HKV, D, BLOCK_SIZE, BLOCK_N,
+        ph.attention(part1_ptr, S1, q_ptr, qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr,
+                     k_cache_ptr, v_cache_ptr, ctx_ptr, bt_ptr, stride_bt, m_ptr, l_ptr, acc_ptr,
+                     NS, pid, P, T, eps, qk_scale, HQ, HKV, D, BLOCK_SIZE, BLOCK_N, NORM,
                      PRECISION)
     if PHASE == 0:
-        grid_sync(bar_ptr, P)
-    if PHASE == 0 or PHASE == 4:
+        grid_sync(bar_ptr, P, POLL)
+    if PHASE == 0 or PHASE == 3:
         ph.o_proj(m_ptr, l_ptr, acc_ptr, NS, wo_ptr, s_o_n, s_o_k, part3_ptr, pid, P, T, H // BN,
                   S3, H, HQ, D, PRECISION)
     if PHASE == 0:
-        grid_sync(bar_ptr, P)
-    if PHASE == 0 or PHASE == 5:
+        grid_sync(bar_ptr, P, POLL)
+    if PHASE == 0 or PHASE == 4:
         ph.residual(part3_ptr, S3, x_ptr, resid2_ptr, pid, P, T, H)
     if PHASE == 0:
-        grid_sync(bar_ptr, P)
-    if PHASE == 0 or PHASE == 6:
+        grid_sync(bar_ptr, P, POLL)
+    if PHASE == 0 or PHASE == 5:
         ph.gate_up(resid2_ptr, post_norm_ptr, wgu_ptr, s_gu_n, s_gu_k, part5_ptr, pid, P, T, eps,
                    INTER // BN, S5, H, INTER, 128, PRECISION)
     if PHASE == 0:
-        grid_sync(bar_ptr, P)
-    if PHASE == 0 or PHASE == 7:
+        grid_sync(bar_ptr, P, POLL)
+    if PHASE == 0 or PHASE == 6:
         ph.down(part5_ptr, S5, wd_ptr, s_d_n, s_d_k, part6_ptr, pid, P, T, H // BN, S6, H,
                 INTER, 128, PRECISION)
     if PHASE == 0:
-        grid_sync(bar_ptr, P)
-    if PHASE == 0 or PHASE == 8:
+        grid_sync(bar_ptr, P, POLL)
+    if PHASE == 0 or PHASE == 7:
         ph.residual(part6_ptr, S6, resid2_ptr, out_ptr, pid, P, T, H)
+
+
+@triton.jit
+def _prefetch_layer(wqkv_ptr, s_qkv_n, s_qkv_k, wo_ptr, s_o_n, s_o_k, wgu_ptr, s_gu_n, s_gu_k,
+                    wd_ptr, s_d_n, s_d_k, pid, P, S1, S3, S5, S6, H: tl.constexpr,
+                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
+                    CONTIG: tl.constexpr):
+    """Ask L2 for the weight tiles of this program's GEMM items, in phase order."""
+    NQKV: tl.constexpr = (HQ + 2 * HKV) * D
+    prefetch_items(wqkv_ptr, s_qkv_n, s_qkv_k, pid, P, NQKV // BN, S1, H // S1, 128,
+                   CONTIG & 1)
+    prefetch_items(wo_ptr, s_o_n, s_o_k, pid, P, H // BN, S3, HQ * D // S3, D, CONTIG >> 1 & 1)
+    prefetch_items(wgu_ptr, s_gu_n, s_gu_k, pid, P, 2 * INTER // BN, S5, H // S5, 128,
+                   CONTIG >> 2 & 1)
+    prefetch_items(wd_ptr, s_d_n, s_d_k, pid, P, H // BN, S6, INTER // S6, 128, CONTIG >> 3 & 1)
 
 
 @dataclass
@@ -170,7 +182,8 @@ class PersistentDecodeLayer:
     def __call__(self, x: torch.Tensor, w: LayerWeights, cos_sin: torch.Tensor,
                  positions: torch.Tensor, slot_mapping: torch.Tensor, context_lens: torch.Tensor,
                  block_tables: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 scale: float, prefetch: bool = True, phase: int = 0) -> torch.Tensor:
+                 scale: float, prefetch: int = 1, poll: int = 1, phase: int = 0
+                 ) -> torch.Tensor:
         """The layer's output [T, H] for x [T, H] (T <= 16 tokens, one a sequence); the tokens'
         K/V are written to the cache ([blocks, block_size, HKV, D]) at slot_mapping."""
         num_tokens = x.shape[0]
@@ -193,7 +206,8 @@ class PersistentDecodeLayer:
         consts = dict(H=self.h, HQ=self.hq, HKV=self.hkv, D=self.d, INTER=self.i,
                       BLOCK_SIZE=block_size, BLOCK_N=min(64, block_size),
                       NORM=w.q_norm is not None, PRECISION=prefill.dot_precision(x.dtype),
-                      PREFETCH=prefetch and not interpret, CONTIG=contig, num_warps=self.num_warps)
+                      PREFETCH=0 if interpret else prefetch, POLL=poll, CONTIG=contig,
+                      num_warps=self.num_warps)
         # A phase's items are independent: under the interpreter each phase is a launch
         # phase n > 0 runs that phase alone (a benchmark's timing of it; the output is not the
         # layer's)

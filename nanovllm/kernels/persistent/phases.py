@@ -49,18 +49,19 @@ def _store_partial(part_ptr, acc, split, T, n0, N: tl.constexpr):
 
 
 @triton.jit
-def _sum_partials(part_ptr, S, T, t, cols, N: tl.constexpr):
-    """Sum over the S splits of part[s, t, cols] (float32, cols' shape)."""
+def _sum_partials(part_ptr, S, T, t, cols, N: tl.constexpr, mask):
+    """Sum over the S splits of part[s, t, cols] (float32, cols' shape; 0 where not mask)."""
     acc = tl.zeros(cols.shape, tl.float32)
     for s in range(S):
-        acc += tl.load(part_ptr + (s * T + t) * N + cols, cache_modifier=".cg")
+        acc += tl.load(part_ptr + (s * T + t) * N + cols, mask=mask, other=0.0,
+                       cache_modifier=".cg")
     return acc
 
 
 @triton.jit
 def normed_gemm(x_ptr, g_ptr, w_ptr, s_n, s_k, part_ptr, pid, P, T, eps, NT, S,
                  H: tl.constexpr, N: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
-    """Phases 1 and 6: part[split] = RMSNorm(x)[:, split's K] @ W[:, split's K].T."""
+    """Phase 1: part[split] = RMSNorm(x)[:, split's K] @ W[:, split's K].T."""
     rstd = rstd_of(x_ptr, T, H, eps)
     K_LEN = H // S
     for item in range(pid, S * NT, P):
@@ -75,58 +76,70 @@ def normed_gemm(x_ptr, g_ptr, w_ptr, s_n, s_k, part_ptr, pid, P, T, eps, NT, S,
 
 
 @triton.jit
-def qk_rope_store(part1_ptr, S1, q_ptr, qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr,
-                   k_cache_ptr, v_cache_ptr, pid, P, T, eps, HQ: tl.constexpr,
-                   HKV: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
-    """Phase 2: one item a (token, q or kv head): q normed and rotated into q, or k normed and
-    rotated and v into the token's cache slot."""
-    HALF: tl.constexpr = D // 2
-    NQKV: tl.constexpr = (HQ + 2 * HKV) * D
+def _norm_weights(w_ptr, HALF: tl.constexpr, NORM: tl.constexpr):
+    """A q/k norm weight's halves [1, D/2] in float32 (zeros without NORM: unused)."""
     lo = tl.arange(0, HALF)[None, :]
-    dtype = q_ptr.dtype.element_ty
-    for item in range(pid, T * (HQ + HKV), P):
-        t, head = split_item(item, HQ + HKV)
-        x1 = _sum_partials(part1_ptr, S1, T, t, head * D + lo, NQKV).to(dtype)
-        x2 = _sum_partials(part1_ptr, S1, T, t, head * D + HALF + lo, NQKV).to(dtype)
-        pos = tl.load(pos_ptr + t).to(tl.int64)
-        cos = tl.load(cos_sin_ptr + pos * D + lo)
-        sin = tl.load(cos_sin_ptr + pos * D + HALF + lo)
-        if head < HQ:
-            if NORM:
-                w1, w2 = tl.load(qn_ptr + lo).to(tl.float32), tl.load(qn_ptr + HALF + lo).to(
-                    tl.float32)
-            else:
-                w1, w2 = tl.zeros([1, HALF], tl.float32), tl.zeros([1, HALF], tl.float32)
-            x1, x2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, dtype, D, NORM, 1)
-            tl.store(q_ptr + (t * HQ + head) * D + lo, x1)
-            tl.store(q_ptr + (t * HQ + head) * D + HALF + lo, x2)
-        else:
-            if NORM:
-                w1, w2 = tl.load(kn_ptr + lo).to(tl.float32), tl.load(kn_ptr + HALF + lo).to(
-                    tl.float32)
-            else:
-                w1, w2 = tl.zeros([1, HALF], tl.float32), tl.zeros([1, HALF], tl.float32)
-            x1, x2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, dtype, D, NORM, 1)
-            v_cols = (head + HKV) * D  # v heads follow the k heads
-            v1 = _sum_partials(part1_ptr, S1, T, t, v_cols + lo, NQKV).to(dtype)
-            v2 = _sum_partials(part1_ptr, S1, T, t, v_cols + HALF + lo, NQKV).to(dtype)
-            slot = tl.load(slot_ptr + t).to(tl.int64)
-            kvh = head - HQ
-            dst = (slot * HKV + kvh) * D + lo
-            ok = lo < tl.where(slot >= 0, HALF, 0)  # slot < 0: a padding row, nothing written
-            tl.store(k_cache_ptr + dst, x1.to(k_cache_ptr.dtype.element_ty), mask=ok)
-            tl.store(k_cache_ptr + dst + HALF, x2.to(k_cache_ptr.dtype.element_ty), mask=ok)
-            tl.store(v_cache_ptr + dst, v1.to(v_cache_ptr.dtype.element_ty), mask=ok)
-            tl.store(v_cache_ptr + dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=ok)
+    if NORM:
+        return tl.load(w_ptr + lo).to(tl.float32), tl.load(w_ptr + HALF + lo).to(tl.float32)
+    else:
+        return tl.zeros([1, HALF], tl.float32), tl.zeros([1, HALF], tl.float32)
 
 
 @triton.jit
-def attention(q_ptr, k_cache_ptr, v_cache_ptr, ctx_ptr, bt_ptr, stride_bt, m_ptr, l_ptr,
-               acc_ptr, NS, pid, P, T, qk_scale, HQ: tl.constexpr, HKV: tl.constexpr,
-               D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-               PRECISION: tl.constexpr):
-    """Phase 3: one item a (token, kv head, split of its context): the group's query heads
-    over the split's keys (kernels.attention.decode's loop), softmax partials [T, HQ, NS]."""
+def _qkv_halves(part1_ptr, S1, T, t, cols, mask, dtype, HALF: tl.constexpr, NQKV: tl.constexpr):
+    """Token t's qkv at cols and cols + HALF (partials summed, rounded to dtype)."""
+    return (_sum_partials(part1_ptr, S1, T, t, cols, NQKV, mask).to(dtype),
+            _sum_partials(part1_ptr, S1, T, t, cols + HALF, NQKV, mask).to(dtype))
+
+
+@triton.jit
+def _rope_store(part1_ptr, S1, T, t, kvh, q_ptr, qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr,
+                slot_ptr, k_cache_ptr, v_cache_ptr, eps, write_kv, HQ: tl.constexpr,
+                HKV: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
+    """Token t's query heads of kv head kvh normed and rotated into q (every split of the pair
+    writes the same values); with write_kv its k, normed and rotated, and v into its slot."""
+    GROUP: tl.constexpr = HQ // HKV
+    G_P2: tl.constexpr = 16 if GROUP < 16 else GROUP
+    HALF: tl.constexpr = D // 2
+    NQKV: tl.constexpr = (HQ + 2 * HKV) * D
+    lo = tl.arange(0, HALF)[None, :]
+    g = tl.arange(0, G_P2)[:, None]
+    dtype = q_ptr.dtype.element_ty
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * D + lo)
+    sin = tl.load(cos_sin_ptr + pos * D + HALF + lo)
+    heads = kvh * GROUP + g
+    x1, x2 = _qkv_halves(part1_ptr, S1, T, t, heads * D + lo, g < GROUP, dtype, HALF, NQKV)
+    w1, w2 = _norm_weights(qn_ptr, HALF, NORM)
+    x1, x2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, dtype, D, NORM, 1)
+    tl.store(q_ptr + (t * HQ + heads) * D + lo, x1, mask=g < GROUP)
+    tl.store(q_ptr + (t * HQ + heads) * D + HALF + lo, x2, mask=g < GROUP)
+    if write_kv:
+        everything = lo < HALF
+        k1, k2 = _qkv_halves(part1_ptr, S1, T, t, (HQ + kvh) * D + lo, everything, dtype, HALF,
+                             NQKV)
+        w1, w2 = _norm_weights(kn_ptr, HALF, NORM)
+        k1, k2 = _norm_rope(k1, k2, w1, w2, cos, sin, eps, dtype, D, NORM, 1)
+        v1, v2 = _qkv_halves(part1_ptr, S1, T, t, (HQ + HKV + kvh) * D + lo, everything, dtype,
+                             HALF, NQKV)
+        dst = (tl.load(slot_ptr + t).to(tl.int64) * HKV + kvh) * D + lo
+        kv_dtype = k_cache_ptr.dtype.element_ty
+        tl.store(k_cache_ptr + dst, k1.to(kv_dtype))
+        tl.store(k_cache_ptr + dst + HALF, k2.to(kv_dtype))
+        tl.store(v_cache_ptr + dst, v1.to(kv_dtype))
+        tl.store(v_cache_ptr + dst + HALF, v2.to(kv_dtype))
+
+
+@triton.jit
+def attention(part1_ptr, S1, q_ptr, qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr,
+              k_cache_ptr, v_cache_ptr, ctx_ptr, bt_ptr, stride_bt, m_ptr, l_ptr, acc_ptr, NS,
+              pid, P, T, eps, qk_scale, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+              BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr,
+              PRECISION: tl.constexpr):
+    """Phase 2: one item a (token, kv head, split of its context): the group's query heads,
+    normed and rotated from qkv_proj's partials, over the split's keys (kernels.attention.
+    decode's loop), softmax partials [T, HQ, NS]. The split holding the token's own position
+    first writes its K/V to the cache, which no other split reads."""
     GROUP: tl.constexpr = HQ // HKV
     G_P2: tl.constexpr = 16 if GROUP < 16 else GROUP  # tl.dot's smallest side
     PAGES: tl.constexpr = 16
@@ -140,6 +153,10 @@ def attention(q_ptr, k_cache_ptr, v_cache_ptr, ctx_ptr, bt_ptr, stride_bt, m_ptr
         split_len = tl.cdiv(tl.cdiv(ctx, NS), BLOCK_N) * BLOCK_N
         start = split * split_len
         end = tl.minimum(start + split_len, ctx)
+        own = (start <= ctx - 1) & (ctx - 1 < end) & (tl.load(slot_ptr + t) >= 0)
+        _rope_store(part1_ptr, S1, T, t, kvh, q_ptr, qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr,
+                    slot_ptr, k_cache_ptr, v_cache_ptr, eps, own, HQ, HKV, D, NORM)
+        tl.debug_barrier()  # the program's q rows and K/V are written before any thread reads
         heads = kvh * GROUP + offs_g
         q = tl.load(q_ptr + (t * HQ + heads[:, None]) * D + offs_d[None, :],
                     mask=offs_g[:, None] < GROUP, other=0.0, cache_modifier=".cg")
@@ -191,7 +208,7 @@ def _merged_head(m_ptr, l_ptr, acc_ptr, NS, T, head, HQ: tl.constexpr, D: tl.con
 @triton.jit
 def o_proj(m_ptr, l_ptr, acc_ptr, NS, w_ptr, s_n, s_k, part_ptr, pid, P, T, NT, S,
             H: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr):
-    """Phase 4: part[split] = attention[:, split's heads] @ W_o[:, split's heads].T."""
+    """Phase 3: part[split] = attention[:, split's heads] @ W_o[:, split's heads].T."""
     K_LEN = HQ * D // S
     dtype = w_ptr.dtype.element_ty
     for item in range(pid, S * NT, P):
@@ -206,12 +223,12 @@ def o_proj(m_ptr, l_ptr, acc_ptr, NS, w_ptr, s_n, s_k, part_ptr, pid, P, T, NT, 
 
 @triton.jit
 def residual(part_ptr, S, res_ptr, out_ptr, pid, P, T, H: tl.constexpr):
-    """Phases 5 and 8: out = residual + the partials' sum rounded (add + RMSNorm's add)."""
+    """Phases 4 and 7: out = residual + the partials' sum rounded (add + RMSNorm's add)."""
     offs = tl.arange(0, 256)
     for item in range(pid, T * (H // 256), P):
         t, chunk = split_item(item, H // 256)
         cols = chunk * 256 + offs
-        y = _sum_partials(part_ptr, S, T, t, cols, H).to(out_ptr.dtype.element_ty)
+        y = _sum_partials(part_ptr, S, T, t, cols, H, cols < H).to(out_ptr.dtype.element_ty)
         r = tl.load(res_ptr + t * H + cols, cache_modifier=".cg")
         tl.store(out_ptr + t * H + cols, (y.to(tl.float32) + r.to(tl.float32)).to(y.dtype))
 
@@ -237,7 +254,7 @@ def _act_tile(part5_ptr, S5, T, k, INTER: tl.constexpr, BK: tl.constexpr, dtype)
 @triton.jit
 def gate_up(x_ptr, g_ptr, w_ptr, s_n, s_k, part_ptr, pid, P, T, eps, NT, S, H: tl.constexpr,
              INTER: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
-    """Phase 6: part[split] = RMSNorm(x)[:, split's K] @ [W_gate; W_up][:, split's K].T, each
+    """Phase 5: part[split] = RMSNorm(x)[:, split's K] @ [W_gate; W_up][:, split's K].T, each
     item a tile of gate rows with the same tile of up rows (part: [S, T, 2I])."""
     rstd = rstd_of(x_ptr, T, H, eps)
     K_LEN = H // S
@@ -258,7 +275,7 @@ def gate_up(x_ptr, g_ptr, w_ptr, s_n, s_k, part_ptr, pid, P, T, eps, NT, S, H: t
 @triton.jit
 def down(part5_ptr, S5, w_ptr, s_n, s_k, part_ptr, pid, P, T, NT, S, H: tl.constexpr,
           INTER: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
-    """Phase 7: part[split] = act[:, split's K] @ W_down[:, split's K].T."""
+    """Phase 6: part[split] = act[:, split's K] @ W_down[:, split's K].T."""
     K_LEN = INTER // S
     dtype = w_ptr.dtype.element_ty
     for item in range(pid, S * NT, P):

@@ -14,20 +14,30 @@ def split_item(item, n):
 
 
 @triton.jit
-def grid_sync(bar_ptr, num_programs):
+def grid_sync(bar_ptr, num_programs, POLL: tl.constexpr):
     """Every program's writes before it are visible to every program after it. The counter's
     sign bit flips once per barrier (program 0 adds 2^31 - (P - 1), the rest 1 each), so it
-    needs no reset between barriers or launches (cooperative groups' grid sync)."""
+    needs no reset between barriers or launches (cooperative groups' grid sync). POLL 0: every
+    thread polls with volatile loads; 1: one thread with atomics (one request a program, not a
+    warp's)."""
     tl.debug_barrier()  # the whole program has written what it will
     inc = tl.where(tl.program_id(0) == 0, 2147483647 - num_programs + 2, 1)
-    old = tl.atomic_add(bar_ptr, inc, sem="acq_rel", scope="gpu")
-    cur = tl.load(bar_ptr, volatile=True)
+    old = tl.atomic_add(bar_ptr, inc, sem="release", scope="gpu")
+    cur = _poll(bar_ptr, POLL)
     while (cur ^ old) >= 0:
-        cur = tl.load(bar_ptr, volatile=True)
+        cur = _poll(bar_ptr, POLL)
     # Every thread then fences (acquire): an unused atomic's result would be compiled away.
     tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, $1;", "=r,r", [cur],
                               dtype=tl.int32, is_pure=False, pack=1)
     tl.debug_barrier()
+
+
+@triton.jit
+def _poll(bar_ptr, POLL: tl.constexpr):
+    if POLL == 0:
+        return tl.load(bar_ptr, volatile=True)
+    else:
+        return tl.atomic_add(bar_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
