@@ -96,9 +96,10 @@ def per_kernel_step(x, layers, cfg, inputs, caches, scale):
     return (parts.sum(0) + resid.float()).bfloat16()
 
 
-def persistent_step(x, layers, layer, inputs, caches, scale, **options):
+def persistent_step(x, layers, layer, inputs, caches, scale, stages=3, **options):
     """The persistent layers (options: PersistentDecodeLayer.__call__'s prefetch, poll)."""
     cos_sin, pos, slots, ctx, tables = inputs
+    layer = layer[stages]
     for w, (kc, vc) in zip(layers, caches):
         x = layer(x, w, cos_sin, pos, slots, ctx, tables, kc, vc, scale, **options)
     return x
@@ -155,8 +156,8 @@ def step_inputs(batch: int, cfg: dict, context: int) -> tuple:
     return x, inputs, caches, d ** -0.5
 
 
-def run_batch(batch: int, cfg: dict, layers: list[LayerWeights], layer: PersistentDecodeLayer,
-              context: int, rounds: int) -> list[tuple]:
+def run_batch(batch: int, cfg: dict, layers: list[LayerWeights],
+              layer: dict[int, PersistentDecodeLayer], context: int, rounds: int) -> list[tuple]:
     """Each way's step, alternated for `rounds` rounds: rows of the table."""
     n = cfg["num_hidden_layers"]
     x, inputs, caches, scale = step_inputs(batch, cfg, context)
@@ -184,10 +185,12 @@ PHASE_NAMES = ("qkv_proj + input norm", "q/k norm + RoPE + K/V write + attention
                "down_proj + SiLU-and-mul", "residual add")
 # the persistent layer's variants: L2 prefetch (1 after the PDL wait, 2 before, 0 none) and the
 # barrier's polling (1 one thread's atomics, 0 every thread's loads)
-PERSISTENT_WAYS = {"persistent": dict(prefetch=1, poll=1),
-                   "persistent, prefetch before the wait": dict(prefetch=2, poll=1),
+PERSISTENT_WAYS = {"persistent": dict(prefetch=3, poll=1),
+                   "persistent, layer prefetched after the wait": dict(prefetch=1, poll=1),
+                   "persistent, layer prefetched before the wait": dict(prefetch=2, poll=1),
                    "persistent, no prefetch": dict(prefetch=0, poll=1),
-                   "persistent, barrier polled by loads": dict(prefetch=1, poll=0)}
+                   "persistent, barrier polled by loads": dict(prefetch=3, poll=0),
+                   "persistent, 2 stages": dict(prefetch=3, poll=1, stages=2)}
 
 
 def phase_floors_bytes(cfg: dict, batch: int, context: int) -> tuple[float, ...]:
@@ -233,18 +236,19 @@ def main() -> None:
     assert DEVICE == "cuda" or args.tiny, "a CUDA GPU, or --tiny"
     torch.manual_seed(0)
     layers = make_layers(cfg, cfg["num_hidden_layers"])
-    layer = PersistentDecodeLayer(cfg["num_attention_heads"], cfg["num_key_value_heads"],
-                                  cfg["head_dim"], cfg["hidden_size"], cfg["intermediate_size"],
-                                  torch.bfloat16, torch.device(DEVICE),
-                                  programs=None if DEVICE == "cuda" else 4)
+    layer = {stages: PersistentDecodeLayer(
+        cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
+        cfg["hidden_size"], cfg["intermediate_size"], torch.bfloat16, torch.device(DEVICE),
+        programs=None if DEVICE == "cuda" else 4, num_stages=stages) for stages in (2, 3)}
     rows = []
-    loads, atomics, pdl = barrier_us(layer.programs) if DEVICE == "cuda" else (float("nan"),) * 3
+    programs = layer[3].programs
+    loads, atomics, pdl = barrier_us(programs) if DEVICE == "cuda" else (float("nan"),) * 3
     print(f"grid barrier {loads:.2f} us polled by loads, {atomics:.2f} us by atomics; PDL "
-          f"kernel boundary {pdl:.2f} us ({layer.programs} programs)", flush=True)
+          f"kernel boundary {pdl:.2f} us ({programs} programs)", flush=True)
     phases = []
     for batch in args.batches:
         rows += run_batch(batch, cfg, layers, layer, args.context, args.rounds)
-        phases += phase_table(batch, cfg, layers, layer, args.context, args.bandwidth)
+        phases += phase_table(batch, cfg, layers, layer[3], args.context, args.bandwidth)
     print("| batch | path | us per step (rounds) | median | us per layer | max diff vs "
           "per-kernel (of max) |\n|---|---|---|---|---|---|")
     for batch, name, ts, med, per_layer, err in rows:

@@ -1,6 +1,8 @@
-"""The persistent decode layer (kernels.persistent) against a torch decoder layer: output and
-the K/V it writes, Qwen3 (q/k norm) and Llama (none), 1 to 16 tokens, any program count."""
+"""The persistent decode layer (kernels.persistent) against a torch decoder layer: its output
+and the K/V it writes; Qwen3 (q/k norm) and Llama (none), 1 to 16 tokens, several attention
+splits, padding rows, contexts shorter than a split, GQA groups 2 to 7, any program count."""
 import os
+from dataclasses import dataclass
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # tiny interpreter dots: see test_attention
 
@@ -20,8 +22,16 @@ from nanovllm.kernels.persistent.decode_layer import (  # noqa: E402
 from nanovllm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-H, HQ, HKV, D, INTER = 256, 4, 2, 64, 384
-BLOCK = 16
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    inter: int = 384
+    block: int = 16  # keys a cache page
 
 
 def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -30,7 +40,7 @@ def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
 
 
-def weights(norm: bool, dtype: torch.dtype, k_major: bool) -> LayerWeights:
+def weights(s: Shape, norm: bool, dtype: torch.dtype, k_major: bool) -> LayerWeights:
     """Random weights; with k_major o and down stored [in, out] (RowParallelLinear's layout)."""
     g = torch.Generator().manual_seed(0)
 
@@ -41,62 +51,92 @@ def weights(norm: bool, dtype: torch.dtype, k_major: bool) -> LayerWeights:
         return w.t().contiguous().t() if k_major else w
 
     return LayerWeights(
-        input_norm=1 + rand(H, scale=0.3), qkv=rand((HQ + 2 * HKV) * D, H),
-        q_norm=1 + rand(D, scale=0.3) if norm else None,
-        k_norm=1 + rand(D, scale=0.3) if norm else None, o=stored(rand(H, HQ * D)),
-        post_norm=1 + rand(H, scale=0.3), gate_up=rand(2 * INTER, H),
-        down=stored(rand(H, INTER)), eps=1e-6)
+        input_norm=1 + rand(s.hidden, scale=0.3),
+        qkv=rand((s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden),
+        q_norm=1 + rand(s.head_dim, scale=0.3) if norm else None,
+        k_norm=1 + rand(s.head_dim, scale=0.3) if norm else None,
+        o=stored(rand(s.hidden, s.heads * s.head_dim)), post_norm=1 + rand(s.hidden, scale=0.3),
+        gate_up=rand(2 * s.inter, s.hidden), down=stored(rand(s.hidden, s.inter)), eps=1e-6)
 
 
-def reference(x, w: LayerWeights, rope: RotaryEmbedding, pos, slots, ctx, tables, k_cache,
-              v_cache, scale):
-    """The per-kernel path's math in torch; writes the new K/V into the caches."""
-    t = x.shape[0]
+def reference(s: Shape, x, w: LayerWeights, rope: RotaryEmbedding, pos, slots, ctx, tables,
+              k_cache, v_cache, scale):
+    """The per-kernel path's math in torch; writes the new K/V (slot >= 0) into the caches."""
+    t, d = x.shape[0], s.head_dim
     qkv = rms(x, w.input_norm, w.eps) @ w.qkv.T
-    q, k, v = qkv.split([HQ * D, HKV * D, HKV * D], dim=-1)
-    q, k, v = q.view(t, HQ, D), k.view(t, HKV, D), v.view(t, HKV, D)
+    q, k, v = qkv.split([s.heads * d, s.kv_heads * d, s.kv_heads * d], dim=-1)
+    q, k, v = q.view(t, s.heads, d), k.view(t, s.kv_heads, d), v.view(t, s.kv_heads, d)
     if w.q_norm is not None:
         q, k = rms(q, w.q_norm, w.eps), rms(k, w.k_norm, w.eps)
     q, k = rope(pos, q, k)
-    k_cache.view(-1, HKV, D)[slots] = k
-    v_cache.view(-1, HKV, D)[slots] = v
-    attn = decode_attention_torch(q, k_cache, v_cache, ctx, tables, scale).view(t, HQ * D)
+    real = slots >= 0
+    k_cache.view(-1, s.kv_heads, d)[slots[real]] = k[real]
+    v_cache.view(-1, s.kv_heads, d)[slots[real]] = v[real]
+    attn = decode_attention_torch(q, k_cache, v_cache, ctx, tables, scale).view(t, -1)
     resid2 = (x.float() + (attn @ w.o.T).float()).to(x.dtype)
     gate, up = (rms(resid2, w.post_norm, w.eps) @ w.gate_up.T).chunk(2, dim=-1)
     return (resid2.float() + ((F.silu(gate) * up) @ w.down.T).float()).to(x.dtype)
 
 
-def case(num_tokens: int, dtype: torch.dtype, base: int = 6):
-    """Inputs of one decode step: token i's sequence holds base - 1 + 23 i keys before it."""
-    g = torch.Generator().manual_seed(num_tokens)
-    ctx = torch.tensor([base + 23 * i for i in range(num_tokens)], dtype=torch.int32)
-    pages = (ctx.max().item() + BLOCK - 1) // BLOCK
-    tables = torch.randperm(num_tokens * pages, generator=g).view(num_tokens, pages).int()
-    cache = torch.randn(2, num_tokens * pages, BLOCK, HKV, D, generator=g).to(dtype)
-    pos = (ctx - 1).long()
-    slots = (tables[torch.arange(num_tokens), pos // BLOCK].long() * BLOCK + pos % BLOCK)
-    x = torch.randn(num_tokens, H, generator=g).to(dtype)
-    on = [t.to(DEVICE) for t in (x, pos, slots, ctx, tables)]
-    return on, cache.to(DEVICE)
-
-
-@pytest.mark.parametrize("num_tokens,norm,k_major,programs,base", [
-    (1, True, True, 3, 6), (5, False, False, 4, 6), (16, True, False, 2, 6),
-    (2, True, True, 16, 300)])  # 4 attention splits, the new tokens in the third, one empty
-def test_matches_the_torch_layer_and_writes_the_same_kv(num_tokens, norm, k_major, programs,
-                                                        base):
-    dtype = torch.float32
-    w = weights(norm, dtype, k_major)
-    rope = RotaryEmbedding(D, 512, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
-    (x, pos, slots, ctx, tables), cache = case(num_tokens, dtype, base)
-    scale = D ** -0.5
+def run(s: Shape, contexts: list[int], norm: bool, k_major: bool, programs: int | None,
+        dtype: torch.dtype = torch.float32, pages: int | None = None, relaunch: int = 0):
+    """The layer and the reference on one decode step whose token i's sequence holds
+    contexts[i] keys with its own (0: a padding row, slot -1, position 0); returns
+    (got, expected, caches, reference caches, attention splits)."""
+    g = torch.Generator().manual_seed(len(contexts))
+    n = len(contexts)
+    ctx = torch.tensor(contexts, dtype=torch.int32)
+    pages = pages or (max(contexts) + s.block - 1) // s.block
+    tables = torch.randperm(n * pages, generator=g).view(n, pages).int()
+    cache = torch.randn(2, n * pages, s.block, s.kv_heads, s.head_dim, generator=g).to(dtype)
+    pos = (ctx - 1).clamp(min=0).long()
+    slots = tables[torch.arange(n), pos // s.block].long() * s.block + pos % s.block
+    slots[ctx == 0] = -1
+    x = torch.randn(n, s.hidden, generator=g).to(dtype)
+    x, pos, slots, ctx, tables, cache = (t.to(DEVICE) for t in (x, pos, slots, ctx, tables, cache))
+    w = weights(s, norm, dtype, k_major)
+    rope = RotaryEmbedding(s.head_dim, 4096, {"rope_type": "default", "rope_theta": 1e4})
+    rope = rope.to(DEVICE)
     ref_cache = cache.clone()
-    expected = reference(x, w, rope, pos, slots, ctx, tables, *ref_cache, scale)
-    layer = PersistentDecodeLayer(HQ, HKV, D, H, INTER, dtype, x.device, programs=programs)
-    if base == 300:
-        assert layer.attention_splits(num_tokens, tables.shape[1] * BLOCK) == 4
-    cos_sin = rope.cos_sin_cache.squeeze(1).contiguous()
+    scale = s.head_dim ** -0.5
+    expected = reference(s, x, w, rope, pos, slots, ctx, tables, *ref_cache, scale)
+    layer = PersistentDecodeLayer(s.heads, s.kv_heads, s.head_dim, s.hidden, s.inter, dtype,
+                                  x.device, programs=programs)
+    cos_sin = rope.cos_sin_cache.squeeze(1)
     got = layer(x, w, cos_sin, pos, slots, ctx, tables, cache[0], cache[1], scale)
+    for _ in range(relaunch):  # the barrier counter carries over launches
+        assert torch.equal(layer(x, w, cos_sin, pos, slots, ctx, tables, cache[0], cache[1],
+                                 scale), got)
+    return got, expected, cache, ref_cache, layer.attention_splits(n, pages * s.block)
+
+
+@pytest.mark.parametrize("shape,contexts,norm,k_major,programs,splits", [
+    (Shape(), [6], True, True, 3, 1),
+    (Shape(), [6 + 23 * i for i in range(5)], False, False, 4, 1),
+    (Shape(), [6 + 23 * i for i in range(16)], True, False, 2, 1),
+    (Shape(), [300, 323], True, True, 16, 4),  # the new tokens in the third split, one empty
+    # a context shorter than a split (most of its splits empty) and a padding row
+    (Shape(heads=8, head_dim=128, inter=256), [300, 5, 0], False, True, 64, 8),
+    (Shape(heads=8, head_dim=128, inter=256), [1, 17, 129, 0, 511], True, False, 64, 6),
+    (Shape(heads=14), [200, 0, 33], True, True, 32, 4),  # GQA 7 (Qwen2.5-7B's 28 / 4)
+])
+def test_matches_the_torch_layer_and_writes_the_same_kv(shape, contexts, norm, k_major,
+                                                        programs, splits):
+    pages = 32 if programs == 64 else None
+    got, expected, cache, ref_cache, ns = run(shape, contexts, norm, k_major, programs,
+                                              pages=pages)
+    assert ns == splits
+    torch.testing.assert_close(cache, ref_cache, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_pages_of_256_keys_16_tokens_and_132_programs():
+    """The production launch's shape of things: 132 programs, 16 tokens (some padding), pages of
+    256 keys (64-key tiles)."""
+    contexts = [0 if i % 5 == 4 else 1 + 37 * i for i in range(16)]
+    got, expected, cache, ref_cache, ns = run(
+        Shape(heads=16, kv_heads=8, inter=256, block=256), contexts, True, True, 132, pages=3)
+    assert ns == 1
     torch.testing.assert_close(cache, ref_cache, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
@@ -104,27 +144,19 @@ def test_matches_the_torch_layer_and_writes_the_same_kv(num_tokens, norm, k_majo
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 16])
 def test_bf16_on_every_sm_within_bf16_rounding_of_the_torch_layer(num_tokens):
-    """One program an SM (the production launch), bf16: the K/V and output within a few bf16
-    steps of torch's (rounding points differ: the norm is applied per tile)."""
-    dtype = torch.bfloat16
-    w = weights(True, dtype, True)
-    rope = RotaryEmbedding(D, 512, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
-    (x, pos, slots, ctx, tables), cache = case(num_tokens, dtype)
-    ref_cache = cache.clone()
-    expected = reference(x, w, rope, pos, slots, ctx, tables, *ref_cache, D ** -0.5)
-    layer = PersistentDecodeLayer(HQ, HKV, D, H, INTER, dtype, x.device)
-    got = layer(x, w, rope.cos_sin_cache.squeeze(1).contiguous(), pos, slots, ctx, tables,
-                cache[0], cache[1], D ** -0.5)
-    for _ in range(3):  # the barrier counter carries over launches
-        again = layer(x, w, rope.cos_sin_cache.squeeze(1).contiguous(), pos, slots, ctx,
-                      tables, cache[0], cache[1], D ** -0.5)
-        assert torch.equal(again, got)
+    """One program an SM (the production launch), bf16, relaunched: the K/V and output within
+    a few bf16 steps of torch's (rounding points differ: the norm is applied per tile)."""
+    contexts = [300 + 23 * i for i in range(num_tokens)]
+    got, expected, cache, ref_cache, _ = run(Shape(), contexts, True, True, None,
+                                             dtype=torch.bfloat16, relaunch=3)
     torch.testing.assert_close(cache.float(), ref_cache.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got.float(), expected.float(), rtol=3e-2, atol=3e-2)
 
 
 def test_splits_spread_items_over_programs_and_divide_k():
+    """Qwen3-0.6B on an H200's 132 SMs: each GEMM phase has 96-128 items (a gate_up item is a
+    gate tile with its up tile), and attention at most one item a program."""
     layer = PersistentDecodeLayer(16, 8, 128, 1024, 3072, torch.bfloat16, DEVICE, programs=132)
-    assert (layer.s1, layer.s3, layer.s5, layer.s6) == (2, 8, 1, 8)  # Qwen3-0.6B on an H200
-    assert layer.attention_splits(1, 4096) == 17 and layer.attention_splits(16, 4096) == 2
+    assert (layer.s1, layer.s3, layer.s5, layer.s6) == (2, 8, 2, 8)
+    assert [layer.attention_splits(t, 4096) for t in (1, 2, 4, 8, 16)] == [16, 8, 4, 2, 1]
     assert layer.attention_splits(1, 256) == 4  # >= 64 keys a split

@@ -25,52 +25,59 @@ from nanovllm.kernels.attention.prefill import LOG2E
 from nanovllm.kernels.linear.fused_fp8 import num_sms
 from nanovllm.kernels.pdl import launch_options, wait_then_release
 from nanovllm.kernels.persistent import phases as ph
-from nanovllm.kernels.persistent.sync import BN, grid_sync, prefetch_items
+from nanovllm.kernels.persistent.phases import BN
+from nanovllm.kernels.persistent.sync import grid_sync, prefetch_share
 
 BK = 128  # K columns of a GEMM step
+_BK = tl.constexpr(BK)  # the same, for the kernel
+ROWS = BN.value  # output rows of a GEMM item (host side)
 MAX_TOKENS = 16
 PHASES = 7
 _MAX_SPLITS = 64  # attention splits of one (token, kv head)
 
 
-@triton.jit
+# Plain arguments, not specialised: the token count and split count change with the CUDA
+# graph's batch size and stride_bt with the step; a constant each would compile a variant each.
+@triton.jit(do_not_specialize=["T", "NS", "stride_bt"])
 def _decode_layer_kernel(
         x_ptr, out_ptr, in_norm_ptr, wqkv_ptr, s_qkv_n, s_qkv_k, qn_ptr, kn_ptr, wo_ptr, s_o_n,
         s_o_k, post_norm_ptr, wgu_ptr, s_gu_n, s_gu_k, wd_ptr, s_d_n, s_d_k, cos_sin_ptr,
         pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, ctx_ptr, bt_ptr, stride_bt, part1_ptr,
         q_ptr, m_ptr, l_ptr, acc_ptr, part3_ptr, resid2_ptr, part5_ptr, part6_ptr, bar_ptr,
-        P, T, eps, qk_scale, NS, S1, S3, S5, S6, H: tl.constexpr, HQ: tl.constexpr,
-        HKV: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        P, T, eps, qk_scale, NS, S1: tl.constexpr, S3: tl.constexpr, S5: tl.constexpr,
+        S6: tl.constexpr, H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+        G_P2: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, NORM: tl.constexpr, PRECISION: tl.constexpr,
-        PHASE: tl.constexpr, PREFETCH: tl.constexpr, POLL: tl.constexpr, CONTIG: tl.constexpr,
-        USE_PDL: tl.constexpr):
+        PHASE: tl.constexpr, PREFETCH: tl.constexpr, POLL: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (P,), one program an SM: the phases of the module docstring (PHASE 0: all, with
-    barriers; n: phase n alone). PREFETCH: 0 none, 1 after the PDL wait, 2 before it. POLL:
-    sync.grid_sync's. CONTIG: which weights have a unit K stride (bits: qkv, o, gate_up,
-    down)."""
+    barriers; n: phase n alone). PREFETCH (each program its share of each weight): 0 none; 1
+    the layer's weights after the PDL wait; 2 before it; 3 a phase ahead (qkv_proj's and
+    o_proj's before the wait, gate_up's at attention, down's at o_proj). POLL: grid_sync's."""
     pid = tl.program_id(0)
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
-    if PREFETCH == 2:  # before the wait: while the layer before still runs
-        _prefetch_layer(wqkv_ptr, s_qkv_n, s_qkv_k, wo_ptr, s_o_n, s_o_k, wgu_ptr, s_gu_n,
-                        s_gu_k, wd_ptr, s_d_n, s_d_k, pid, P, S1, S3, S5, S6, H, HQ, HKV, D,
-                        INTER, CONTIG)
+    prefetch_share(wqkv_ptr, NQKV * H, pid, P, PREFETCH >= 2)
+    prefetch_share(wo_ptr, H * HQ * D, pid, P, PREFETCH >= 2)
+    prefetch_share(wgu_ptr, 2 * INTER * H, pid, P, PREFETCH == 2)
+    prefetch_share(wd_ptr, H * INTER, pid, P, PREFETCH == 2)
     wait_then_release(USE_PDL)
-    if PREFETCH == 1:
-        _prefetch_layer(wqkv_ptr, s_qkv_n, s_qkv_k, wo_ptr, s_o_n, s_o_k, wgu_ptr, s_gu_n,
-                        s_gu_k, wd_ptr, s_d_n, s_d_k, pid, P, S1, S3, S5, S6, H, HQ, HKV, D,
-                        INTER, CONTIG)
+    prefetch_share(wqkv_ptr, NQKV * H, pid, P, PREFETCH == 1)
+    prefetch_share(wo_ptr, H * HQ * D, pid, P, PREFETCH == 1)
+    prefetch_share(wgu_ptr, 2 * INTER * H, pid, P, PREFETCH == 1)
+    prefetch_share(wd_ptr, H * INTER, pid, P, PREFETCH == 1)
     if PHASE == 0 or PHASE == 1:
         ph.normed_gemm(x_ptr, in_norm_ptr, wqkv_ptr, s_qkv_n, s_qkv_k, part1_ptr, pid, P, T, eps,
-                       NQKV // BN, S1, H, NQKV, 128, PRECISION)
+                       NQKV // BN, S1, H, NQKV, _BK, PRECISION)
     if PHASE == 0:
         grid_sync(bar_ptr, P, POLL)
+    prefetch_share(wgu_ptr, 2 * INTER * H, pid, P, PREFETCH == 3)
     if PHASE == 0 or PHASE == 2:
         ph.attention(part1_ptr, S1, q_ptr, qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr,
                      k_cache_ptr, v_cache_ptr, ctx_ptr, bt_ptr, stride_bt, m_ptr, l_ptr, acc_ptr,
-                     NS, pid, P, T, eps, qk_scale, HQ, HKV, D, BLOCK_SIZE, BLOCK_N, NORM,
+                     NS, pid, P, T, eps, qk_scale, HQ, HKV, G_P2, D, BLOCK_SIZE, BLOCK_N, NORM,
                      PRECISION)
     if PHASE == 0:
         grid_sync(bar_ptr, P, POLL)
+    prefetch_share(wd_ptr, H * INTER, pid, P, PREFETCH == 3)
     if PHASE == 0 or PHASE == 3:
         ph.o_proj(m_ptr, l_ptr, acc_ptr, NS, wo_ptr, s_o_n, s_o_k, part3_ptr, pid, P, T, H // BN,
                   S3, H, HQ, D, PRECISION)
@@ -82,31 +89,16 @@ def _decode_layer_kernel(
         grid_sync(bar_ptr, P, POLL)
     if PHASE == 0 or PHASE == 5:
         ph.gate_up(resid2_ptr, post_norm_ptr, wgu_ptr, s_gu_n, s_gu_k, part5_ptr, pid, P, T, eps,
-                   INTER // BN, S5, H, INTER, 128, PRECISION)
+                   INTER // BN, S5, H, INTER, _BK, PRECISION)
     if PHASE == 0:
         grid_sync(bar_ptr, P, POLL)
     if PHASE == 0 or PHASE == 6:
         ph.down(part5_ptr, S5, wd_ptr, s_d_n, s_d_k, part6_ptr, pid, P, T, H // BN, S6, H,
-                INTER, 128, PRECISION)
+                INTER, _BK, PRECISION)
     if PHASE == 0:
         grid_sync(bar_ptr, P, POLL)
     if PHASE == 0 or PHASE == 7:
         ph.residual(part6_ptr, S6, resid2_ptr, out_ptr, pid, P, T, H)
-
-
-@triton.jit
-def _prefetch_layer(wqkv_ptr, s_qkv_n, s_qkv_k, wo_ptr, s_o_n, s_o_k, wgu_ptr, s_gu_n, s_gu_k,
-                    wd_ptr, s_d_n, s_d_k, pid, P, S1, S3, S5, S6, H: tl.constexpr,
-                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
-                    CONTIG: tl.constexpr):
-    """Ask L2 for the weight tiles of this program's GEMM items, in phase order."""
-    NQKV: tl.constexpr = (HQ + 2 * HKV) * D
-    prefetch_items(wqkv_ptr, s_qkv_n, s_qkv_k, pid, P, NQKV // BN, S1, H // S1, 128,
-                   CONTIG & 1)
-    prefetch_items(wo_ptr, s_o_n, s_o_k, pid, P, H // BN, S3, HQ * D // S3, D, CONTIG >> 1 & 1)
-    prefetch_items(wgu_ptr, s_gu_n, s_gu_k, pid, P, 2 * INTER // BN, S5, H // S5, 128,
-                   CONTIG >> 2 & 1)
-    prefetch_items(wd_ptr, s_d_n, s_d_k, pid, P, H // BN, S6, INTER // S6, 128, CONTIG >> 3 & 1)
 
 
 @dataclass
@@ -146,8 +138,10 @@ class PersistentDecodeLayer:
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, hidden_size: int,
                  intermediate_size: int, dtype: torch.dtype, device: torch.device,
-                 programs: int | None = None, num_warps: int = 8):
-        self.num_warps = num_warps  # 8: ~100 registers a thread at 0.6B's shape, 4: ~190
+                 programs: int | None = None, num_warps: int = 8, num_stages: int = 3):
+        # at 0.6B's shape 8 warps take 143 registers a thread (4: 220) and 3 stages 119 KB of
+        # shared memory: one program an SM (2 stages: 114 registers, 74 KB, two fit)
+        self.num_warps, self.num_stages = num_warps, num_stages
         self.hq, self.hkv, self.d = num_heads, num_kv_heads, head_dim
         self.h, self.i = hidden_size, intermediate_size
         # one an SM; off CUDA (the interpreter runs them in turn) 3, so items wrap around
@@ -156,10 +150,11 @@ class PersistentDecodeLayer:
                                                  intermediate_size)
         nqkv = (num_heads + 2 * num_kv_heads) * head_dim
         p = self.programs
-        self.s1 = _pow2_splits(nqkv // BN, p, hidden_size // BK)
-        self.s3 = _pow2_splits(hidden_size // BN, p, num_heads)
-        self.s5 = _pow2_splits(2 * intermediate_size // BN, p, hidden_size // BK)
-        self.s6 = _pow2_splits(hidden_size // BN, p, intermediate_size // BK)
+        self.s1 = _pow2_splits(nqkv // ROWS, p, hidden_size // BK)
+        self.s3 = _pow2_splits(hidden_size // ROWS, p, num_heads)
+        # a gate_up item is a tile of gate rows with the same tile of up rows
+        self.s5 = _pow2_splits(intermediate_size // ROWS, p, hidden_size // BK)
+        self.s6 = _pow2_splits(hidden_size // ROWS, p, intermediate_size // BK)
         f32 = dict(dtype=torch.float32, device=device)
         t = MAX_TOKENS
         self.part1 = torch.empty(self.s1, t, nqkv, **f32)
@@ -174,15 +169,16 @@ class PersistentDecodeLayer:
         self.barrier = torch.zeros(1, dtype=torch.int32, device=device)
 
     def attention_splits(self, num_tokens: int, max_context: int) -> int:
-        """Splits of each (token, kv head)'s context: about one item a program, each >= 64 keys
-        (from shapes only: CUDA-graph safe)."""
-        by_programs = triton.cdiv(self.programs, num_tokens * self.hkv)
+        """Splits of each (token, kv head)'s context: at most one item a program (more would
+        give some programs two whole splits), each >= 64 keys (from shapes only: CUDA-graph
+        safe)."""
+        by_programs = self.programs // (num_tokens * self.hkv)
         return max(1, min(by_programs, triton.cdiv(max_context, 64), _MAX_SPLITS))
 
     def __call__(self, x: torch.Tensor, w: LayerWeights, cos_sin: torch.Tensor,
                  positions: torch.Tensor, slot_mapping: torch.Tensor, context_lens: torch.Tensor,
                  block_tables: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 scale: float, prefetch: int = 1, poll: int = 1, phase: int = 0
+                 scale: float, prefetch: int = 3, poll: int = 1, phase: int = 0
                  ) -> torch.Tensor:
         """The layer's output [T, H] for x [T, H] (T <= 16 tokens, one a sequence); the tokens'
         K/V are written to the cache ([blocks, block_size, HKV, D]) at slot_mapping."""
@@ -192,8 +188,6 @@ class PersistentDecodeLayer:
         block_size = k_cache.shape[1]
         out = torch.empty_like(x)
         ns = self.attention_splits(num_tokens, block_tables.shape[1] * block_size)
-        weights = (w.qkv, w.o, w.gate_up, w.down)
-        contig = sum((t.stride(1) == 1) << i for i, t in enumerate(weights))
         interpret = triton.knobs.runtime.interpret
         args = (x, out, w.input_norm, w.qkv, *w.qkv.stride(), w.q_norm if w.q_norm is not None
                 else w.input_norm, w.k_norm if w.k_norm is not None else w.input_norm, w.o,
@@ -201,13 +195,14 @@ class PersistentDecodeLayer:
                 *w.down.stride(), cos_sin, positions, slot_mapping, k_cache, v_cache,
                 context_lens, block_tables, block_tables.stride(0), self.part1, self.q, self.m,
                 self.l, self.acc, self.part3, self.resid2, self.part5, self.part6, self.barrier,
-                self.programs, num_tokens, w.eps, scale * LOG2E, ns, self.s1, self.s3, self.s5,
-                self.s6)
-        consts = dict(H=self.h, HQ=self.hq, HKV=self.hkv, D=self.d, INTER=self.i,
+                self.programs, num_tokens, w.eps, scale * LOG2E, ns)
+        consts = dict(S1=self.s1, S3=self.s3, S5=self.s5, S6=self.s6, H=self.h, HQ=self.hq,
+                      HKV=self.hkv, G_P2=max(16, triton.next_power_of_2(self.hq // self.hkv)),
+                      D=self.d, INTER=self.i,
                       BLOCK_SIZE=block_size, BLOCK_N=min(64, block_size),
                       NORM=w.q_norm is not None, PRECISION=prefill.dot_precision(x.dtype),
-                      PREFETCH=0 if interpret else prefetch, POLL=poll, CONTIG=contig,
-                      num_warps=self.num_warps)
+                      PREFETCH=0 if interpret else prefetch, POLL=poll,
+                      num_warps=self.num_warps, num_stages=self.num_stages)
         # A phase's items are independent: under the interpreter each phase is a launch
         # phase n > 0 runs that phase alone (a benchmark's timing of it; the output is not the
         # layer's)

@@ -5,9 +5,11 @@ import triton.language as tl
 
 from nanovllm.kernels.attention.decode import _attend_chunk
 from nanovllm.kernels.attention.qk_norm_rope import _norm_rope
-from nanovllm.kernels.persistent.sync import BN, split_item
+from nanovllm.kernels.persistent.sync import split_item
 
+BN = tl.constexpr(64)  # output rows (weight rows) a GEMM item computes
 T_P2 = tl.constexpr(16)  # token columns of every tile: the MMA's narrow side
+MERGE_SPLITS = tl.constexpr(8)  # attention splits o_proj merges a load
 
 
 @triton.jit
@@ -23,16 +25,22 @@ def rstd_of(x_ptr, T, H: tl.constexpr, eps):
 
 
 @triton.jit
+def _k_range(k, BK: tl.constexpr):
+    """k:+BK, k a multiple of BK: the hint that lets a tile's loads be 16-byte vectors."""
+    return tl.max_contiguous(tl.multiple_of(k + tl.arange(0, BK), BK), BK)
+
+
+@triton.jit
 def _w_tile(w_ptr, s_n, s_k, n0, k, BK: tl.constexpr):
     """Weight rows n0:+BN, columns k:+BK ([BN, BK]), as stored (either stride may be 1)."""
     return tl.load(w_ptr + (n0 + tl.arange(0, BN))[:, None] * s_n
-                   + (k + tl.arange(0, BK))[None, :] * s_k)
+                   + _k_range(k, BK)[None, :] * s_k)
 
 
 @triton.jit
 def _normed_tile(x_ptr, g_ptr, rstd, T, k, H: tl.constexpr, BK: tl.constexpr):
     """RMSNorm(x)[:, k:+BK] transposed ([BK, T_P2]), rounded as RMSNorm.rms_forward rounds."""
-    offs_k = k + tl.arange(0, BK)
+    offs_k = _k_range(k, BK)
     offs_t = tl.arange(0, T_P2)
     x = tl.load(x_ptr + offs_t[None, :] * H + offs_k[:, None], mask=offs_t[None, :] < T,
                 other=0.0, cache_modifier=".cg")
@@ -49,18 +57,19 @@ def _store_partial(part_ptr, acc, split, T, n0, N: tl.constexpr):
 
 
 @triton.jit
-def _sum_partials(part_ptr, S, T, t, cols, N: tl.constexpr, mask):
+def _sum_partials(part_ptr, S: tl.constexpr, T, t, cols, N: tl.constexpr, mask):
     """Sum over the S splits of part[s, t, cols] (float32, cols' shape; 0 where not mask)."""
     acc = tl.zeros(cols.shape, tl.float32)
-    for s in range(S):
+    for s in tl.static_range(S):
         acc += tl.load(part_ptr + (s * T + t) * N + cols, mask=mask, other=0.0,
                        cache_modifier=".cg")
     return acc
 
 
 @triton.jit
-def normed_gemm(x_ptr, g_ptr, w_ptr, s_n, s_k, part_ptr, pid, P, T, eps, NT, S,
-                 H: tl.constexpr, N: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+def normed_gemm(x_ptr, g_ptr, w_ptr, s_n, s_k, part_ptr, pid, P, T, eps, NT: tl.constexpr,
+                S: tl.constexpr, H: tl.constexpr, N: tl.constexpr, BK: tl.constexpr,
+                PRECISION: tl.constexpr):
     """Phase 1: part[split] = RMSNorm(x)[:, split's K] @ W[:, split's K].T."""
     rstd = rstd_of(x_ptr, T, H, eps)
     K_LEN = H // S
@@ -86,20 +95,20 @@ def _norm_weights(w_ptr, HALF: tl.constexpr, NORM: tl.constexpr):
 
 
 @triton.jit
-def _qkv_halves(part1_ptr, S1, T, t, cols, mask, dtype, HALF: tl.constexpr, NQKV: tl.constexpr):
+def _qkv_halves(part1_ptr, S1: tl.constexpr, T, t, cols, mask, dtype, HALF: tl.constexpr,
+                NQKV: tl.constexpr):
     """Token t's qkv at cols and cols + HALF (partials summed, rounded to dtype)."""
     return (_sum_partials(part1_ptr, S1, T, t, cols, NQKV, mask).to(dtype),
             _sum_partials(part1_ptr, S1, T, t, cols + HALF, NQKV, mask).to(dtype))
 
 
 @triton.jit
-def _rope_store(part1_ptr, S1, T, t, kvh, q_ptr, qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr,
-                slot_ptr, k_cache_ptr, v_cache_ptr, eps, write_kv, HQ: tl.constexpr,
-                HKV: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
+def _rope_store(part1_ptr, S1: tl.constexpr, T, t, kvh, q_ptr, qn_ptr, kn_ptr, cos_sin_ptr,
+                pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, eps, write_kv, HQ: tl.constexpr,
+                HKV: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
     """Token t's query heads of kv head kvh normed and rotated into q (every split of the pair
     writes the same values); with write_kv its k, normed and rotated, and v into its slot."""
     GROUP: tl.constexpr = HQ // HKV
-    G_P2: tl.constexpr = 16 if GROUP < 16 else GROUP
     HALF: tl.constexpr = D // 2
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
     lo = tl.arange(0, HALF)[None, :]
@@ -131,17 +140,16 @@ def _rope_store(part1_ptr, S1, T, t, kvh, q_ptr, qn_ptr, kn_ptr, cos_sin_ptr, po
 
 
 @triton.jit
-def attention(part1_ptr, S1, q_ptr, qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr,
-              k_cache_ptr, v_cache_ptr, ctx_ptr, bt_ptr, stride_bt, m_ptr, l_ptr, acc_ptr, NS,
-              pid, P, T, eps, qk_scale, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-              BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr,
-              PRECISION: tl.constexpr):
+def attention(part1_ptr, S1: tl.constexpr, q_ptr, qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr,
+              slot_ptr, k_cache_ptr, v_cache_ptr, ctx_ptr, bt_ptr, stride_bt, m_ptr, l_ptr,
+              acc_ptr, NS, pid, P, T, eps, qk_scale, HQ: tl.constexpr, HKV: tl.constexpr,
+              G_P2: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+              BLOCK_N: tl.constexpr, NORM: tl.constexpr, PRECISION: tl.constexpr):
     """Phase 2: one item a (token, kv head, split of its context): the group's query heads,
     normed and rotated from qkv_proj's partials, over the split's keys (kernels.attention.
     decode's loop), softmax partials [T, HQ, NS]. The split holding the token's own position
     first writes its K/V to the cache, which no other split reads."""
     GROUP: tl.constexpr = HQ // HKV
-    G_P2: tl.constexpr = 16 if GROUP < 16 else GROUP  # tl.dot's smallest side
     PAGES: tl.constexpr = 16
     offs_g = tl.arange(0, G_P2)
     offs_d = tl.arange(0, D)
@@ -155,7 +163,7 @@ def attention(part1_ptr, S1, q_ptr, qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_p
         end = tl.minimum(start + split_len, ctx)
         own = (start <= ctx - 1) & (ctx - 1 < end) & (tl.load(slot_ptr + t) >= 0)
         _rope_store(part1_ptr, S1, T, t, kvh, q_ptr, qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr,
-                    slot_ptr, k_cache_ptr, v_cache_ptr, eps, own, HQ, HKV, D, NORM)
+                    slot_ptr, k_cache_ptr, v_cache_ptr, eps, own, HQ, HKV, G_P2, D, NORM)
         tl.debug_barrier()  # the program's q rows and K/V are written before any thread reads
         heads = kvh * GROUP + offs_g
         q = tl.load(q_ptr + (t * HQ + heads[:, None]) * D + offs_d[None, :],
@@ -184,30 +192,36 @@ def attention(part1_ptr, S1, q_ptr, qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_p
 def _merged_head(m_ptr, l_ptr, acc_ptr, NS, T, head, HQ: tl.constexpr, D: tl.constexpr,
                  dtype):
     """One head's attention output for every token, its splits merged ([D, T_P2], dtype): the
-    decode reduce kernel's sum, as o_proj's x tile."""
+    decode reduce kernel's sum, as o_proj's x tile; MERGE_SPLITS splits a load."""
     offs_t = tl.arange(0, T_P2)
-    offs_d = tl.arange(0, D)
-    ok = offs_t < T
-    row = (offs_t * HQ + head) * NS  # [T_P2]: split 0 of (t, head)
+    offs_s = tl.arange(0, MERGE_SPLITS)
+    row = ((offs_t * HQ + head) * NS)[:, None]  # [T_P2, 1]: split 0 of (t, head)
     m_max = tl.full([T_P2], float("-inf"), tl.float32)
-    for s in range(NS):
-        m_max = tl.maximum(m_max, tl.load(m_ptr + row + s, mask=ok, other=float("-inf"),
-                                          cache_modifier=".cg"))
+    for s0 in range(0, NS, MERGE_SPLITS):
+        ok = (offs_t[:, None] < T) & (s0 + offs_s[None, :] < NS)
+        m = tl.load(m_ptr + row + s0 + offs_s[None, :], mask=ok, other=float("-inf"),
+                    cache_modifier=".cg")
+        m_max = tl.maximum(m_max, tl.max(m, axis=1))
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # an empty context: zeros out
     denom = tl.zeros([T_P2], tl.float32)
-    o = tl.zeros([D, T_P2], tl.float32)
-    for s in range(NS):
-        w = tl.exp2(tl.load(m_ptr + row + s, mask=ok, other=float("-inf"),
-                            cache_modifier=".cg") - m_max)
-        denom += w * tl.load(l_ptr + row + s, mask=ok, other=0.0, cache_modifier=".cg")
-        o += w[None, :] * tl.load(acc_ptr + (row + s)[None, :] * D + offs_d[:, None],
-                                  mask=ok[None, :], other=0.0, cache_modifier=".cg")
-    return (o / tl.where(denom == 0.0, 1.0, denom)[None, :]).to(dtype)
+    o = tl.zeros([T_P2, D], tl.float32)
+    for s0 in range(0, NS, MERGE_SPLITS):
+        ok = (offs_t[:, None] < T) & (s0 + offs_s[None, :] < NS)
+        cells = row + s0 + offs_s[None, :]  # [T_P2, MERGE_SPLITS]
+        w = tl.exp2(tl.load(m_ptr + cells, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                    - m_max[:, None])  # masked splits: weight 0
+        denom += tl.sum(w * tl.load(l_ptr + cells, mask=ok, other=0.0, cache_modifier=".cg"),
+                        axis=1)
+        acc = tl.load(acc_ptr + cells[:, :, None] * D + tl.arange(0, D)[None, None, :],
+                      mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+        o += tl.sum(w[:, :, None] * acc, axis=1)
+    return tl.trans(o / tl.where(denom == 0.0, 1.0, denom)[:, None]).to(dtype)
 
 
 @triton.jit
-def o_proj(m_ptr, l_ptr, acc_ptr, NS, w_ptr, s_n, s_k, part_ptr, pid, P, T, NT, S,
-            H: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr):
+def o_proj(m_ptr, l_ptr, acc_ptr, NS, w_ptr, s_n, s_k, part_ptr, pid, P, T, NT: tl.constexpr,
+           S: tl.constexpr, H: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr,
+           PRECISION: tl.constexpr):
     """Phase 3: part[split] = attention[:, split's heads] @ W_o[:, split's heads].T."""
     K_LEN = HQ * D // S
     dtype = w_ptr.dtype.element_ty
@@ -222,7 +236,7 @@ def o_proj(m_ptr, l_ptr, acc_ptr, NS, w_ptr, s_n, s_k, part_ptr, pid, P, T, NT, 
 
 
 @triton.jit
-def residual(part_ptr, S, res_ptr, out_ptr, pid, P, T, H: tl.constexpr):
+def residual(part_ptr, S: tl.constexpr, res_ptr, out_ptr, pid, P, T, H: tl.constexpr):
     """Phases 4 and 7: out = residual + the partials' sum rounded (add + RMSNorm's add)."""
     offs = tl.arange(0, 256)
     for item in range(pid, T * (H // 256), P):
@@ -234,14 +248,14 @@ def residual(part_ptr, S, res_ptr, out_ptr, pid, P, T, H: tl.constexpr):
 
 
 @triton.jit
-def _act_tile(part5_ptr, S5, T, k, INTER: tl.constexpr, BK: tl.constexpr, dtype):
+def _act_tile(part5_ptr, S5: tl.constexpr, T, k, INTER: tl.constexpr, BK: tl.constexpr, dtype):
     """SiLU(gate) * up for columns k:+BK of every token ([BK, T_P2]), as silu_and_mul rounds."""
     offs_t = tl.arange(0, T_P2)
-    cols = k + tl.arange(0, BK)
+    cols = _k_range(k, BK)
     ok = offs_t[None, :] < T
     gate = tl.zeros([BK, T_P2], tl.float32)
     up = tl.zeros([BK, T_P2], tl.float32)
-    for s in range(S5):
+    for s in tl.static_range(S5):
         row = (s * T + offs_t[None, :]) * (2 * INTER)
         gate += tl.load(part5_ptr + row + cols[:, None], mask=ok, other=0.0, cache_modifier=".cg")
         up += tl.load(part5_ptr + row + INTER + cols[:, None], mask=ok, other=0.0,
@@ -252,8 +266,9 @@ def _act_tile(part5_ptr, S5, T, k, INTER: tl.constexpr, BK: tl.constexpr, dtype)
 
 
 @triton.jit
-def gate_up(x_ptr, g_ptr, w_ptr, s_n, s_k, part_ptr, pid, P, T, eps, NT, S, H: tl.constexpr,
-             INTER: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+def gate_up(x_ptr, g_ptr, w_ptr, s_n, s_k, part_ptr, pid, P, T, eps, NT: tl.constexpr,
+            S: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, BK: tl.constexpr,
+            PRECISION: tl.constexpr):
     """Phase 5: part[split] = RMSNorm(x)[:, split's K] @ [W_gate; W_up][:, split's K].T, each
     item a tile of gate rows with the same tile of up rows (part: [S, T, 2I])."""
     rstd = rstd_of(x_ptr, T, H, eps)
@@ -273,8 +288,9 @@ def gate_up(x_ptr, g_ptr, w_ptr, s_n, s_k, part_ptr, pid, P, T, eps, NT, S, H: t
 
 
 @triton.jit
-def down(part5_ptr, S5, w_ptr, s_n, s_k, part_ptr, pid, P, T, NT, S, H: tl.constexpr,
-          INTER: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+def down(part5_ptr, S5: tl.constexpr, w_ptr, s_n, s_k, part_ptr, pid, P, T, NT: tl.constexpr,
+         S: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, BK: tl.constexpr,
+         PRECISION: tl.constexpr):
     """Phase 6: part[split] = act[:, split's K] @ W_down[:, split's K].T."""
     K_LEN = INTER // S
     dtype = w_ptr.dtype.element_ty

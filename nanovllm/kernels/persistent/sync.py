@@ -2,8 +2,6 @@
 import triton
 import triton.language as tl
 
-BN = tl.constexpr(64)  # output rows (weight rows) a GEMM item computes
-
 
 @triton.jit
 def split_item(item, n):
@@ -41,19 +39,16 @@ def _poll(bar_ptr, POLL: tl.constexpr):
 
 
 @triton.jit
-def prefetch_items(w_ptr, s_n, s_k, pid, P, NT, S, K_LEN, BK: tl.constexpr,
-                    K_CONTIG: tl.constexpr):
-    """Ask L2 for the weight tiles of this program's items (split_item(item, NT): its K split and
-    64-row tile) without waiting for them."""
-    for item in range(pid, S * NT, P):
-        split, tile = split_item(item, NT)
-        n0 = tile * BN
-        for k in range(split * K_LEN, (split + 1) * K_LEN, BK):
-            if K_CONTIG:  # [N, K] rows: two 128-byte lines a row of 128 bf16
-                offs = (n0 + tl.arange(0, BN))[:, None] * s_n + k + \
-                    tl.arange(0, BK // 64)[None, :] * 64
-            else:  # [K, N] rows: 64 bf16 of a row are one line
-                offs = n0 + (k + tl.arange(0, BK)) * s_k
+def prefetch_share(w_ptr, numel, pid, P, ENABLED: tl.constexpr):
+    """Ask L2 for this program's 1/P share of a weight's contiguous storage (numel elements),
+    without waiting for it: which program asks for a line does not matter, only that one does."""
+    if ENABLED:
+        ELEM: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+        LINE: tl.constexpr = 128 // ELEM  # elements of a 128-byte line
+        lines = tl.cdiv(numel, LINE)
+        share = tl.cdiv(lines, P)
+        for line0 in range(pid * share, tl.minimum((pid + 1) * share, lines), 256):
+            line = tl.minimum(line0 + tl.arange(0, 256), lines - 1).to(tl.int64)
             tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                      [(w_ptr + offs).to(tl.int64)], dtype=tl.int32,
-                                      is_pure=False, pack=1)
+                                      [w_ptr + line * LINE], dtype=tl.int32, is_pure=False,
+                                      pack=1)
