@@ -96,12 +96,16 @@ def per_kernel_step(x, layers, cfg, inputs, caches, scale):
     return (parts.sum(0) + resid.float()).bfloat16()
 
 
-def persistent_step(x, layers, layer, inputs, caches, scale, stages=3, **options):
-    """The persistent layers (options: PersistentDecodeLayer.__call__'s prefetch, poll)."""
+def persistent_step(x, layers, kernels, inputs, caches, scale, kernel="default", **options):
+    """The persistent layers as the engine runs them (layers.persistent_decode: a step small
+    enough carries down_proj's partials between layers); options: prefetch, poll."""
     cos_sin, pos, slots, ctx, tables = inputs
-    layer = layer[stages]
-    for w, (kc, vc) in zip(layers, caches):
-        x = layer(x, w, cos_sin, pos, slots, ctx, tables, kc, vc, scale, **options)
+    layer = kernels[kernel]
+    carry = x.shape[0] <= layer.fuse_max_tokens
+    for i, (w, (kc, vc)) in enumerate(zip(layers, caches)):
+        x = layer(x, w, cos_sin, pos, slots, ctx, tables, kc, vc, scale,
+                  x_partials=carry and i > 0, carry_out=carry and i < len(layers) - 1,
+                  **options)
     return x
 
 
@@ -157,7 +161,7 @@ def step_inputs(batch: int, cfg: dict, context: int) -> tuple:
 
 
 def run_batch(batch: int, cfg: dict, layers: list[LayerWeights],
-              layer: dict[int, PersistentDecodeLayer], context: int, rounds: int) -> list[tuple]:
+              layer: dict[str, PersistentDecodeLayer], context: int, rounds: int) -> list[tuple]:
     """Each way's step, alternated for `rounds` rounds: rows of the table."""
     n = cfg["num_hidden_layers"]
     x, inputs, caches, scale = step_inputs(batch, cfg, context)
@@ -190,7 +194,10 @@ PERSISTENT_WAYS = {"persistent": dict(prefetch=3, poll=1),
                    "persistent, layer prefetched before the wait": dict(prefetch=2, poll=1),
                    "persistent, no prefetch": dict(prefetch=0, poll=1),
                    "persistent, barrier polled by loads": dict(prefetch=3, poll=0),
-                   "persistent, 2 stages": dict(prefetch=3, poll=1, stages=2)}
+                   "persistent, 2 stages": dict(prefetch=3, poll=1, kernel="2 stages"),
+                   "persistent, no fusing": dict(prefetch=3, poll=1, kernel="no fusing")}
+# PersistentDecodeLayer's keyword arguments of each kernel the ways name
+KERNELS = {"default": {}, "2 stages": dict(num_stages=2), "no fusing": dict(fuse_max_tokens=0)}
 
 
 def phase_floors_bytes(cfg: dict, batch: int, context: int) -> tuple[float, ...]:
@@ -236,19 +243,20 @@ def main() -> None:
     assert DEVICE == "cuda" or args.tiny, "a CUDA GPU, or --tiny"
     torch.manual_seed(0)
     layers = make_layers(cfg, cfg["num_hidden_layers"])
-    layer = {stages: PersistentDecodeLayer(
+    layer = {name: PersistentDecodeLayer(
         cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
         cfg["hidden_size"], cfg["intermediate_size"], torch.bfloat16, torch.device(DEVICE),
-        programs=None if DEVICE == "cuda" else 4, num_stages=stages) for stages in (2, 3)}
+        programs=None if DEVICE == "cuda" else 4, **kwargs) for name, kwargs in KERNELS.items()}
     rows = []
-    programs = layer[3].programs
+    programs = layer["default"].programs
     loads, atomics, pdl = barrier_us(programs) if DEVICE == "cuda" else (float("nan"),) * 3
     print(f"grid barrier {loads:.2f} us polled by loads, {atomics:.2f} us by atomics; PDL "
           f"kernel boundary {pdl:.2f} us ({programs} programs)", flush=True)
     phases = []
     for batch in args.batches:
         rows += run_batch(batch, cfg, layers, layer, args.context, args.rounds)
-        phases += phase_table(batch, cfg, layers, layer[3], args.context, args.bandwidth)
+        phases += phase_table(batch, cfg, layers, layer["no fusing"], args.context,
+                              args.bandwidth)
     print("| batch | path | us per step (rounds) | median | us per layer | max diff vs "
           "per-kernel (of max) |\n|---|---|---|---|---|---|")
     for batch, name, ts, med, per_layer, err in rows:

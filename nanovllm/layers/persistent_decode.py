@@ -26,7 +26,8 @@ def persistent_fits(model: nn.Module) -> bool:
 
 
 class PersistentDecode:
-    """Runs a DecoderLayer's decode step with kernels.persistent: residual in, residual out."""
+    """Runs a DecoderModel's layers in a decode step with kernels.persistent: residual in,
+    residual out."""
 
     def __init__(self) -> None:
         self.kernel = None  # the launch configuration and scratch, made at the first call
@@ -40,14 +41,27 @@ class PersistentDecode:
         return (not get_context().is_prefill and 0 < x.shape[0] <= MAX_TOKENS
                 and attn.takes_projection() and attn.k_cache.dtype == x.dtype)
 
-    def __call__(self, layer: nn.Module, positions: torch.Tensor,
+    def __call__(self, layers: nn.ModuleList, positions: torch.Tensor,
                  residual: torch.Tensor) -> torch.Tensor:
-        from nanovllm.kernels.persistent.decode_layer import LayerWeights, PersistentDecodeLayer
-        attn, mlp, ctx = layer.self_attn, layer.mlp, get_context()
+        """The residual after every layer; a step small enough carries each layer's down_proj
+        partials into the next launch (PersistentDecodeLayer: two barriers fewer a layer)."""
+        from nanovllm.kernels.persistent.decode_layer import PersistentDecodeLayer
         if self.kernel is None:
-            hidden, inter = mlp.down_proj.weight.shape
+            first = layers[0]
+            hidden, inter = first.mlp.down_proj.weight.shape
+            attn = first.self_attn
             self.kernel = PersistentDecodeLayer(attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                                 hidden, inter, residual.dtype, residual.device)
+        carry = residual.shape[0] <= self.kernel.fuse_max_tokens
+        for i, layer in enumerate(layers):
+            residual = self._layer(layer, positions, residual, x_partials=carry and i > 0,
+                                   carry_out=carry and i < len(layers) - 1)
+        return residual
+
+    def _layer(self, layer: nn.Module, positions: torch.Tensor, residual: torch.Tensor,
+               **carry: bool) -> torch.Tensor:
+        from nanovllm.kernels.persistent.decode_layer import LayerWeights
+        attn, mlp, ctx = layer.self_attn, layer.mlp, get_context()
         norm = attn.attn.q_norm is not None
         weights = LayerWeights(
             layer.input_layernorm.weight, attn.qkv_proj.weight,
@@ -56,4 +70,4 @@ class PersistentDecode:
             mlp.down_proj.weight, layer.input_layernorm.eps)
         return self.kernel(residual, weights, attn.attn.rotary_emb.cos_sin_cache.squeeze(1),
                            positions, ctx.slot_mapping, ctx.context_lens, ctx.block_tables,
-                           attn.attn.k_cache, attn.attn.v_cache, attn.attn.scale)
+                           attn.attn.k_cache, attn.attn.v_cache, attn.attn.scale, **carry)

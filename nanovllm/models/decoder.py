@@ -187,9 +187,8 @@ class DecoderModel(nn.Module):
         residual = self.embed_tokens(input_ids)
         whole = self.whole_layer_decode
         if whole is not None and whole.runs(residual, self.layers[0]):
-            for layer in self.layers:  # each layer's norms run inside it: residual to residual
-                residual = whole(layer, positions, residual)
-            return self.norm(residual)
+            # each layer's norms run inside its launch: residual in, residual out
+            return self.norm(whole(self.layers, positions, residual))
         hidden_states = self.layers[0].input_layernorm(residual)
         for layer, next_norm in zip(self.layers, self.next_norms):
             hidden_states, residual = layer(positions, hidden_states, residual, next_norm)

@@ -2,6 +2,8 @@
 and the K/V it writes; Qwen3 (q/k norm) and Llama (none), 1 to 16 tokens, several attention
 splits, padding rows, contexts shorter than a split, GQA groups 2 to 7, any program count."""
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # tiny interpreter dots: see test_attention
@@ -160,3 +162,77 @@ def test_splits_spread_items_over_programs_and_divide_k():
     assert (layer.s1, layer.s3, layer.s5, layer.s6) == (2, 8, 2, 8)
     assert [layer.attention_splits(t, 4096) for t in (1, 2, 4, 8, 16)] == [16, 8, 4, 2, 1]
     assert layer.attention_splits(1, 256) == 4  # >= 64 keys a split
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2])
+def test_carried_partials_give_the_same_bits_as_whole_layers(num_tokens):
+    """Three layers, each token alone (fuse_max_tokens=16: o_proj's partials added by gate_up,
+    down_proj's carried to the next layer) against the plain phases (fuse_max_tokens=0): the
+    same roundings in the same order, so the same bits, and the same K/V."""
+    s = Shape()
+    g = torch.Generator().manual_seed(7)
+    ctx = torch.tensor([40 + 9 * i for i in range(num_tokens)], dtype=torch.int32)
+    pos = (ctx - 1).long()
+    tables = torch.arange(num_tokens * 4).view(num_tokens, 4).int()
+    slots = tables[torch.arange(num_tokens), pos // s.block].long() * s.block + pos % s.block
+    caches = torch.randn(3, 2, num_tokens * 4, s.block, s.kv_heads, s.head_dim, generator=g)
+    x = torch.randn(num_tokens, s.hidden, generator=g)
+    layers = [weights(s, norm, torch.float32, k_major) for norm, k_major in
+              ((True, True), (False, False), (True, False))]
+    rope = RotaryEmbedding(s.head_dim, 4096, {"rope_type": "default", "rope_theta": 1e4})
+    x, pos, slots, ctx, tables, caches = (t.to(DEVICE) for t in (x, pos, slots, ctx, tables,
+                                                                  caches))
+    cos_sin = rope.to(DEVICE).cos_sin_cache.squeeze(1)
+    outs = []
+    for fuse in (0, 16):
+        layer = PersistentDecodeLayer(s.heads, s.kv_heads, s.head_dim, s.hidden, s.inter,
+                                      torch.float32, x.device, programs=3, fuse_max_tokens=fuse)
+        kv, h = caches.clone(), x
+        for i, w in enumerate(layers):
+            h = layer(h, w, cos_sin, pos, slots, ctx, tables, kv[i, 0], kv[i, 1],
+                      s.head_dim ** -0.5, x_partials=bool(fuse and i), carry_out=bool(
+                          fuse and i < len(layers) - 1))
+        outs.append((h.clone(), kv))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert not torch.equal(outs[0][0], x)
+
+
+_COMPILE_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from nanovllm.kernels.persistent.decode_layer import _decode_layer_kernel as kernel
+names = [p.name for p in kernel.params]
+floats = {"eps", "qk_scale"}
+bf16 = {"cos_sin_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64", "ctx_ptr": "*i32",
+        "bt_ptr": "*i32", "bar_ptr": "*i32"}
+for prefetch, poll in ((3, 1), (1, 0)):
+    consts = dict(S1=2, S3=8, S5=2, S6=8, H=1024, HQ=16, HKV=8, G_P2=16, D=128, INTER=3072,
+                  BLOCK_SIZE=256, BLOCK_N=64, NORM=True, PRECISION="tf32", PHASE=0,
+                  PREFETCH=prefetch, POLL=poll, USE_PDL=True, s_qkv_k=1, s_o_n=1, s_gu_k=1,
+                  s_d_n=1)
+    sig = {n: "constexpr" if n in consts else "fp32" if n in floats else
+           bf16.get(n, "*fp32" if n.startswith(("part", "m_", "l_", "acc")) else "*bf16")
+           if n.endswith("_ptr") else "i32" for n in names}
+    hints = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if n not in consts and (n.endswith("_ptr") or n.startswith(("s_", "stride")))}
+    src = ASTSource(fn=kernel, signature=sig, attrs=hints,
+                    constexprs={(names.index(n),): v for n, v in consts.items()})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=8, num_stages=3, launch_pdl=True)).asm["ptx"]
+    print(ptx.count("atom.global.gpu.release.add"), ptx.count("fence.acq_rel.gpu"),
+          "prefetch.global.L2" in ptx, "griddepcontrol.wait" in ptx, "cp.async" in ptx,
+          ("ld.global.gpu.relaxed" if poll else "ld.volatile.global") in ptx)
+"""
+
+
+def test_sm90_code_has_its_barriers_prefetches_and_pipelines() -> None:
+    """Compiled for sm_90 (no GPU needed; a process without the interpreter, which runs the
+    phases as launches of their own and so never compiles the barriers): six barriers (the
+    seventh is skipped at runtime when partials carry), each released by an atomic and fenced,
+    L2 prefetches, the PDL wait, weight loads pipelined by cp.async, each polling mode."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[:2] == ["6 6 True True True True"] * 2

@@ -39,35 +39,40 @@ def _rebind(llm: LLM, persistent: bool) -> None:
     bind_backend(llm.model_runner.model, type(backend)(fast_path))
 
 
-def _greedy(llm: LLM) -> list[list[int]]:
-    prompts = [[(7 * i + 3 * j) % 300 + 1 for j in range(n)] for i, n in enumerate((5, 40, 17))]
+def _greedy(llm: LLM, lengths: tuple[int, ...]) -> list[list[int]]:
+    prompts = [[(7 * i + 3 * j) % 300 + 1 for j in range(n)] for i, n in enumerate(lengths)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     return [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("eager", [True, pytest.param(False, marks=pytest.mark.gpu)])
-def test_same_greedy_tokens_as_the_per_kernel_path(checkpoint, eager, monkeypatch):
-    """float32: every decode step of the 3 sequences runs one launch a layer and gives the
-    per-kernel path's tokens exactly (with CUDA graphs on the GPU)."""
+@pytest.mark.parametrize("eager,lengths", [
+    (True, (5, 40, 17)), (True, (23,)), pytest.param(False, (5, 40, 17), marks=pytest.mark.gpu),
+    pytest.param(False, (23,), marks=pytest.mark.gpu)])
+def test_same_greedy_tokens_as_the_per_kernel_path(checkpoint, eager, lengths, monkeypatch):
+    """float32: every decode step runs one launch a layer and gives the per-kernel path's tokens
+    exactly (with CUDA graphs on the GPU); a lone sequence carries partials between layers."""
     llm = LLM(checkpoint, device=DEVICE, attention_backend="triton", dtype="float32",
               enforce_eager=eager, num_kvcache_blocks=8, max_num_seqs=4, max_model_len=512)
     try:
         model = llm.model_runner.model
         assert persistent_fits(model.model) and model.model.whole_layer_decode is None
         _rebind(llm, False)
-        want = _greedy(llm)
-        calls = []
+        want = _greedy(llm, lengths)
+        carried = []  # each launch's carry_out
         launch = decode_layer.PersistentDecodeLayer.__call__
-        monkeypatch.setattr(decode_layer.PersistentDecodeLayer, "__call__",
-                            lambda self, *a, **k: calls.append(1) or launch(self, *a, **k))
+
+        def spy(self, *args, **kwargs):
+            carried.append(kwargs.get("carry_out", False))
+            return launch(self, *args, **kwargs)
+        monkeypatch.setattr(decode_layer.PersistentDecodeLayer, "__call__", spy)
         _rebind(llm, True)
         assert isinstance(model.model.whole_layer_decode, PersistentDecode)
-        got = _greedy(llm)
+        got = _greedy(llm, lengths)
     finally:
         llm.shutdown()
     assert got == want
     if eager:  # 5 decode steps of one batch, 2 layers (graph replays launch no Python)
-        assert len(calls) == 5 * 2
+        assert carried == ([True, False] * 5 if len(lengths) == 1 else [False] * 10)
 
 
 @pytest.mark.parametrize("family,fields", [

@@ -38,21 +38,25 @@ _MAX_SPLITS = 64  # attention splits of one (token, kv head)
 
 # Plain arguments, not specialised: the token count and split count change with the CUDA
 # graph's batch size and stride_bt with the step; a constant each would compile a variant each.
-@triton.jit(do_not_specialize=["T", "NS", "stride_bt"])
+@triton.jit(do_not_specialize=["T", "NS", "stride_bt", "XPART", "FUSE", "CARRY_OUT"])
 def _decode_layer_kernel(
-        x_ptr, out_ptr, in_norm_ptr, wqkv_ptr, s_qkv_n, s_qkv_k, qn_ptr, kn_ptr, wo_ptr, s_o_n,
-        s_o_k, post_norm_ptr, wgu_ptr, s_gu_n, s_gu_k, wd_ptr, s_d_n, s_d_k, cos_sin_ptr,
-        pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, ctx_ptr, bt_ptr, stride_bt, part1_ptr,
-        q_ptr, m_ptr, l_ptr, acc_ptr, part3_ptr, resid2_ptr, part5_ptr, part6_ptr, bar_ptr,
-        P, T, eps, qk_scale, NS, S1: tl.constexpr, S3: tl.constexpr, S5: tl.constexpr,
-        S6: tl.constexpr, H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
-        G_P2: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_N: tl.constexpr, NORM: tl.constexpr, PRECISION: tl.constexpr,
-        PHASE: tl.constexpr, PREFETCH: tl.constexpr, POLL: tl.constexpr, USE_PDL: tl.constexpr):
+        x_ptr, xin_ptr, res_ptr, gate_x_ptr, out_ptr, in_norm_ptr, wqkv_ptr, s_qkv_n, s_qkv_k,
+        qn_ptr, kn_ptr, wo_ptr, s_o_n, s_o_k, post_norm_ptr, wgu_ptr, s_gu_n, s_gu_k, wd_ptr,
+        s_d_n, s_d_k, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, ctx_ptr, bt_ptr,
+        stride_bt, part1_ptr, q_ptr, m_ptr, l_ptr, acc_ptr, part3_ptr, resid2_ptr, part5_ptr,
+        part6_ptr, bar_ptr, P, T, eps, qk_scale, NS, XPART, FUSE, CARRY_OUT, S1: tl.constexpr,
+        S3: tl.constexpr, S5: tl.constexpr, S6: tl.constexpr, H: tl.constexpr,
+        HQ: tl.constexpr, HKV: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr,
+        INTER: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+        NORM: tl.constexpr, PRECISION: tl.constexpr, PHASE: tl.constexpr,
+        PREFETCH: tl.constexpr, POLL: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (P,), one program an SM: the phases of the module docstring (PHASE 0: all, with
-    barriers; n: phase n alone). PREFETCH (each program its share of each weight): 0 none; 1
-    the layer's weights after the PDL wait; 2 before it; 3 a phase ahead (qkv_proj's and
-    o_proj's before the wait, gate_up's at attention, down's at o_proj). POLL: grid_sync's."""
+    barriers; n: phase n alone). XPART, FUSE, CARRY_OUT: PersistentDecodeLayer.__call__'s
+    x_partials, fuse and carry_out; res_ptr: x with x_partials added (xin_ptr, which phase 1
+    writes) or x; gate_x_ptr: res_ptr with FUSE, else resid2_ptr (which phase 4 writes).
+    PREFETCH (each program its share of each weight): 0 none; 1 the layer's weights after the
+    PDL wait; 2 before it; 3 a phase ahead (qkv_proj's and o_proj's before the wait, gate_up's
+    at attention, down's at o_proj). POLL: grid_sync's."""
     pid = tl.program_id(0)
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
     prefetch_share(wqkv_ptr, NQKV * H, pid, P, PREFETCH >= 2)
@@ -64,9 +68,10 @@ def _decode_layer_kernel(
     prefetch_share(wo_ptr, H * HQ * D, pid, P, PREFETCH == 1)
     prefetch_share(wgu_ptr, 2 * INTER * H, pid, P, PREFETCH == 1)
     prefetch_share(wd_ptr, H * INTER, pid, P, PREFETCH == 1)
-    if PHASE == 0 or PHASE == 1:
-        ph.normed_gemm(x_ptr, in_norm_ptr, wqkv_ptr, s_qkv_n, s_qkv_k, part1_ptr, pid, P, T, eps,
-                       NQKV // BN, S1, H, NQKV, _BK, PRECISION)
+    if PHASE == 0 or PHASE == 1:  # x: with XPART plus the layer before's down_proj partials
+        ph.materialize(x_ptr, part6_ptr, S6, XPART, xin_ptr, pid, T, H)
+        ph.normed_gemm(x_ptr, part6_ptr, S6, XPART, in_norm_ptr, wqkv_ptr, s_qkv_n, s_qkv_k,
+                       part1_ptr, pid, P, T, eps, NQKV // BN, S1, H, NQKV, _BK, PRECISION)
     if PHASE == 0:
         grid_sync(bar_ptr, P, POLL)
     prefetch_share(wgu_ptr, 2 * INTER * H, pid, P, PREFETCH == 3)
@@ -83,22 +88,25 @@ def _decode_layer_kernel(
                   S3, H, HQ, D, PRECISION)
     if PHASE == 0:
         grid_sync(bar_ptr, P, POLL)
-    if PHASE == 0 or PHASE == 4:
-        ph.residual(part3_ptr, S3, x_ptr, resid2_ptr, pid, P, T, H)
-    if PHASE == 0:
-        grid_sync(bar_ptr, P, POLL)
-    if PHASE == 0 or PHASE == 5:
-        ph.gate_up(resid2_ptr, post_norm_ptr, wgu_ptr, s_gu_n, s_gu_k, part5_ptr, pid, P, T, eps,
-                   INTER // BN, S5, H, INTER, _BK, PRECISION)
+    if FUSE == 0:  # else gate_up adds o_proj's partials itself: no phase, no barrier
+        if PHASE == 0 or PHASE == 4:
+            ph.residual(part3_ptr, S3, res_ptr, resid2_ptr, pid, P, T, H)
+        if PHASE == 0:
+            grid_sync(bar_ptr, P, POLL)
+    if PHASE == 0 or PHASE == 5:  # gate_x: resid2 (FUSE 0) or x (FUSE 1, plus part3)
+        ph.materialize(gate_x_ptr, part3_ptr, S3, FUSE, resid2_ptr, pid, T, H)
+        ph.gate_up(gate_x_ptr, part3_ptr, S3, FUSE, post_norm_ptr, wgu_ptr, s_gu_n, s_gu_k,
+                   part5_ptr, pid, P, T, eps, INTER // BN, S5, H, INTER, _BK, PRECISION)
     if PHASE == 0:
         grid_sync(bar_ptr, P, POLL)
     if PHASE == 0 or PHASE == 6:
         ph.down(part5_ptr, S5, wd_ptr, s_d_n, s_d_k, part6_ptr, pid, P, T, H // BN, S6, H,
                 INTER, _BK, PRECISION)
-    if PHASE == 0:
-        grid_sync(bar_ptr, P, POLL)
-    if PHASE == 0 or PHASE == 7:
-        ph.residual(part6_ptr, S6, resid2_ptr, out_ptr, pid, P, T, H)
+    if CARRY_OUT == 0:  # else the next layer adds down_proj's partials (its XPART)
+        if PHASE == 0:
+            grid_sync(bar_ptr, P, POLL)
+        if PHASE == 0 or PHASE == 7:
+            ph.residual(part6_ptr, S6, resid2_ptr, out_ptr, pid, P, T, H)
 
 
 @dataclass
@@ -138,10 +146,12 @@ class PersistentDecodeLayer:
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, hidden_size: int,
                  intermediate_size: int, dtype: torch.dtype, device: torch.device,
-                 programs: int | None = None, num_warps: int = 8, num_stages: int = 3):
+                 programs: int | None = None, num_warps: int = 8, num_stages: int = 3,
+                 fuse_max_tokens: int = 1):
         # at 0.6B's shape 8 warps take 143 registers a thread (4: 220) and 3 stages 119 KB of
         # shared memory: one program an SM (2 stages: 114 registers, 74 KB, two fit)
         self.num_warps, self.num_stages = num_warps, num_stages
+        self.fuse_max_tokens = fuse_max_tokens  # __call__ says what fuses
         self.hq, self.hkv, self.d = num_heads, num_kv_heads, head_dim
         self.h, self.i = hidden_size, intermediate_size
         # one an SM; off CUDA (the interpreter runs them in turn) 3, so items wrap around
@@ -163,6 +173,7 @@ class PersistentDecodeLayer:
         self.l = torch.empty_like(self.m)
         self.acc = torch.empty(t, num_heads, _MAX_SPLITS, head_dim, **f32)
         self.part3 = torch.empty(self.s3, t, hidden_size, **f32)
+        self.xin = torch.empty(t, hidden_size, dtype=dtype, device=device)  # x + partials
         self.resid2 = torch.empty(t, hidden_size, dtype=dtype, device=device)
         self.part5 = torch.empty(self.s5, t, 2 * intermediate_size, **f32)
         self.part6 = torch.empty(self.s6, t, hidden_size, **f32)
@@ -178,34 +189,43 @@ class PersistentDecodeLayer:
     def __call__(self, x: torch.Tensor, w: LayerWeights, cos_sin: torch.Tensor,
                  positions: torch.Tensor, slot_mapping: torch.Tensor, context_lens: torch.Tensor,
                  block_tables: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 scale: float, prefetch: int = 3, poll: int = 1, phase: int = 0
-                 ) -> torch.Tensor:
+                 scale: float, x_partials: bool = False, carry_out: bool = False,
+                 prefetch: int = 3, poll: int = 1, phase: int = 0) -> torch.Tensor:
         """The layer's output [T, H] for x [T, H] (T <= 16 tokens, one a sequence); the tokens'
-        K/V are written to the cache ([blocks, block_size, HKV, D]) at slot_mapping."""
+        K/V are written to the cache ([blocks, block_size, HKV, D]) at slot_mapping.
+
+        Up to fuse_max_tokens tokens (where re-reading partials costs less than a barrier),
+        each program adds o_proj's partials to the residual itself, and the layers may carry
+        down_proj's partials over: with carry_out the output is x + attention (a buffer the
+        next call overwrites) and down_proj's partials wait in scratch for the next layer's
+        call, with x_partials, to add (two barriers fewer a layer)."""
         num_tokens = x.shape[0]
+        fuse = num_tokens <= self.fuse_max_tokens
         assert 1 <= num_tokens <= MAX_TOKENS and x.is_contiguous() and cos_sin.is_contiguous()
         assert cos_sin.shape[1] == self.d and k_cache.is_contiguous() and v_cache.is_contiguous()
+        assert fuse or not (x_partials or carry_out), "carrying partials needs fuse"
         block_size = k_cache.shape[1]
-        out = torch.empty_like(x)
+        out = self.resid2[:num_tokens] if carry_out else torch.empty_like(x)
         ns = self.attention_splits(num_tokens, block_tables.shape[1] * block_size)
         interpret = triton.knobs.runtime.interpret
-        args = (x, out, w.input_norm, w.qkv, *w.qkv.stride(), w.q_norm if w.q_norm is not None
-                else w.input_norm, w.k_norm if w.k_norm is not None else w.input_norm, w.o,
-                *w.o.stride(), w.post_norm, w.gate_up, *w.gate_up.stride(), w.down,
-                *w.down.stride(), cos_sin, positions, slot_mapping, k_cache, v_cache,
-                context_lens, block_tables, block_tables.stride(0), self.part1, self.q, self.m,
-                self.l, self.acc, self.part3, self.resid2, self.part5, self.part6, self.barrier,
-                self.programs, num_tokens, w.eps, scale * LOG2E, ns)
+        res = self.xin if x_partials else x
+        norms = (w.q_norm, w.k_norm) if w.q_norm is not None else (w.input_norm,) * 2
+        args = (x, self.xin, res, res if fuse else self.resid2, out, w.input_norm, w.qkv,
+                *w.qkv.stride(), *norms, w.o, *w.o.stride(), w.post_norm, w.gate_up,
+                *w.gate_up.stride(), w.down, *w.down.stride(), cos_sin, positions, slot_mapping,
+                k_cache, v_cache, context_lens, block_tables, block_tables.stride(0), self.part1,
+                self.q, self.m, self.l, self.acc, self.part3, self.resid2, self.part5,
+                self.part6, self.barrier, self.programs, num_tokens, w.eps, scale * LOG2E, ns,
+                int(x_partials), int(fuse), int(carry_out))
         consts = dict(S1=self.s1, S3=self.s3, S5=self.s5, S6=self.s6, H=self.h, HQ=self.hq,
                       HKV=self.hkv, G_P2=max(16, triton.next_power_of_2(self.hq // self.hkv)),
-                      D=self.d, INTER=self.i,
-                      BLOCK_SIZE=block_size, BLOCK_N=min(64, block_size),
-                      NORM=w.q_norm is not None, PRECISION=prefill.dot_precision(x.dtype),
+                      D=self.d, INTER=self.i, BLOCK_SIZE=block_size,
+                      BLOCK_N=min(64, block_size), NORM=w.q_norm is not None,
+                      PRECISION=prefill.dot_precision(x.dtype),
                       PREFETCH=0 if interpret else prefetch, POLL=poll,
                       num_warps=self.num_warps, num_stages=self.num_stages)
-        # A phase's items are independent: under the interpreter each phase is a launch
-        # phase n > 0 runs that phase alone (a benchmark's timing of it; the output is not the
-        # layer's)
+        # Under the interpreter each phase is a launch (a phase's items are independent);
+        # phase n > 0 runs that phase alone (a benchmark's timing: its output is not the layer's)
         for p in (range(1, PHASES + 1) if interpret and not phase else (phase,)):
             _decode_layer_kernel[(self.programs,)](*args, PHASE=p, **consts, **launch_options())
         return out

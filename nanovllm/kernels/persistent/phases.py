@@ -13,15 +13,41 @@ MERGE_SPLITS = tl.constexpr(8)  # attention splits o_proj merges a load
 
 
 @triton.jit
-def rstd_of(x_ptr, T, H: tl.constexpr, eps):
-    """1 / RMS of each token's row of x [T, H] (float32 [T_P2]; padding rows 1)."""
-    offs_t = tl.arange(0, T_P2)
+def _residual_rows(x_ptr, part_ptr, S: tl.constexpr, add, T, rows, cols, H: tl.constexpr):
+    """x[rows, cols] (rows and cols broadcast to the block), with `add` plus the S partials'
+    sum rounded to x's dtype first, the sum then rounded: the residual add's two roundings."""
+    mask = rows < T
+    x = tl.load(x_ptr + rows * H + cols, mask=mask, other=0.0, cache_modifier=".cg")
+    if add != 0:
+        y = tl.zeros(x.shape, tl.float32)
+        for s in tl.static_range(S):
+            y += tl.load(part_ptr + (s * T + rows) * H + cols, mask=mask, other=0.0,
+                         cache_modifier=".cg")
+        x = (y.to(x.dtype).to(tl.float32) + x.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def rstd_of(x_ptr, part_ptr, S: tl.constexpr, add, T, H: tl.constexpr, eps):
+    """1 / RMS of each token's residual row (_residual_rows; float32 [T_P2])."""
+    rows = tl.arange(0, T_P2)[:, None]
     ss = tl.zeros([T_P2], tl.float32)
     for h in range(0, H, 256):
-        x = tl.load(x_ptr + offs_t[:, None] * H + h + tl.arange(0, 256)[None, :],
-                    mask=offs_t[:, None] < T, other=0.0, cache_modifier=".cg").to(tl.float32)
-        ss += tl.sum(x * x, axis=1)
+        x = _residual_rows(x_ptr, part_ptr, S, add, T, rows, h + tl.arange(0, 256)[None, :], H)
+        ss += tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1)
     return tl.rsqrt(ss / H + eps)
+
+
+@triton.jit
+def materialize(x_ptr, part_ptr, S: tl.constexpr, add, out_ptr, pid, T, H: tl.constexpr):
+    """With `add`, program 0 writes the residual rows (_residual_rows) to out, for the phases
+    and the layer after; every program computes them for itself meanwhile."""
+    if (add != 0) & (pid == 0):
+        rows = tl.arange(0, T_P2)[:, None]
+        for h in range(0, H, 256):
+            cols = h + tl.arange(0, 256)[None, :]
+            tl.store(out_ptr + rows * H + cols,
+                     _residual_rows(x_ptr, part_ptr, S, add, T, rows, cols, H), mask=rows < T)
 
 
 @triton.jit
@@ -38,12 +64,13 @@ def _w_tile(w_ptr, s_n, s_k, n0, k, BK: tl.constexpr):
 
 
 @triton.jit
-def _normed_tile(x_ptr, g_ptr, rstd, T, k, H: tl.constexpr, BK: tl.constexpr):
-    """RMSNorm(x)[:, k:+BK] transposed ([BK, T_P2]), rounded as RMSNorm.rms_forward rounds."""
+def _normed_tile(x_ptr, part_ptr, S: tl.constexpr, add, g_ptr, rstd, T, k, H: tl.constexpr,
+                 BK: tl.constexpr):
+    """RMSNorm(residual)[:, k:+BK] transposed ([BK, T_P2]; _residual_rows), rounded as
+    RMSNorm.rms_forward rounds."""
     offs_k = _k_range(k, BK)
-    offs_t = tl.arange(0, T_P2)
-    x = tl.load(x_ptr + offs_t[None, :] * H + offs_k[:, None], mask=offs_t[None, :] < T,
-                other=0.0, cache_modifier=".cg")
+    x = _residual_rows(x_ptr, part_ptr, S, add, T, tl.arange(0, T_P2)[None, :],
+                       offs_k[:, None], H)
     g = tl.load(g_ptr + offs_k)
     return ((x.to(tl.float32) * rstd[None, :]).to(x.dtype) * g[:, None]).to(x.dtype)
 
@@ -67,19 +94,20 @@ def _sum_partials(part_ptr, S: tl.constexpr, T, t, cols, N: tl.constexpr, mask):
 
 
 @triton.jit
-def normed_gemm(x_ptr, g_ptr, w_ptr, s_n, s_k, part_ptr, pid, P, T, eps, NT: tl.constexpr,
-                S: tl.constexpr, H: tl.constexpr, N: tl.constexpr, BK: tl.constexpr,
-                PRECISION: tl.constexpr):
-    """Phase 1: part[split] = RMSNorm(x)[:, split's K] @ W[:, split's K].T."""
-    rstd = rstd_of(x_ptr, T, H, eps)
-    K_LEN = H // S
+def normed_gemm(x_ptr, xpart_ptr, SX: tl.constexpr, add, g_ptr, w_ptr, s_n, s_k, part_ptr,
+                pid, P, T, eps, NT: tl.constexpr, S: tl.constexpr, H: tl.constexpr,
+                N: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+    """Phase 1: part[split] = RMSNorm(x)[:, split's K] @ W[:, split's K].T, x with `add` plus
+    the layer before's down_proj partials (_residual_rows)."""
+    rstd = rstd_of(x_ptr, xpart_ptr, SX, add, T, H, eps)
+    K_LEN: tl.constexpr = H // S
     for item in range(pid, S * NT, P):
         split, tile = split_item(item, NT)
         n0 = tile * BN
         acc = tl.zeros([BN, T_P2], tl.float32)
         for k in range(split * K_LEN, (split + 1) * K_LEN, BK):
             acc = tl.dot(_w_tile(w_ptr, s_n, s_k, n0, k, BK),
-                         _normed_tile(x_ptr, g_ptr, rstd, T, k, H, BK), acc,
+                         _normed_tile(x_ptr, xpart_ptr, SX, add, g_ptr, rstd, T, k, H, BK), acc,
                          input_precision=PRECISION)
         _store_partial(part_ptr, acc, split, T, n0, N)
 
@@ -266,20 +294,21 @@ def _act_tile(part5_ptr, S5: tl.constexpr, T, k, INTER: tl.constexpr, BK: tl.con
 
 
 @triton.jit
-def gate_up(x_ptr, g_ptr, w_ptr, s_n, s_k, part_ptr, pid, P, T, eps, NT: tl.constexpr,
-            S: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, BK: tl.constexpr,
-            PRECISION: tl.constexpr):
+def gate_up(x_ptr, xpart_ptr, SX: tl.constexpr, add, g_ptr, w_ptr, s_n, s_k, part_ptr, pid, P,
+            T, eps, NT: tl.constexpr, S: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
+            BK: tl.constexpr, PRECISION: tl.constexpr):
     """Phase 5: part[split] = RMSNorm(x)[:, split's K] @ [W_gate; W_up][:, split's K].T, each
-    item a tile of gate rows with the same tile of up rows (part: [S, T, 2I])."""
-    rstd = rstd_of(x_ptr, T, H, eps)
-    K_LEN = H // S
+    item a tile of gate rows with the same tile of up rows (part: [S, T, 2I]); x with `add`
+    plus o_proj's partials (_residual_rows: phase 4 folded in)."""
+    rstd = rstd_of(x_ptr, xpart_ptr, SX, add, T, H, eps)
+    K_LEN: tl.constexpr = H // S
     for item in range(pid, S * NT, P):
         split, tile = split_item(item, NT)
         n0 = tile * BN
         gate = tl.zeros([BN, T_P2], tl.float32)
         up = tl.zeros([BN, T_P2], tl.float32)
         for k in range(split * K_LEN, (split + 1) * K_LEN, BK):
-            x = _normed_tile(x_ptr, g_ptr, rstd, T, k, H, BK)
+            x = _normed_tile(x_ptr, xpart_ptr, SX, add, g_ptr, rstd, T, k, H, BK)
             gate = tl.dot(_w_tile(w_ptr, s_n, s_k, n0, k, BK), x, gate, input_precision=PRECISION)
             up = tl.dot(_w_tile(w_ptr, s_n, s_k, INTER + n0, k, BK), x, up,
                         input_precision=PRECISION)
