@@ -20,6 +20,8 @@ from time import perf_counter
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# float16 on CPU: the Triton interpreter's bfloat16 arithmetic is wrong
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float16
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # --tiny: before triton is imported
 import triton  # noqa: E402
@@ -63,7 +65,7 @@ def make_layers(cfg: dict, n: int) -> list[LayerWeights]:
     hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
 
     def rand(*shape, scale=0.02):
-        return torch.randn(*shape, device=DEVICE).mul_(scale).bfloat16()
+        return torch.randn(*shape, device=DEVICE).mul_(scale).to(DTYPE)
 
     def kmajor(w):
         return w.t().contiguous().t()
@@ -93,7 +95,7 @@ def per_kernel_step(x, layers, cfg, inputs, caches, scale):
         parts = split_k_linear(attn.view(t, -1), w.o)
         h, resid = add_partials_rms_norm(parts, resid, w.post_norm, w.eps)
         parts = split_k_linear(gate_up_silu(h, w.gate_up, None), w.down)
-    return (parts.sum(0) + resid.float()).bfloat16()
+    return (parts.sum(0) + resid.float()).to(DTYPE)
 
 
 def persistent_step(x, layers, kernels, inputs, caches, scale, kernel="default", **options):
@@ -147,7 +149,7 @@ def step_inputs(batch: int, cfg: dict, context: int) -> tuple:
     step of `batch` sequences holding `context` keys each (the last one this step's)."""
     n, d, hkv = cfg["num_hidden_layers"], cfg["head_dim"], cfg["num_key_value_heads"]
     pages = -(-context // BLOCK)
-    caches = [torch.randn(2, batch * pages, BLOCK, hkv, d, device=DEVICE).bfloat16()
+    caches = [torch.randn(2, batch * pages, BLOCK, hkv, d, device=DEVICE).to(DTYPE)
               for _ in range(n)]
     tables = torch.arange(batch * pages, device=DEVICE, dtype=torch.int32).view(batch, pages)
     ctx = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
@@ -156,7 +158,7 @@ def step_inputs(batch: int, cfg: dict, context: int) -> tuple:
     theta = 1e6 ** (-torch.arange(0, d, 2, device=DEVICE).float() / d)
     freqs = torch.outer(torch.arange(context + 1, device=DEVICE).float(), theta)
     inputs = (torch.cat((freqs.cos(), freqs.sin()), -1).contiguous(), pos, slots, ctx, tables)
-    x = torch.randn(batch, cfg["hidden_size"], device=DEVICE).bfloat16()
+    x = torch.randn(batch, cfg["hidden_size"], device=DEVICE).to(DTYPE)
     return x, inputs, caches, d ** -0.5
 
 
@@ -245,7 +247,7 @@ def main() -> None:
     layers = make_layers(cfg, cfg["num_hidden_layers"])
     layer = {name: PersistentDecodeLayer(
         cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
-        cfg["hidden_size"], cfg["intermediate_size"], torch.bfloat16, torch.device(DEVICE),
+        cfg["hidden_size"], cfg["intermediate_size"], DTYPE, torch.device(DEVICE),
         programs=None if DEVICE == "cuda" else 4, **kwargs) for name, kwargs in KERNELS.items()}
     rows = []
     programs = layer["default"].programs

@@ -8,16 +8,21 @@ from nanovllm.utils.context import get_context
 
 
 def persistent_fits(model: nn.Module) -> bool:
-    """Whether the persistent layer runs every layer of a DecoderModel: dense MLPs, 16-bit
-    weights without biases, one rank, no LoRA, no sliding window, sizes the kernel takes."""
+    """Whether the persistent layer runs every layer of a DecoderModel: dense MLPs, weights
+    without biases (16-bit, or FP8 in a format the fused projections take, one format a layer),
+    one rank, no LoRA, no sliding window, sizes the kernel takes."""
+    from nanovllm.kernels.linear.fused_fp8 import fits_weight
     from nanovllm.kernels.persistent.decode_layer import fits_layer
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if not hasattr(mlp, "gate_up_proj") or attn.attn.sliding_window is not None:
             return False
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(lin.bias is not None or lin.quant is not None or lin.lora_a is not None
-               or lin.tp_size != 1 for lin in linears):
+        if any(lin.bias is not None or lin.lora_a is not None or lin.tp_size != 1
+               or lin.quant is not None and not fits_weight(*lin.fused_format())
+               for lin in linears):
+            return False
+        if len({lin.fused_format() for lin in linears}) != 1:
             return False
         hidden, inter = mlp.down_proj.weight.shape
         if not fits_layer(attn.num_heads, attn.num_kv_heads, attn.head_dim, hidden, inter):
@@ -67,7 +72,16 @@ class PersistentDecode:
             layer.input_layernorm.weight, attn.qkv_proj.weight,
             attn.attn.q_norm.weight if norm else None, attn.attn.k_norm.weight if norm else None,
             attn.o_proj.weight, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
-            mlp.down_proj.weight, layer.input_layernorm.eps)
+            mlp.down_proj.weight, layer.input_layernorm.eps, **_fp8_scales(
+                (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)))
         return self.kernel(residual, weights, attn.attn.rotary_emb.cos_sin_cache.squeeze(1),
                            positions, ctx.slot_mapping, ctx.context_lens, ctx.block_tables,
                            attn.attn.k_cache, attn.attn.v_cache, attn.attn.scale, **carry)
+
+
+def _fp8_scales(linears: tuple[nn.Module, ...]) -> dict:
+    """LayerWeights' scales and block for FP8 projections (nothing for 16-bit ones)."""
+    scales = [lin.fused_scales() for lin in linears]
+    if not scales[0]:
+        return {}
+    return {"scales": tuple(s["w_scale"] for s in scales), "block": scales[0]["w_block"]}

@@ -17,6 +17,10 @@ import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from nanovllm.kernels.attention.reference import decode_attention_torch  # noqa: E402
+from nanovllm.kernels.linear.fp8_reference import (  # noqa: E402
+    dequantize_groups,
+    quantize_groups,
+)
 from nanovllm.kernels.persistent.decode_layer import (  # noqa: E402
     LayerWeights,
     PersistentDecodeLayer,
@@ -81,10 +85,11 @@ def reference(s: Shape, x, w: LayerWeights, rope: RotaryEmbedding, pos, slots, c
 
 
 def run(s: Shape, contexts: list[int], norm: bool, k_major: bool, programs: int | None,
-        dtype: torch.dtype = torch.float32, pages: int | None = None, relaunch: int = 0):
-    """The layer and the reference on one decode step whose token i's sequence holds
-    contexts[i] keys with its own (0: a padding row, slot -1, position 0); returns
-    (got, expected, caches, reference caches, attention splits)."""
+        dtype: torch.dtype = torch.float32, pages: int | None = None, relaunch: int = 0,
+        w: LayerWeights | None = None, w_ref: LayerWeights | None = None):
+    """The layer (weights w, else random ones) and the reference (weights w_ref, else w) on one
+    decode step whose token i's sequence holds contexts[i] keys with its own (0: a padding
+    row, slot -1, position 0); returns (got, expected, caches, reference caches, splits)."""
     g = torch.Generator().manual_seed(len(contexts))
     n = len(contexts)
     ctx = torch.tensor(contexts, dtype=torch.int32)
@@ -96,12 +101,12 @@ def run(s: Shape, contexts: list[int], norm: bool, k_major: bool, programs: int 
     slots[ctx == 0] = -1
     x = torch.randn(n, s.hidden, generator=g).to(dtype)
     x, pos, slots, ctx, tables, cache = (t.to(DEVICE) for t in (x, pos, slots, ctx, tables, cache))
-    w = weights(s, norm, dtype, k_major)
+    w = w or weights(s, norm, dtype, k_major)
     rope = RotaryEmbedding(s.head_dim, 4096, {"rope_type": "default", "rope_theta": 1e4})
     rope = rope.to(DEVICE)
     ref_cache = cache.clone()
     scale = s.head_dim ** -0.5
-    expected = reference(s, x, w, rope, pos, slots, ctx, tables, *ref_cache, scale)
+    expected = reference(s, x, w_ref or w, rope, pos, slots, ctx, tables, *ref_cache, scale)
     layer = PersistentDecodeLayer(s.heads, s.kv_heads, s.head_dim, s.hidden, s.inter, dtype,
                                   x.device, programs=programs)
     cos_sin = rope.cos_sin_cache.squeeze(1)
@@ -141,6 +146,40 @@ def test_pages_of_256_keys_16_tokens_and_132_programs():
     assert ns == 1
     torch.testing.assert_close(cache, ref_cache, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def fp8_weights(s: Shape, block: tuple[int, int] | None, dtype: torch.dtype
+                ) -> tuple[LayerWeights, LayerWeights]:
+    """(FP8 weights per channel or per block, the same dequantized to dtype): random float32
+    projections quantized by the reference's rule (kernels.linear.fp8_reference)."""
+    master = weights(s, True, torch.float32, False)
+    names = ("qkv", "o", "gate_up", "down")
+    quantized = {}
+    for name in names:
+        full = getattr(master, name)
+        gn, gk = block or (1, full.shape[1])
+        quantized[name] = quantize_groups(full, gn, gk) + ((gn, gk),)
+    small = {f: getattr(master, f).to(dtype) for f in ("input_norm", "q_norm", "k_norm",
+                                                      "post_norm")}
+    fp8 = LayerWeights(**small, **{n: q[0] for n, q in quantized.items()}, eps=master.eps,
+                       scales=tuple(quantized[n][1] for n in names), block=block)
+    dequantized = LayerWeights(**small, eps=master.eps, **{
+        n: dequantize_groups(q[0], q[1], *q[2]).to(dtype) for n, q in quantized.items()})
+    return fp8, dequantized
+
+
+@pytest.mark.parametrize("block,num_tokens", [(None, 1), ((128, 128), 3)])
+def test_fp8_weights_match_the_layer_on_their_dequantized_values(block, num_tokens):
+    """W8A16: FP8 codes per channel or per 128 x 128 block, 16-bit activations, against the
+    torch layer on the dequantized weights (rounding apart; a wrong scale is off by far more).
+    float16 (bfloat16 on the GPU): the interpreter's bfloat16 arithmetic is wrong."""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    fp8, dequantized = fp8_weights(Shape(), block, dtype)
+    got, expected, cache, ref_cache, _ = run(
+        Shape(), [30 + 17 * i for i in range(num_tokens)], True, False, 3, dtype=dtype, w=fp8,
+        w_ref=dequantized)
+    torch.testing.assert_close(cache.float(), ref_cache.float(), rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=3e-2, atol=3e-2)
 
 
 @pytest.mark.gpu
@@ -206,13 +245,19 @@ names = [p.name for p in kernel.params]
 floats = {"eps", "qk_scale"}
 bf16 = {"cos_sin_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64", "ctx_ptr": "*i32",
         "bt_ptr": "*i32", "bar_ptr": "*i32"}
-for prefetch, poll in ((3, 1), (1, 0)):
+weights = ("wqkv_ptr", "wo_ptr", "wgu_ptr", "wd_ptr")
+scales = ("sq_ptr", "so_ptr", "sg_ptr", "sd_ptr")
+for prefetch, poll, w_scale in ((3, 1, 0), (1, 0, 0), (3, 1, 1), (3, 1, 2)):
     consts = dict(S1=2, S3=8, S5=2, S6=8, H=1024, HQ=16, HKV=8, G_P2=16, D=128, INTER=3072,
                   BLOCK_SIZE=256, BLOCK_N=64, NORM=True, PRECISION="tf32", PHASE=0,
-                  PREFETCH=prefetch, POLL=poll, USE_PDL=True, s_qkv_k=1, s_o_n=1, s_gu_k=1,
-                  s_d_n=1)
+                  PREFETCH=prefetch + 4 * 15, POLL=poll, W_SCALE=w_scale, USE_PDL=True,
+                  s_qkv_k=1, s_o_n=1 if not w_scale else None, s_o_k=1 if w_scale else None,
+                  s_gu_k=1, s_d_n=1 if not w_scale else None, s_d_k=1 if w_scale else None)
+    consts = {n: v for n, v in consts.items() if v is not None}
+    types = {**bf16, **{n: "*fp8e4nv" for n in weights if w_scale},
+             **{n: "*fp32" if w_scale else "*bf16" for n in scales}}
     sig = {n: "constexpr" if n in consts else "fp32" if n in floats else
-           bf16.get(n, "*fp32" if n.startswith(("part", "m_", "l_", "acc")) else "*bf16")
+           types.get(n, "*fp32" if n.startswith(("part", "m_", "l_", "acc")) else "*bf16")
            if n.endswith("_ptr") else "i32" for n in names}
     hints = {(names.index(n),): [["tt.divisibility", 16]] for n in names
              if n not in consts and (n.endswith("_ptr") or n.startswith(("s_", "stride")))}
@@ -230,9 +275,10 @@ def test_sm90_code_has_its_barriers_prefetches_and_pipelines() -> None:
     """Compiled for sm_90 (no GPU needed; a process without the interpreter, which runs the
     phases as launches of their own and so never compiles the barriers): six barriers (the
     seventh is skipped at runtime when partials carry), each released by an atomic and fenced,
-    L2 prefetches, the PDL wait, weight loads pipelined by cp.async, each polling mode."""
+    L2 prefetches, the PDL wait, weight loads pipelined by cp.async, each polling mode, 16-bit
+    and FP8 (per channel, per block) weights."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split("\n")[:2] == ["6 6 True True True True"] * 2
+    assert out.stdout.split("\n")[:4] == ["6 6 True True True True"] * 4

@@ -17,9 +17,12 @@ from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.kernels.persistent import decode_layer  # noqa: E402
 from nanovllm.layers.backends import bind_backend  # noqa: E402
 from nanovllm.layers.persistent_decode import PersistentDecode, persistent_fits  # noqa: E402
+from tests.models import test_fp8_fused_decode as fused_fp8  # noqa: E402
+from tests.models.test_fp8_fused_decode import fp8_models  # noqa: E402, F401 (a fixture)
+from tests.reference import token_prompts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# sizes the kernel tiles: hidden a multiple of 256, intermediate of 128, head_dim 64 or 128
+# sizes the kernel tiles: hidden and intermediate multiples of 128, head_dim 64 or 128
 SHAPE = dict(hidden_size=256, intermediate_size=384, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64, vocab_size=400)
 
@@ -37,6 +40,13 @@ def _rebind(llm: LLM, persistent: bool) -> None:
     backend = llm.model_runner.backend
     fast_path = replace(backend.fast_path, persistent_decode=persistent)
     bind_backend(llm.model_runner.model, type(backend)(fast_path))
+
+
+def _fp8_engine(model: tuple[str, dict]) -> LLM:
+    path, kwargs = model
+    return LLM(path, device=DEVICE, attention_backend="triton", dtype="float16",
+               enforce_eager=True, num_kvcache_blocks=64, max_num_seqs=64, max_model_len=512,
+               **kwargs)
 
 
 def _greedy(llm: LLM, lengths: tuple[int, ...]) -> list[list[int]]:
@@ -79,7 +89,7 @@ def test_same_greedy_tokens_as_the_per_kernel_path(checkpoint, eager, lengths, m
     ("Qwen2", {}),  # q/k/v biases
     ("Qwen3Moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)),
     ("Mistral", dict(sliding_window=64)),
-    ("Qwen3", dict(hidden_size=192)),  # not a multiple of 256
+    ("Qwen3", dict(hidden_size=192)),  # not a multiple of 128
 ])
 def test_models_it_does_not_fit_keep_the_per_kernel_path(family, fields, tmp_path):
     path = build_checkpoint(str(tmp_path), family=family, **{**SHAPE, **fields})
@@ -91,3 +101,25 @@ def test_models_it_does_not_fit_keep_the_per_kernel_path(family, fields, tmp_pat
         assert model.whole_layer_decode is None
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+def test_fp8_models_give_the_w8a16_products_tokens(fp8_models, scheme, monkeypatch):  # noqa: F811
+    """FP8 weights (per channel: quantization='fp8'; 128 x 128 blocks: a block checkpoint),
+    float16: the persistent layers against the per-kernel path computing W8A16 in torch, the
+    same greedy tokens and logprobs (tests.models.test_fp8_fused_decode's comparison)."""
+    prompts = token_prompts(1, (5, 40, 17, 9, 23, 3))
+    llm = _fp8_engine(fp8_models[scheme])
+    try:
+        fused_fp8._rebind(llm, False, fused_fp8.w8a16_linear)
+        want = llm.generate(prompts, fused_fp8.GREEDY, use_tqdm=False)
+        _rebind(llm, True)
+        for proj in fused_fp8.fp8_projections(llm.model_runner.model):  # prefill: W8A16 too
+            proj.fp8_linear = fused_fp8.w8a16_linear
+        assert isinstance(llm.model_runner.model.model.whole_layer_decode, PersistentDecode)
+        got = llm.generate(prompts, fused_fp8.GREEDY, use_tqdm=False)
+        lone = llm.generate(prompts[:1], fused_fp8.GREEDY, use_tqdm=False)  # carried partials
+    finally:
+        llm.shutdown()
+    fused_fp8.assert_same_greedy(got, want, tol=0.05)
+    fused_fp8.assert_same_greedy(lone, want[:1], tol=0.05)

@@ -22,13 +22,14 @@ import triton.language as tl
 
 from nanovllm.kernels.attention import prefill
 from nanovllm.kernels.attention.prefill import LOG2E
-from nanovllm.kernels.linear.fused_fp8 import num_sms
+from nanovllm.kernels.linear.fused_fp8 import num_sms, scale_args
 from nanovllm.kernels.pdl import launch_options, wait_then_release
 from nanovllm.kernels.persistent import phases as ph
 from nanovllm.kernels.persistent.phases import BN
 from nanovllm.kernels.persistent.sync import grid_sync, prefetch_share
 
 BK = 128  # K columns of a GEMM step
+L2_PREFETCH_BYTES = 40 << 20  # weights a layer asks L2 for (of the H200's 50 MB), in order
 _BK = tl.constexpr(BK)  # the same, for the kernel
 ROWS = BN.value  # output rows of a GEMM item (host side)
 MAX_TOKENS = 16
@@ -44,37 +45,51 @@ def _decode_layer_kernel(
         qn_ptr, kn_ptr, wo_ptr, s_o_n, s_o_k, post_norm_ptr, wgu_ptr, s_gu_n, s_gu_k, wd_ptr,
         s_d_n, s_d_k, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, ctx_ptr, bt_ptr,
         stride_bt, part1_ptr, q_ptr, m_ptr, l_ptr, acc_ptr, part3_ptr, resid2_ptr, part5_ptr,
-        part6_ptr, bar_ptr, P, T, eps, qk_scale, NS, XPART, FUSE, CARRY_OUT, S1: tl.constexpr,
+        part6_ptr, bar_ptr, sq_ptr, sq_stride, sq_rows, so_ptr, so_stride, so_rows, sg_ptr,
+        sg_stride, sg_rows, sd_ptr, sd_stride, sd_rows, P, T, eps, qk_scale, NS, XPART, FUSE,
+        CARRY_OUT, S1: tl.constexpr,
         S3: tl.constexpr, S5: tl.constexpr, S6: tl.constexpr, H: tl.constexpr,
         HQ: tl.constexpr, HKV: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr,
         INTER: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
         NORM: tl.constexpr, PRECISION: tl.constexpr, PHASE: tl.constexpr,
-        PREFETCH: tl.constexpr, POLL: tl.constexpr, USE_PDL: tl.constexpr):
+        W_SCALE: tl.constexpr, PREFETCH: tl.constexpr, POLL: tl.constexpr,
+        USE_PDL: tl.constexpr):
     """Grid (P,), one program an SM: the phases of the module docstring (PHASE 0: all, with
     barriers; n: phase n alone). XPART, FUSE, CARRY_OUT: PersistentDecodeLayer.__call__'s
     x_partials, fuse and carry_out; res_ptr: x with x_partials added (xin_ptr, which phase 1
     writes) or x; gate_x_ptr: res_ptr with FUSE, else resid2_ptr (which phase 4 writes).
-    PREFETCH (each program its share of each weight): 0 none; 1 the layer's weights after the
-    PDL wait; 2 before it; 3 a phase ahead (qkv_proj's and o_proj's before the wait, gate_up's
-    at attention, down's at o_proj). POLL: grid_sync's."""
+    PREFETCH % 4, where each program asks L2 for its share of each weight: 0 nowhere; 1 after
+    the PDL wait; 2 before it; 3 a phase ahead (qkv_proj's and o_proj's before the wait,
+    gate_up's at attention, down's at o_proj); PREFETCH // 4, which weights (a bit each, from
+    qkv_proj's: a weight L2 cannot hold is left to its pipeline). POLL: grid_sync's. W_SCALE:
+    the weights' format (kernels.linear.fused_fp8); s*: each weight's scales, their row
+    stride and the weight rows a scale row covers."""
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
+    ws_qkv = (sq_ptr, sq_stride, sq_rows)
+    ws_o = (so_ptr, so_stride, so_rows)
+    ws_gu = (sg_ptr, sg_stride, sg_rows)
+    ws_d = (sd_ptr, sd_stride, sd_rows)
     pid = tl.program_id(0)
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
-    prefetch_share(wqkv_ptr, NQKV * H, pid, P, PREFETCH >= 2)
-    prefetch_share(wo_ptr, H * HQ * D, pid, P, PREFETCH >= 2)
-    prefetch_share(wgu_ptr, 2 * INTER * H, pid, P, PREFETCH == 2)
-    prefetch_share(wd_ptr, H * INTER, pid, P, PREFETCH == 2)
+    ON: tl.constexpr = PREFETCH // 4
+    MODE: tl.constexpr = PREFETCH % 4
+    prefetch_share(wqkv_ptr, NQKV * H, pid, P, (MODE >= 2) & (ON % 2 == 1))
+    prefetch_share(wo_ptr, H * HQ * D, pid, P, (MODE >= 2) & (ON // 2 % 2 == 1))
+    prefetch_share(wgu_ptr, 2 * INTER * H, pid, P, (MODE == 2) & (ON // 4 % 2 == 1))
+    prefetch_share(wd_ptr, H * INTER, pid, P, (MODE == 2) & (ON // 8 % 2 == 1))
     wait_then_release(USE_PDL)
-    prefetch_share(wqkv_ptr, NQKV * H, pid, P, PREFETCH == 1)
-    prefetch_share(wo_ptr, H * HQ * D, pid, P, PREFETCH == 1)
-    prefetch_share(wgu_ptr, 2 * INTER * H, pid, P, PREFETCH == 1)
-    prefetch_share(wd_ptr, H * INTER, pid, P, PREFETCH == 1)
+    prefetch_share(wqkv_ptr, NQKV * H, pid, P, (MODE == 1) & (ON % 2 == 1))
+    prefetch_share(wo_ptr, H * HQ * D, pid, P, (MODE == 1) & (ON // 2 % 2 == 1))
+    prefetch_share(wgu_ptr, 2 * INTER * H, pid, P, (MODE == 1) & (ON // 4 % 2 == 1))
+    prefetch_share(wd_ptr, H * INTER, pid, P, (MODE == 1) & (ON // 8 % 2 == 1))
     if PHASE == 0 or PHASE == 1:  # x: with XPART plus the layer before's down_proj partials
         ph.materialize(x_ptr, part6_ptr, S6, XPART, xin_ptr, pid, T, H)
         ph.normed_gemm(x_ptr, part6_ptr, S6, XPART, in_norm_ptr, wqkv_ptr, s_qkv_n, s_qkv_k,
-                       part1_ptr, pid, P, T, eps, NQKV // BN, S1, H, NQKV, _BK, PRECISION)
+                       ws_qkv, part1_ptr, pid, P, T, eps, NQKV // BN, S1, H, NQKV, _BK, W_SCALE,
+                       PRECISION)
     if PHASE == 0:
         grid_sync(bar_ptr, P, POLL)
-    prefetch_share(wgu_ptr, 2 * INTER * H, pid, P, PREFETCH == 3)
+    prefetch_share(wgu_ptr, 2 * INTER * H, pid, P, (MODE == 3) & (ON // 4 % 2 == 1))
     if PHASE == 0 or PHASE == 2:
         ph.attention(part1_ptr, S1, q_ptr, qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr,
                      k_cache_ptr, v_cache_ptr, ctx_ptr, bt_ptr, stride_bt, m_ptr, l_ptr, acc_ptr,
@@ -82,10 +97,10 @@ def _decode_layer_kernel(
                      PRECISION)
     if PHASE == 0:
         grid_sync(bar_ptr, P, POLL)
-    prefetch_share(wd_ptr, H * INTER, pid, P, PREFETCH == 3)
+    prefetch_share(wd_ptr, H * INTER, pid, P, (MODE == 3) & (ON // 8 % 2 == 1))
     if PHASE == 0 or PHASE == 3:
-        ph.o_proj(m_ptr, l_ptr, acc_ptr, NS, wo_ptr, s_o_n, s_o_k, part3_ptr, pid, P, T, H // BN,
-                  S3, H, HQ, D, PRECISION)
+        ph.o_proj(m_ptr, l_ptr, acc_ptr, NS, wo_ptr, s_o_n, s_o_k, ws_o, part3_ptr, pid, P, T,
+                  H // BN, S3, H, HQ, D, dtype, W_SCALE, PRECISION)
     if PHASE == 0:
         grid_sync(bar_ptr, P, POLL)
     if FUSE == 0:  # else gate_up adds o_proj's partials itself: no phase, no barrier
@@ -96,12 +111,13 @@ def _decode_layer_kernel(
     if PHASE == 0 or PHASE == 5:  # gate_x: resid2 (FUSE 0) or x (FUSE 1, plus part3)
         ph.materialize(gate_x_ptr, part3_ptr, S3, FUSE, resid2_ptr, pid, T, H)
         ph.gate_up(gate_x_ptr, part3_ptr, S3, FUSE, post_norm_ptr, wgu_ptr, s_gu_n, s_gu_k,
-                   part5_ptr, pid, P, T, eps, INTER // BN, S5, H, INTER, _BK, PRECISION)
+                   ws_gu, part5_ptr, pid, P, T, eps, INTER // BN, S5, H, INTER, _BK, W_SCALE,
+                   PRECISION)
     if PHASE == 0:
         grid_sync(bar_ptr, P, POLL)
     if PHASE == 0 or PHASE == 6:
-        ph.down(part5_ptr, S5, wd_ptr, s_d_n, s_d_k, part6_ptr, pid, P, T, H // BN, S6, H,
-                INTER, _BK, PRECISION)
+        ph.down(part5_ptr, S5, wd_ptr, s_d_n, s_d_k, ws_d, part6_ptr, pid, P, T, H // BN, S6, H,
+                INTER, _BK, dtype, W_SCALE, PRECISION)
     if CARRY_OUT == 0:  # else the next layer adds down_proj's partials (its XPART)
         if PHASE == 0:
             grid_sync(bar_ptr, P, POLL)
@@ -122,14 +138,36 @@ class LayerWeights:
     gate_up: torch.Tensor  # [2 I, H]: gate rows, then up rows
     down: torch.Tensor  # [H, I]
     eps: float
+    # FP8 weights (W8A16, kernels.linear.fused_fp8): the scales of qkv, o, gate_up and down,
+    # per channel ([N, 1]) or per block of `block` (rows, cols); None: 16-bit weights
+    scales: tuple[torch.Tensor, ...] | None = None
+    block: tuple[int, int] | None = None
+
+    def scale_args(self) -> tuple[list, int]:
+        """Each weight's (scales, row stride, rows a scale row) in kernel order, and W_SCALE."""
+        weights = (self.qkv, self.o, self.gate_up, self.down)
+        scales = self.scales or (None,) * 4
+        args = [scale_args(w, s, self.block) for w, s in zip(weights, scales)]
+        return [a for arg in args for a in arg[:3]], args[0][3]
 
 
 def fits_layer(num_heads: int, num_kv_heads: int, head_dim: int, hidden_size: int,
                intermediate_size: int) -> bool:
     """Whether the kernel takes a layer of these sizes (its tiles: 128-wide K steps, 64-row
-    output tiles, 256-wide residual chunks, a head a K step of o_proj)."""
+    output tiles, 128-wide residual chunks, a head a K step of o_proj)."""
     return (head_dim in (64, 128) and num_heads % num_kv_heads == 0
-            and hidden_size % 256 == 0 and intermediate_size % BK == 0)
+            and hidden_size % BK == 0 and intermediate_size % BK == 0)
+
+
+def _fitting(weights: tuple[torch.Tensor, ...], budget: int = L2_PREFETCH_BYTES) -> int:
+    """Bits of the weights, in order, that fit the L2 budget together (the rest are left to
+    their pipelines: asking for more than L2 holds evicts what was asked for first)."""
+    bits = 0
+    for i, w in enumerate(weights):
+        budget -= w.numel() * w.element_size()
+        if budget >= 0:
+            bits |= 1 << i
+    return bits
 
 
 def _pow2_splits(items: int, programs: int, k_steps: int) -> int:
@@ -210,19 +248,22 @@ class PersistentDecodeLayer:
         interpret = triton.knobs.runtime.interpret
         res = self.xin if x_partials else x
         norms = (w.q_norm, w.k_norm) if w.q_norm is not None else (w.input_norm,) * 2
+        scales, w_scale = w.scale_args()
         args = (x, self.xin, res, res if fuse else self.resid2, out, w.input_norm, w.qkv,
                 *w.qkv.stride(), *norms, w.o, *w.o.stride(), w.post_norm, w.gate_up,
                 *w.gate_up.stride(), w.down, *w.down.stride(), cos_sin, positions, slot_mapping,
                 k_cache, v_cache, context_lens, block_tables, block_tables.stride(0), self.part1,
                 self.q, self.m, self.l, self.acc, self.part3, self.resid2, self.part5,
-                self.part6, self.barrier, self.programs, num_tokens, w.eps, scale * LOG2E, ns,
+                self.part6, self.barrier, *scales, self.programs, num_tokens, w.eps,
+                scale * LOG2E, ns,
                 int(x_partials), int(fuse), int(carry_out))
         consts = dict(S1=self.s1, S3=self.s3, S5=self.s5, S6=self.s6, H=self.h, HQ=self.hq,
                       HKV=self.hkv, G_P2=max(16, triton.next_power_of_2(self.hq // self.hkv)),
                       D=self.d, INTER=self.i, BLOCK_SIZE=block_size,
                       BLOCK_N=min(64, block_size), NORM=w.q_norm is not None,
                       PRECISION=prefill.dot_precision(x.dtype),
-                      PREFETCH=0 if interpret else prefetch, POLL=poll,
+                      W_SCALE=w_scale, PREFETCH=0 if interpret else prefetch + 4 * _fitting(
+                          (w.qkv, w.o, w.gate_up, w.down)), POLL=poll,
                       num_warps=self.num_warps, num_stages=self.num_stages)
         # Under the interpreter each phase is a launch (a phase's items are independent);
         # phase n > 0 runs that phase alone (a benchmark's timing: its output is not the layer's)

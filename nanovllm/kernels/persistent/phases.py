@@ -5,11 +5,19 @@ import triton.language as tl
 
 from nanovllm.kernels.attention.decode import _attend_chunk
 from nanovllm.kernels.attention.qk_norm_rope import _norm_rope
+from nanovllm.kernels.linear.fused_fp8 import (
+    K_STEP,
+    channel_scaled,
+    channel_scales,
+    scaled_dot,
+)
 from nanovllm.kernels.persistent.sync import split_item
 
 BN = tl.constexpr(64)  # output rows (weight rows) a GEMM item computes
 T_P2 = tl.constexpr(16)  # token columns of every tile: the MMA's narrow side
 MERGE_SPLITS = tl.constexpr(8)  # attention splits o_proj merges a load
+SCALE_K = tl.constexpr(K_STEP)  # an FP8 scale block's columns (fused_fp8.fits_weight)
+CHUNK = tl.constexpr(128)  # hidden columns a residual step reads at a time
 
 
 @triton.jit
@@ -32,8 +40,9 @@ def rstd_of(x_ptr, part_ptr, S: tl.constexpr, add, T, H: tl.constexpr, eps):
     """1 / RMS of each token's residual row (_residual_rows; float32 [T_P2])."""
     rows = tl.arange(0, T_P2)[:, None]
     ss = tl.zeros([T_P2], tl.float32)
-    for h in range(0, H, 256):
-        x = _residual_rows(x_ptr, part_ptr, S, add, T, rows, h + tl.arange(0, 256)[None, :], H)
+    for h in range(0, H, CHUNK):
+        x = _residual_rows(x_ptr, part_ptr, S, add, T, rows, h + tl.arange(0, CHUNK)[None, :],
+                           H)
         ss += tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1)
     return tl.rsqrt(ss / H + eps)
 
@@ -44,8 +53,8 @@ def materialize(x_ptr, part_ptr, S: tl.constexpr, add, out_ptr, pid, T, H: tl.co
     and the layer after; every program computes them for itself meanwhile."""
     if (add != 0) & (pid == 0):
         rows = tl.arange(0, T_P2)[:, None]
-        for h in range(0, H, 256):
-            cols = h + tl.arange(0, 256)[None, :]
+        for h in range(0, H, CHUNK):
+            cols = h + tl.arange(0, CHUNK)[None, :]
             tl.store(out_ptr + rows * H + cols,
                      _residual_rows(x_ptr, part_ptr, S, add, T, rows, cols, H), mask=rows < T)
 
@@ -61,6 +70,25 @@ def _w_tile(w_ptr, s_n, s_k, n0, k, BK: tl.constexpr):
     """Weight rows n0:+BN, columns k:+BK ([BN, BK]), as stored (either stride may be 1)."""
     return tl.load(w_ptr + (n0 + tl.arange(0, BN))[:, None] * s_n
                    + _k_range(k, BK)[None, :] * s_k)
+
+
+@triton.jit
+def _weight_dot(w_ptr, s_n, s_k, ws, n0, k, x, acc, BK: tl.constexpr, W_SCALE: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """acc + W[n0:+BN, k:+BK] @ x: a 16-bit weight, or FP8 codes as W8A16 with their block's
+    scale (kernels.linear.fused_fp8; per channel the scales come after the K loop,
+    _channel_scaled). ws: the weight's (scales, row stride, weight rows a scale row)."""
+    w = _w_tile(w_ptr, s_n, s_k, n0, k, BK)
+    if W_SCALE == 0:
+        return tl.dot(w, x, acc, input_precision=PRECISION)
+    else:  # a block is K_STEP columns wide (fits_weight): o_proj's 64-wide head steps halve it
+        return scaled_dot(w, x, acc, ws[0] + n0 // ws[2] * ws[1], k, SCALE_K, W_SCALE)
+
+
+@triton.jit
+def _channel_scaled(acc, ws, n0, W_SCALE: tl.constexpr):
+    """acc [BN, T_P2] times its rows' scales for per-channel FP8 (else unchanged)."""
+    return channel_scaled(acc, channel_scales(ws[0] + n0 // ws[2] * ws[1], W_SCALE), W_SCALE)
 
 
 @triton.jit
@@ -94,9 +122,10 @@ def _sum_partials(part_ptr, S: tl.constexpr, T, t, cols, N: tl.constexpr, mask):
 
 
 @triton.jit
-def normed_gemm(x_ptr, xpart_ptr, SX: tl.constexpr, add, g_ptr, w_ptr, s_n, s_k, part_ptr,
+def normed_gemm(x_ptr, xpart_ptr, SX: tl.constexpr, add, g_ptr, w_ptr, s_n, s_k, ws, part_ptr,
                 pid, P, T, eps, NT: tl.constexpr, S: tl.constexpr, H: tl.constexpr,
-                N: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+                N: tl.constexpr, BK: tl.constexpr, W_SCALE: tl.constexpr,
+                PRECISION: tl.constexpr):
     """Phase 1: part[split] = RMSNorm(x)[:, split's K] @ W[:, split's K].T, x with `add` plus
     the layer before's down_proj partials (_residual_rows)."""
     rstd = rstd_of(x_ptr, xpart_ptr, SX, add, T, H, eps)
@@ -106,10 +135,9 @@ def normed_gemm(x_ptr, xpart_ptr, SX: tl.constexpr, add, g_ptr, w_ptr, s_n, s_k,
         n0 = tile * BN
         acc = tl.zeros([BN, T_P2], tl.float32)
         for k in range(split * K_LEN, (split + 1) * K_LEN, BK):
-            acc = tl.dot(_w_tile(w_ptr, s_n, s_k, n0, k, BK),
-                         _normed_tile(x_ptr, xpart_ptr, SX, add, g_ptr, rstd, T, k, H, BK), acc,
-                         input_precision=PRECISION)
-        _store_partial(part_ptr, acc, split, T, n0, N)
+            x = _normed_tile(x_ptr, xpart_ptr, SX, add, g_ptr, rstd, T, k, H, BK)
+            acc = _weight_dot(w_ptr, s_n, s_k, ws, n0, k, x, acc, BK, W_SCALE, PRECISION)
+        _store_partial(part_ptr, _channel_scaled(acc, ws, n0, W_SCALE), split, T, n0, N)
 
 
 @triton.jit
@@ -247,29 +275,29 @@ def _merged_head(m_ptr, l_ptr, acc_ptr, NS, T, head, HQ: tl.constexpr, D: tl.con
 
 
 @triton.jit
-def o_proj(m_ptr, l_ptr, acc_ptr, NS, w_ptr, s_n, s_k, part_ptr, pid, P, T, NT: tl.constexpr,
-           S: tl.constexpr, H: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr,
+def o_proj(m_ptr, l_ptr, acc_ptr, NS, w_ptr, s_n, s_k, ws, part_ptr, pid, P, T,
+           NT: tl.constexpr, S: tl.constexpr, H: tl.constexpr, HQ: tl.constexpr,
+           D: tl.constexpr, dtype: tl.constexpr, W_SCALE: tl.constexpr,
            PRECISION: tl.constexpr):
     """Phase 3: part[split] = attention[:, split's heads] @ W_o[:, split's heads].T."""
     K_LEN = HQ * D // S
-    dtype = w_ptr.dtype.element_ty
     for item in range(pid, S * NT, P):
         split, tile = split_item(item, NT)
         n0 = tile * BN
         acc = tl.zeros([BN, T_P2], tl.float32)
         for k in range(split * K_LEN, (split + 1) * K_LEN, D):  # a head a K step
             x = _merged_head(m_ptr, l_ptr, acc_ptr, NS, T, k // D, HQ, D, dtype)
-            acc = tl.dot(_w_tile(w_ptr, s_n, s_k, n0, k, D), x, acc, input_precision=PRECISION)
-        _store_partial(part_ptr, acc, split, T, n0, H)
+            acc = _weight_dot(w_ptr, s_n, s_k, ws, n0, k, x, acc, D, W_SCALE, PRECISION)
+        _store_partial(part_ptr, _channel_scaled(acc, ws, n0, W_SCALE), split, T, n0, H)
 
 
 @triton.jit
 def residual(part_ptr, S: tl.constexpr, res_ptr, out_ptr, pid, P, T, H: tl.constexpr):
     """Phases 4 and 7: out = residual + the partials' sum rounded (add + RMSNorm's add)."""
-    offs = tl.arange(0, 256)
-    for item in range(pid, T * (H // 256), P):
-        t, chunk = split_item(item, H // 256)
-        cols = chunk * 256 + offs
+    offs = tl.arange(0, CHUNK)
+    for item in range(pid, T * (H // CHUNK), P):
+        t, chunk = split_item(item, H // CHUNK)
+        cols = chunk * CHUNK + offs
         y = _sum_partials(part_ptr, S, T, t, cols, H, cols < H).to(out_ptr.dtype.element_ty)
         r = tl.load(res_ptr + t * H + cols, cache_modifier=".cg")
         tl.store(out_ptr + t * H + cols, (y.to(tl.float32) + r.to(tl.float32)).to(y.dtype))
@@ -294,9 +322,9 @@ def _act_tile(part5_ptr, S5: tl.constexpr, T, k, INTER: tl.constexpr, BK: tl.con
 
 
 @triton.jit
-def gate_up(x_ptr, xpart_ptr, SX: tl.constexpr, add, g_ptr, w_ptr, s_n, s_k, part_ptr, pid, P,
-            T, eps, NT: tl.constexpr, S: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
-            BK: tl.constexpr, PRECISION: tl.constexpr):
+def gate_up(x_ptr, xpart_ptr, SX: tl.constexpr, add, g_ptr, w_ptr, s_n, s_k, ws, part_ptr, pid,
+            P, T, eps, NT: tl.constexpr, S: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
+            BK: tl.constexpr, W_SCALE: tl.constexpr, PRECISION: tl.constexpr):
     """Phase 5: part[split] = RMSNorm(x)[:, split's K] @ [W_gate; W_up][:, split's K].T, each
     item a tile of gate rows with the same tile of up rows (part: [S, T, 2I]); x with `add`
     plus o_proj's partials (_residual_rows: phase 4 folded in)."""
@@ -309,26 +337,26 @@ def gate_up(x_ptr, xpart_ptr, SX: tl.constexpr, add, g_ptr, w_ptr, s_n, s_k, par
         up = tl.zeros([BN, T_P2], tl.float32)
         for k in range(split * K_LEN, (split + 1) * K_LEN, BK):
             x = _normed_tile(x_ptr, xpart_ptr, SX, add, g_ptr, rstd, T, k, H, BK)
-            gate = tl.dot(_w_tile(w_ptr, s_n, s_k, n0, k, BK), x, gate, input_precision=PRECISION)
-            up = tl.dot(_w_tile(w_ptr, s_n, s_k, INTER + n0, k, BK), x, up,
-                        input_precision=PRECISION)
-        _store_partial(part_ptr, gate, split, T, n0, 2 * INTER)
-        _store_partial(part_ptr, up, split, T, INTER + n0, 2 * INTER)
+            gate = _weight_dot(w_ptr, s_n, s_k, ws, n0, k, x, gate, BK, W_SCALE, PRECISION)
+            up = _weight_dot(w_ptr, s_n, s_k, ws, INTER + n0, k, x, up, BK, W_SCALE, PRECISION)
+        _store_partial(part_ptr, _channel_scaled(gate, ws, n0, W_SCALE), split, T, n0,
+                       2 * INTER)
+        _store_partial(part_ptr, _channel_scaled(up, ws, INTER + n0, W_SCALE), split, T,
+                       INTER + n0, 2 * INTER)
 
 
 @triton.jit
-def down(part5_ptr, S5: tl.constexpr, w_ptr, s_n, s_k, part_ptr, pid, P, T, NT: tl.constexpr,
-         S: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, BK: tl.constexpr,
+def down(part5_ptr, S5: tl.constexpr, w_ptr, s_n, s_k, ws, part_ptr, pid, P, T,
+         NT: tl.constexpr, S: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
+         BK: tl.constexpr, dtype: tl.constexpr, W_SCALE: tl.constexpr,
          PRECISION: tl.constexpr):
     """Phase 6: part[split] = act[:, split's K] @ W_down[:, split's K].T."""
     K_LEN = INTER // S
-    dtype = w_ptr.dtype.element_ty
     for item in range(pid, S * NT, P):
         split, tile = split_item(item, NT)
         n0 = tile * BN
         acc = tl.zeros([BN, T_P2], tl.float32)
         for k in range(split * K_LEN, (split + 1) * K_LEN, BK):
-            acc = tl.dot(_w_tile(w_ptr, s_n, s_k, n0, k, BK),
-                         _act_tile(part5_ptr, S5, T, k, INTER, BK, dtype), acc,
-                         input_precision=PRECISION)
-        _store_partial(part_ptr, acc, split, T, n0, H)
+            x = _act_tile(part5_ptr, S5, T, k, INTER, BK, dtype)
+            acc = _weight_dot(w_ptr, s_n, s_k, ws, n0, k, x, acc, BK, W_SCALE, PRECISION)
+        _store_partial(part_ptr, _channel_scaled(acc, ws, n0, W_SCALE), split, T, n0, H)
