@@ -27,6 +27,16 @@ def persistent_fits(model: nn.Module) -> bool:
         hidden, inter = mlp.down_proj.weight.shape
         if not fits_layer(attn.num_heads, attn.num_kv_heads, attn.head_dim, hidden, inter):
             return False
+        # one scratch for all layers (sized from the first), one eps for all four norms
+        shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim, hidden, inter)
+        first = model.layers[0]
+        if shape != (first.self_attn.num_heads, first.self_attn.num_kv_heads,
+                     first.self_attn.head_dim, *first.mlp.down_proj.weight.shape):
+            return False
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        norms += [attn.attn.q_norm, attn.attn.k_norm] if attn.attn.q_norm is not None else []
+        if len({norm.eps for norm in norms}) != 1:
+            return False
     return True
 
 

@@ -203,21 +203,33 @@ def test_splits_spread_items_over_programs_and_divide_k():
     assert layer.attention_splits(1, 256) == 4  # >= 64 keys a split
 
 
-@pytest.mark.parametrize("num_tokens", [1, 2])
-def test_carried_partials_give_the_same_bits_as_whole_layers(num_tokens):
-    """Three layers, each token alone (fuse_max_tokens=16: o_proj's partials added by gate_up,
-    down_proj's carried to the next layer) against the plain phases (fuse_max_tokens=0): the
-    same roundings in the same order, so the same bits, and the same K/V."""
-    s = Shape()
-    g = torch.Generator().manual_seed(7)
-    ctx = torch.tensor([40 + 9 * i for i in range(num_tokens)], dtype=torch.int32)
-    pos = (ctx - 1).long()
-    tables = torch.arange(num_tokens * 4).view(num_tokens, 4).int()
-    slots = tables[torch.arange(num_tokens), pos // s.block].long() * s.block + pos % s.block
-    caches = torch.randn(3, 2, num_tokens * 4, s.block, s.kv_heads, s.head_dim, generator=g)
-    x = torch.randn(num_tokens, s.hidden, generator=g)
-    layers = [weights(s, norm, torch.float32, k_major) for norm, k_major in
-              ((True, True), (False, False), (True, False))]
+CARRY_CASES = {  # name: (shape, contexts, dtype, FP8 block (None: 16-bit), programs)
+    "fp32, one split": (Shape(), [40], torch.float32, False, 3),
+    "fp32, two tokens": (Shape(), [40, 49], torch.float32, False, 3),
+    "fp16, 2-8 splits, a padding row": (Shape(hidden=512, head_dim=128, inter=512), [40, 0],
+                                        torch.float16, False, 64),
+    "FP8 per channel": (Shape(), [33], torch.float16, None, 32),
+    "FP8 blocks": (Shape(), [33], torch.float16, (128, 128), 32),
+}
+
+
+@pytest.mark.parametrize("case", CARRY_CASES)
+def test_carried_partials_give_the_same_bits_as_whole_layers(case):
+    """Layers of a small step (fuse_max_tokens=16: gate_up adds o_proj's partials itself,
+    down_proj's carry into the next layer's launch) against the plain phases
+    (fuse_max_tokens=0): the same roundings in the same order, so the same bits and K/V."""
+    s, contexts, dtype, fp8, programs = CARRY_CASES[case]
+    n, g = len(contexts), torch.Generator().manual_seed(7)
+    ctx = torch.tensor(contexts, dtype=torch.int32)
+    pos = (ctx - 1).clamp(min=0).long()
+    tables = torch.arange(n * 4).view(n, 4).int()
+    slots = tables[torch.arange(n), pos // s.block].long() * s.block + pos % s.block
+    slots[ctx == 0] = -1
+    caches = torch.randn(3, 2, n * 4, s.block, s.kv_heads, s.head_dim, generator=g).to(dtype)
+    x = torch.randn(n, s.hidden, generator=g).to(dtype)
+    layers = ([fp8_weights(s, fp8, dtype)[0] for _ in range(3)] if fp8 is not False else
+              [weights(s, norm, dtype, k_major) for norm, k_major in
+               ((True, True), (False, False), (True, False))])
     rope = RotaryEmbedding(s.head_dim, 4096, {"rope_type": "default", "rope_theta": 1e4})
     x, pos, slots, ctx, tables, caches = (t.to(DEVICE) for t in (x, pos, slots, ctx, tables,
                                                                   caches))
@@ -225,7 +237,7 @@ def test_carried_partials_give_the_same_bits_as_whole_layers(num_tokens):
     outs = []
     for fuse in (0, 16):
         layer = PersistentDecodeLayer(s.heads, s.kv_heads, s.head_dim, s.hidden, s.inter,
-                                      torch.float32, x.device, programs=3, fuse_max_tokens=fuse)
+                                      dtype, x.device, programs=programs, fuse_max_tokens=fuse)
         kv, h = caches.clone(), x
         for i, w in enumerate(layers):
             h = layer(h, w, cos_sin, pos, slots, ctx, tables, kv[i, 0], kv[i, 1],
@@ -234,6 +246,8 @@ def test_carried_partials_give_the_same_bits_as_whole_layers(num_tokens):
         outs.append((h.clone(), kv))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     assert not torch.equal(outs[0][0], x)
+    if programs == 64:
+        assert max(layer.s1, layer.s3, layer.s5, layer.s6) > 1
 
 
 _COMPILE_SM90 = """
