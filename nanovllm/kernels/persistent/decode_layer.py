@@ -24,9 +24,10 @@ from nanovllm.kernels.attention import prefill
 from nanovllm.kernels.attention.prefill import LOG2E
 from nanovllm.kernels.linear.fused_fp8 import num_sms, scale_args
 from nanovllm.kernels.pdl import launch_options, wait_then_release
-from nanovllm.kernels.persistent import phases as ph
-from nanovllm.kernels.persistent.phases import BN
+from nanovllm.kernels.persistent.attention import attention
+from nanovllm.kernels.persistent.gemms import down, gate_up, normed_gemm, o_proj
 from nanovllm.kernels.persistent.sync import grid_sync, prefetch_share
+from nanovllm.kernels.persistent.tiles import BN, materialize, residual
 
 BK = 128  # K columns of a GEMM step
 L2_PREFETCH_BYTES = 40 << 20  # weights a layer asks L2 for (of the H200's 50 MB), in order
@@ -71,58 +72,70 @@ def _decode_layer_kernel(
     ws_d = (sd_ptr, sd_stride, sd_rows)
     pid = tl.program_id(0)
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
-    ON: tl.constexpr = PREFETCH // 4
-    MODE: tl.constexpr = PREFETCH % 4
-    prefetch_share(wqkv_ptr, NQKV * H, pid, P, (MODE >= 2) & (ON % 2 == 1))
-    prefetch_share(wo_ptr, H * HQ * D, pid, P, (MODE >= 2) & (ON // 2 % 2 == 1))
-    prefetch_share(wgu_ptr, 2 * INTER * H, pid, P, (MODE == 2) & (ON // 4 % 2 == 1))
-    prefetch_share(wd_ptr, H * INTER, pid, P, (MODE == 2) & (ON // 8 % 2 == 1))
+    _prefetch(wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, pid, P, H, NQKV, HQ * D, INTER, PREFETCH, 0)
     wait_then_release(USE_PDL)
-    prefetch_share(wqkv_ptr, NQKV * H, pid, P, (MODE == 1) & (ON % 2 == 1))
-    prefetch_share(wo_ptr, H * HQ * D, pid, P, (MODE == 1) & (ON // 2 % 2 == 1))
-    prefetch_share(wgu_ptr, 2 * INTER * H, pid, P, (MODE == 1) & (ON // 4 % 2 == 1))
-    prefetch_share(wd_ptr, H * INTER, pid, P, (MODE == 1) & (ON // 8 % 2 == 1))
+    _prefetch(wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, pid, P, H, NQKV, HQ * D, INTER, PREFETCH, 1)
     if PHASE == 0 or PHASE == 1:  # x: with XPART plus the layer before's down_proj partials
-        ph.materialize(x_ptr, part6_ptr, S6, XPART, xin_ptr, pid, T, H)
-        ph.normed_gemm(x_ptr, part6_ptr, S6, XPART, in_norm_ptr, wqkv_ptr, s_qkv_n, s_qkv_k,
-                       ws_qkv, part1_ptr, pid, P, T, eps, NQKV // BN, S1, H, NQKV, _BK, W_SCALE,
-                       PRECISION)
+        materialize(x_ptr, part6_ptr, S6, XPART, xin_ptr, pid, T, H)
+        normed_gemm(x_ptr, part6_ptr, S6, XPART, in_norm_ptr, wqkv_ptr, s_qkv_n, s_qkv_k,
+                    ws_qkv, part1_ptr, pid, P, T, eps, NQKV // BN, S1, H, NQKV, _BK, W_SCALE,
+                    PRECISION)
     if PHASE == 0:
         grid_sync(bar_ptr, P, POLL)
-    prefetch_share(wgu_ptr, 2 * INTER * H, pid, P, (MODE == 3) & (ON // 4 % 2 == 1))
+    _prefetch(wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, pid, P, H, NQKV, HQ * D, INTER, PREFETCH, 2)
     if PHASE == 0 or PHASE == 2:
-        ph.attention(part1_ptr, S1, q_ptr, qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr,
-                     k_cache_ptr, v_cache_ptr, ctx_ptr, bt_ptr, stride_bt, m_ptr, l_ptr, acc_ptr,
-                     NS, pid, P, T, eps, qk_scale, HQ, HKV, G_P2, D, BLOCK_SIZE, BLOCK_N, NORM,
-                     PRECISION)
+        attention(part1_ptr, S1, q_ptr, qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr,
+                  k_cache_ptr, v_cache_ptr, ctx_ptr, bt_ptr, stride_bt, m_ptr, l_ptr, acc_ptr,
+                  NS, pid, P, T, eps, qk_scale, HQ, HKV, G_P2, D, BLOCK_SIZE, BLOCK_N, NORM,
+                  PRECISION)
     if PHASE == 0:
         grid_sync(bar_ptr, P, POLL)
-    prefetch_share(wd_ptr, H * INTER, pid, P, (MODE == 3) & (ON // 8 % 2 == 1))
+    _prefetch(wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, pid, P, H, NQKV, HQ * D, INTER, PREFETCH, 3)
     if PHASE == 0 or PHASE == 3:
-        ph.o_proj(m_ptr, l_ptr, acc_ptr, NS, wo_ptr, s_o_n, s_o_k, ws_o, part3_ptr, pid, P, T,
-                  H // BN, S3, H, HQ, D, dtype, W_SCALE, PRECISION)
+        o_proj(m_ptr, l_ptr, acc_ptr, NS, wo_ptr, s_o_n, s_o_k, ws_o, part3_ptr, pid, P, T,
+               H // BN, S3, H, HQ, D, dtype, W_SCALE, PRECISION)
     if PHASE == 0:
         grid_sync(bar_ptr, P, POLL)
     if FUSE == 0:  # else gate_up adds o_proj's partials itself: no phase, no barrier
         if PHASE == 0 or PHASE == 4:
-            ph.residual(part3_ptr, S3, res_ptr, resid2_ptr, pid, P, T, H)
+            residual(part3_ptr, S3, res_ptr, resid2_ptr, pid, P, T, H)
         if PHASE == 0:
             grid_sync(bar_ptr, P, POLL)
     if PHASE == 0 or PHASE == 5:  # gate_x: resid2 (FUSE 0) or x (FUSE 1, plus part3)
-        ph.materialize(gate_x_ptr, part3_ptr, S3, FUSE, resid2_ptr, pid, T, H)
-        ph.gate_up(gate_x_ptr, part3_ptr, S3, FUSE, post_norm_ptr, wgu_ptr, s_gu_n, s_gu_k,
-                   ws_gu, part5_ptr, pid, P, T, eps, INTER // BN, S5, H, INTER, _BK, W_SCALE,
-                   PRECISION)
+        materialize(gate_x_ptr, part3_ptr, S3, FUSE, resid2_ptr, pid, T, H)
+        gate_up(gate_x_ptr, part3_ptr, S3, FUSE, post_norm_ptr, wgu_ptr, s_gu_n, s_gu_k,
+                ws_gu, part5_ptr, pid, P, T, eps, INTER // BN, S5, H, INTER, _BK, W_SCALE,
+                PRECISION)
     if PHASE == 0:
         grid_sync(bar_ptr, P, POLL)
     if PHASE == 0 or PHASE == 6:
-        ph.down(part5_ptr, S5, wd_ptr, s_d_n, s_d_k, ws_d, part6_ptr, pid, P, T, H // BN, S6, H,
-                INTER, _BK, dtype, W_SCALE, PRECISION)
+        down(part5_ptr, S5, wd_ptr, s_d_n, s_d_k, ws_d, part6_ptr, pid, P, T, H // BN, S6, H,
+             INTER, _BK, dtype, W_SCALE, PRECISION)
     if CARRY_OUT == 0:  # else the next layer adds down_proj's partials (its XPART)
         if PHASE == 0:
             grid_sync(bar_ptr, P, POLL)
         if PHASE == 0 or PHASE == 7:
-            ph.residual(part6_ptr, S6, resid2_ptr, out_ptr, pid, P, T, H)
+            residual(part6_ptr, S6, resid2_ptr, out_ptr, pid, P, T, H)
+
+
+@triton.jit
+def _prefetch(wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, pid, P, H: tl.constexpr, NQKV: tl.constexpr,
+              QD: tl.constexpr, INTER: tl.constexpr, PREFETCH: tl.constexpr,
+              AT: tl.constexpr):
+    """The prefetches _decode_layer_kernel's PREFETCH puts at point AT: 0 before the PDL wait,
+    1 after it, 2 at attention, 3 at o_proj."""
+    MODE: tl.constexpr = PREFETCH % 4
+    ON: tl.constexpr = PREFETCH // 4  # a bit a weight, qkv_proj's first
+    # where each weight's prefetch goes in each MODE
+    QKV_AT: tl.constexpr = 1 if MODE == 1 else 0
+    GATE_UP_AT: tl.constexpr = 1 if MODE == 1 else 0 if MODE == 2 else 2
+    DOWN_AT: tl.constexpr = 1 if MODE == 1 else 0 if MODE == 2 else 3
+    ENABLED: tl.constexpr = MODE > 0
+    prefetch_share(wqkv_ptr, NQKV * H, pid, P, ENABLED & (AT == QKV_AT) & (ON % 2 == 1))
+    prefetch_share(wo_ptr, H * QD, pid, P, ENABLED & (AT == QKV_AT) & (ON // 2 % 2 == 1))
+    prefetch_share(wgu_ptr, 2 * INTER * H, pid, P, ENABLED & (AT == GATE_UP_AT)
+                   & (ON // 4 % 2 == 1))
+    prefetch_share(wd_ptr, H * INTER, pid, P, ENABLED & (AT == DOWN_AT) & (ON // 8 % 2 == 1))
 
 
 @dataclass
