@@ -16,7 +16,8 @@
 #           Llama-3.1-8B in bf16 and FP8 per channel
 #   persistent  (named only) benchmarks.persistent_layer, then decode steps (benchmarks.decode_step:
 #           Qwen3-0.6B at batch 1 and 16, Llama-3.1-8B FP8 per channel at batch 1) with
-#           NANOVLLM_PERSISTENT_DECODE off and on, alternated for N rounds
+#           NANOVLLM_PERSISTENT_DECODE off and on, alternated for N rounds; then bf16 argmax
+#           agreement with transformers with it on (tests part: off)
 #   tests   every GPU-marked test (~3.5 min on an H200), then bf16 argmax agreement with
 #           transformers per backend (tests/accuracy/bf16_agreement.py); the kernel tests also
 #           run on CUDA when present, apart (`python -m pytest tests/kernels`: over 10 minutes)
@@ -160,6 +161,11 @@ persistent() {
       done
     done
   done
+  [[ $tiny ]] && return  # CPU: no Triton attention to agree with
+  NANOVLLM_PERSISTENT_DECODE=1 python -m tests.accuracy.bf16_agreement \
+    --json "$out/bf16_agreement_persistent.json" > "$out/bf16_agreement_persistent.log" 2>&1 \
+    || failed=1
+  tail -8 "$out/bf16_agreement_persistent.log"
 }
 
 tests() {
