@@ -4,19 +4,9 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.attention.decode import _attend_chunk
-from nanovllm.kernels.attention.qk_norm_rope import _norm_rope
+from nanovllm.kernels.attention.qk_norm_rope import _load_weight, _norm_rope
 from nanovllm.kernels.persistent.sync import split_item
 from nanovllm.kernels.persistent.tiles import sum_partials
-
-
-@triton.jit
-def _norm_weights(w_ptr, HALF: tl.constexpr, NORM: tl.constexpr):
-    """A q/k norm weight's halves [1, D/2] in float32 (zeros without NORM: unused)."""
-    lo = tl.arange(0, HALF)[None, :]
-    if NORM:
-        return tl.load(w_ptr + lo).to(tl.float32), tl.load(w_ptr + HALF + lo).to(tl.float32)
-    else:
-        return tl.zeros([1, HALF], tl.float32), tl.zeros([1, HALF], tl.float32)
 
 
 @triton.jit
@@ -44,7 +34,7 @@ def _rope_store(part1_ptr, S1: tl.constexpr, T, t, kvh, q_ptr, qn_ptr, kn_ptr, c
     sin = tl.load(cos_sin_ptr + pos * D + HALF + lo)
     heads = kvh * GROUP + g
     x1, x2 = _qkv_halves(part1_ptr, S1, T, t, heads * D + lo, g < GROUP, dtype, HALF, NQKV)
-    w1, w2 = _norm_weights(qn_ptr, HALF, NORM)
+    w1, w2 = _load_weight(qn_ptr, D, NORM)
     x1, x2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, dtype, D, NORM, 1)
     tl.store(q_ptr + (t * HQ + heads) * D + lo, x1, mask=g < GROUP)
     tl.store(q_ptr + (t * HQ + heads) * D + HALF + lo, x2, mask=g < GROUP)
@@ -52,7 +42,7 @@ def _rope_store(part1_ptr, S1: tl.constexpr, T, t, kvh, q_ptr, qn_ptr, kn_ptr, c
         everything = lo < HALF
         k1, k2 = _qkv_halves(part1_ptr, S1, T, t, (HQ + kvh) * D + lo, everything, dtype, HALF,
                              NQKV)
-        w1, w2 = _norm_weights(kn_ptr, HALF, NORM)
+        w1, w2 = _load_weight(kn_ptr, D, NORM)
         k1, k2 = _norm_rope(k1, k2, w1, w2, cos, sin, eps, dtype, D, NORM, 1)
         v1, v2 = _qkv_halves(part1_ptr, S1, T, t, (HQ + HKV + kvh) * D + lo, everything, dtype,
                              HALF, NQKV)
