@@ -107,7 +107,7 @@ def persistent_step(x, layers, kernels, inputs, caches, scale, kernel="default",
     for i, (w, (kc, vc)) in enumerate(zip(layers, caches)):
         x = layer(x, w, cos_sin, pos, slots, ctx, tables, kc, vc, scale,
                   x_partials=carry and i > 0, carry_out=carry and i < len(layers) - 1,
-                  **options)
+                  next_layer=layers[i + 1] if i + 1 < len(layers) else None, **options)
     return x
 
 

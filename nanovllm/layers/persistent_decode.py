@@ -68,25 +68,30 @@ class PersistentDecode:
             self.kernel = PersistentDecodeLayer(attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                                 hidden, inter, residual.dtype, residual.device)
         carry = residual.shape[0] <= self.kernel.fuse_max_tokens
+        ctx, weights = get_context(), [_layer_weights(layer) for layer in layers]
         for i, layer in enumerate(layers):
-            residual = self._layer(layer, positions, residual, x_partials=carry and i > 0,
-                                   carry_out=carry and i < len(layers) - 1)
+            attn = layer.self_attn.attn
+            residual = self.kernel(
+                residual, weights[i], attn.rotary_emb.cos_sin_cache.squeeze(1), positions,
+                ctx.slot_mapping, ctx.context_lens, ctx.block_tables, attn.k_cache,
+                attn.v_cache, attn.scale, x_partials=carry and i > 0,
+                carry_out=carry and i < len(layers) - 1,
+                next_layer=weights[i + 1] if i + 1 < len(layers) else None)
         return residual
 
-    def _layer(self, layer: nn.Module, positions: torch.Tensor, residual: torch.Tensor,
-               **carry: bool) -> torch.Tensor:
-        from nanovllm.kernels.persistent.decode_layer import LayerWeights
-        attn, mlp, ctx = layer.self_attn, layer.mlp, get_context()
-        norm = attn.attn.q_norm is not None
-        weights = LayerWeights(
-            layer.input_layernorm.weight, attn.qkv_proj.weight,
-            attn.attn.q_norm.weight if norm else None, attn.attn.k_norm.weight if norm else None,
-            attn.o_proj.weight, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
-            mlp.down_proj.weight, layer.input_layernorm.eps, **_fp8_scales(
-                (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)))
-        return self.kernel(residual, weights, attn.attn.rotary_emb.cos_sin_cache.squeeze(1),
-                           positions, ctx.slot_mapping, ctx.context_lens, ctx.block_tables,
-                           attn.attn.k_cache, attn.attn.v_cache, attn.attn.scale, **carry)
+
+def _layer_weights(layer: nn.Module):
+    """A DecoderLayer's kernels.persistent LayerWeights (read at every call: sleep and weight
+    updates may replace the tensors)."""
+    from nanovllm.kernels.persistent.decode_layer import LayerWeights
+    attn, mlp = layer.self_attn, layer.mlp
+    norm = attn.attn.q_norm is not None
+    return LayerWeights(
+        layer.input_layernorm.weight, attn.qkv_proj.weight,
+        attn.attn.q_norm.weight if norm else None, attn.attn.k_norm.weight if norm else None,
+        attn.o_proj.weight, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
+        mlp.down_proj.weight, layer.input_layernorm.eps, **_fp8_scales(
+            (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)))
 
 
 def _fp8_scales(linears: tuple[nn.Module, ...]) -> dict:

@@ -259,7 +259,7 @@ names = [p.name for p in kernel.params]
 floats = {"eps", "qk_scale"}
 bf16 = {"cos_sin_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64", "ctx_ptr": "*i32",
         "bt_ptr": "*i32", "bar_ptr": "*i32"}
-weights = ("wqkv_ptr", "wo_ptr", "wgu_ptr", "wd_ptr")
+weights = ("wqkv_ptr", "wo_ptr", "wgu_ptr", "wd_ptr", "next_qkv_ptr", "next_o_ptr")
 scales = ("sq_ptr", "so_ptr", "sg_ptr", "sd_ptr")
 for prefetch, poll, w_scale in ((3, 1, 0), (1, 0, 0), (3, 1, 1), (3, 1, 2)):
     consts = dict(S1=2, S3=8, S5=2, S6=8, H=1024, HQ=16, HKV=8, G_P2=16, D=128, INTER=3072,
@@ -279,7 +279,8 @@ for prefetch, poll, w_scale in ((3, 1, 0), (1, 0, 0), (3, 1, 1), (3, 1, 2)):
                     constexprs={(names.index(n),): v for n, v in consts.items()})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=8, num_stages=3, launch_pdl=True)).asm["ptx"]
-    print(ptx.count("atom.global.gpu.release.add"), ptx.count("fence.acq_rel.gpu"),
+    print(ptx.count("prefetch.global.L2"), ptx.count("atom.global.gpu.release.add"),
+          ptx.count("fence.acq_rel.gpu"),
           "prefetch.global.L2" in ptx, "griddepcontrol.wait" in ptx, "cp.async" in ptx,
           ("ld.global.gpu.relaxed" if poll else "ld.volatile.global") in ptx)
 """
@@ -295,4 +296,6 @@ def test_sm90_code_has_its_barriers_prefetches_and_pipelines() -> None:
     out = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split("\n")[:4] == ["6 6 True True True True"] * 4
+    # prefetch loops: mode 3 six (this layer's four, the next layer's qkv and o), mode 1 four
+    assert out.stdout.split("\n")[:4] == ["6 6 6 True True True True", "4 6 6 True True True True"
+                                           ] + ["6 6 6 True True True True"] * 2

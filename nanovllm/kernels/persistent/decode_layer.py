@@ -44,11 +44,11 @@ _MAX_SPLITS = 64  # attention splits of one (token, kv head)
 def _decode_layer_kernel(
         x_ptr, xin_ptr, res_ptr, gate_x_ptr, out_ptr, in_norm_ptr, wqkv_ptr, s_qkv_n, s_qkv_k,
         qn_ptr, kn_ptr, wo_ptr, s_o_n, s_o_k, post_norm_ptr, wgu_ptr, s_gu_n, s_gu_k, wd_ptr,
-        s_d_n, s_d_k, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, ctx_ptr, bt_ptr,
-        stride_bt, part1_ptr, q_ptr, m_ptr, l_ptr, acc_ptr, part3_ptr, resid2_ptr, part5_ptr,
-        part6_ptr, bar_ptr, sq_ptr, sq_stride, sq_rows, so_ptr, so_stride, so_rows, sg_ptr,
-        sg_stride, sg_rows, sd_ptr, sd_stride, sd_rows, P, T, eps, qk_scale, NS, XPART, FUSE,
-        CARRY_OUT, S1: tl.constexpr,
+        s_d_n, s_d_k, next_qkv_ptr, next_o_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
+        v_cache_ptr, ctx_ptr, bt_ptr, stride_bt, part1_ptr, q_ptr, m_ptr, l_ptr, acc_ptr,
+        part3_ptr, resid2_ptr, part5_ptr, part6_ptr, bar_ptr, sq_ptr, sq_stride, sq_rows,
+        so_ptr, so_stride, so_rows, sg_ptr, sg_stride, sg_rows, sd_ptr, sd_stride, sd_rows, P,
+        T, eps, qk_scale, NS, XPART, FUSE, CARRY_OUT, S1: tl.constexpr,
         S3: tl.constexpr, S5: tl.constexpr, S6: tl.constexpr, H: tl.constexpr,
         HQ: tl.constexpr, HKV: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr,
         INTER: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -61,7 +61,8 @@ def _decode_layer_kernel(
     writes) or x; gate_x_ptr: res_ptr with FUSE, else resid2_ptr (which phase 4 writes).
     PREFETCH % 4, where each program asks L2 for its share of each weight: 0 nowhere; 1 after
     the PDL wait; 2 before it; 3 a phase ahead (qkv_proj's and o_proj's before the wait,
-    gate_up's at attention, down's at o_proj); PREFETCH // 4, which weights (a bit each, from
+    gate_up's at attention, down's at o_proj, the next layer's qkv_proj and o_proj, next_qkv_ptr
+    and next_o_ptr, at down_proj); PREFETCH // 4, which weights (a bit each, from
     qkv_proj's: a weight L2 cannot hold is left to its pipeline). POLL: grid_sync's. W_SCALE:
     the weights' format (kernels.linear.fused_fp8); s*: each weight's scales, their row
     stride and the weight rows a scale row covers."""
@@ -108,6 +109,9 @@ def _decode_layer_kernel(
                 PRECISION)
     if PHASE == 0:
         grid_sync(bar_ptr, P, POLL)
+    # the next layer's qkv_proj and o_proj (the same shapes) while this one's down_proj runs
+    _prefetch(next_qkv_ptr, next_o_ptr, wgu_ptr, wd_ptr, pid, P, H, NQKV, HQ * D, INTER,
+              PREFETCH, 4)
     if PHASE == 0 or PHASE == 6:
         down(part5_ptr, S5, wd_ptr, s_d_n, s_d_k, ws_d, part6_ptr, pid, P, T, H // BN, S6, H,
              INTER, _BK, dtype, W_SCALE, PRECISION)
@@ -123,16 +127,20 @@ def _prefetch(wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, pid, P, H: tl.constexpr, NQKV: 
               QD: tl.constexpr, INTER: tl.constexpr, PREFETCH: tl.constexpr,
               AT: tl.constexpr):
     """The prefetches _decode_layer_kernel's PREFETCH puts at point AT: 0 before the PDL wait,
-    1 after it, 2 at attention, 3 at o_proj."""
+    1 after it, 2 at attention, 3 at o_proj, 4 at down_proj (where wqkv_ptr and wo_ptr are the
+    next layer's)."""
     MODE: tl.constexpr = PREFETCH % 4
     ON: tl.constexpr = PREFETCH // 4  # a bit a weight, qkv_proj's first
     # where each weight's prefetch goes in each MODE
     QKV_AT: tl.constexpr = 1 if MODE == 1 else 0
+    NEXT: tl.constexpr = (MODE == 3) & (AT == 4)  # the next layer's, a layer ahead
     GATE_UP_AT: tl.constexpr = 1 if MODE == 1 else 0 if MODE == 2 else 2
     DOWN_AT: tl.constexpr = 1 if MODE == 1 else 0 if MODE == 2 else 3
     ENABLED: tl.constexpr = MODE > 0
-    prefetch_share(wqkv_ptr, NQKV * H, pid, P, ENABLED & (AT == QKV_AT) & (ON % 2 == 1))
-    prefetch_share(wo_ptr, H * QD, pid, P, ENABLED & (AT == QKV_AT) & (ON // 2 % 2 == 1))
+    prefetch_share(wqkv_ptr, NQKV * H, pid, P, ENABLED & ((AT == QKV_AT) | NEXT)
+                   & (ON % 2 == 1))
+    prefetch_share(wo_ptr, H * QD, pid, P, ENABLED & ((AT == QKV_AT) | NEXT)
+                   & (ON // 2 % 2 == 1))
     prefetch_share(wgu_ptr, 2 * INTER * H, pid, P, ENABLED & (AT == GATE_UP_AT)
                    & (ON // 4 % 2 == 1))
     prefetch_share(wd_ptr, H * INTER, pid, P, ENABLED & (AT == DOWN_AT) & (ON // 8 % 2 == 1))
@@ -242,7 +250,8 @@ class PersistentDecodeLayer:
                  positions: torch.Tensor, slot_mapping: torch.Tensor, context_lens: torch.Tensor,
                  block_tables: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  scale: float, x_partials: bool = False, carry_out: bool = False,
-                 prefetch: int = 3, poll: int = 1, phase: int = 0) -> torch.Tensor:
+                 next_layer: LayerWeights | None = None, prefetch: int = 3, poll: int = 1,
+                 phase: int = 0) -> torch.Tensor:
         """The layer's output [T, H] for x [T, H] (T <= 16 tokens, one a sequence); the tokens'
         K/V are written to the cache ([blocks, block_size, HKV, D]) at slot_mapping.
 
@@ -250,7 +259,8 @@ class PersistentDecodeLayer:
         each program adds o_proj's partials to the residual itself, and the layers may carry
         down_proj's partials over: with carry_out the output is x + attention (a buffer the
         next call overwrites) and down_proj's partials wait in scratch for the next layer's
-        call, with x_partials, to add (two barriers fewer a layer)."""
+        call, with x_partials, to add (two barriers fewer a layer). next_layer: the weights
+        whose qkv_proj and o_proj to ask L2 for while this layer's down_proj runs."""
         num_tokens = x.shape[0]
         fuse = num_tokens <= self.fuse_max_tokens
         assert 1 <= num_tokens <= MAX_TOKENS and x.is_contiguous() and cos_sin.is_contiguous()
@@ -265,7 +275,8 @@ class PersistentDecodeLayer:
         scales, w_scale = w.scale_args()
         args = (x, self.xin, res, res if fuse else self.resid2, out, w.input_norm, w.qkv,
                 *w.qkv.stride(), *norms, w.o, *w.o.stride(), w.post_norm, w.gate_up,
-                *w.gate_up.stride(), w.down, *w.down.stride(), cos_sin, positions, slot_mapping,
+                *w.gate_up.stride(), w.down, *w.down.stride(), (next_layer or w).qkv,
+                (next_layer or w).o, cos_sin, positions, slot_mapping,
                 k_cache, v_cache, context_lens, block_tables, block_tables.stride(0), self.part1,
                 self.q, self.m, self.l, self.acc, self.part3, self.resid2, self.part5,
                 self.part6, self.barrier, *scales, self.programs, num_tokens, w.eps,
