@@ -10,10 +10,13 @@ its phases, a grid barrier between each two, where the per-kernel path runs seve
     6 down_proj, SiLU-and-mul of gate_up's partials on the fly (split over K)
     7 residual add: the layer's output
 
-Its programs may ask L2 for their share of the layer's weights first (no phase writes a weight),
-so HBM streams them while the phases before still run. Under the interpreter (CPU) programs run
-one after another and a barrier would wait for ever: each phase is then a launch of its own of
-the same code (PHASE), which the CPU tests check against torch."""
+A step of 1-2 tokens skips phases 4 and 7 and their barriers: gate_up adds o_proj's partials
+itself and down_proj's partials carry into the next layer's launch (PersistentDecodeLayer's
+__call__). Each program asks L2 for its share of the weights a phase ahead (no phase writes a
+weight; the next layer's qkv_proj and o_proj while down_proj runs), so HBM streams them while
+the phases before still run. Under the interpreter (CPU) programs run one after another and a
+barrier would wait for ever: each phase is then a launch of its own of the same code (PHASE),
+which the CPU tests check against torch."""
 from dataclasses import dataclass
 
 import torch
