@@ -47,6 +47,10 @@ class PersistentDecode:
     def __init__(self) -> None:
         self.kernel = None  # the launch configuration and scratch, made at the first call
 
+    def release(self) -> None:
+        """Free the scratch (sleep frees the GPU's memory); the next call makes it again."""
+        self.kernel = None
+
     @staticmethod
     def runs(x: torch.Tensor, first_layer: nn.Module) -> bool:
         """Whether this step runs it: a decode step of <= 16 tokens over a 16-bit cache that

@@ -158,13 +158,17 @@ class ModelRunner:
                                         self.config.kv_cache_torch_dtype, self.device)
 
     def free_kv_cache_and_graphs(self) -> None:
-        """Drop the CUDA graphs (their pool and buffers) and the KV pool."""
+        """Drop the CUDA graphs (their pool and buffers), the KV pool and a persistent decode's
+        scratch (layers.persistent_decode: made again at its next step)."""
         self.graphs.clear()
         self.graph_inputs.clear()
         self.graph_outputs = None
         for attn in self.attn_layers:
             attn.k_cache = attn.v_cache = torch.tensor([])
         self.kv_cache = None
+        for module in self.model.modules():
+            if getattr(module, "whole_layer_decode", None) is not None:
+                module.whole_layer_decode.release()
 
     # ---- step inputs --------------------------------------------------------------------
     def prepare_decode(self, seqs: list[Sequence], previous_ids: torch.Tensor | None = None,

@@ -89,6 +89,24 @@ def test_same_greedy_tokens_as_the_per_kernel_path(checkpoint, eager, lengths, m
         assert True in carried and False in carried
 
 
+def test_sleep_frees_the_scratch_and_wake_up_decodes_the_same(checkpoint):
+    """sleep() drops the persistent layer's scratch with the KV pool; after wake_up the next
+    step makes it again and decodes what it did before."""
+    llm = LLM(checkpoint, device=DEVICE, attention_backend="triton", dtype="float32",
+              enforce_eager=True, num_kvcache_blocks=8, max_num_seqs=4, max_model_len=512)
+    try:
+        _rebind(llm, True)
+        whole = llm.model_runner.model.model.whole_layer_decode
+        before = _greedy(llm, (23,))
+        assert whole.kernel is not None
+        llm.sleep(1)
+        assert whole.kernel is None
+        llm.wake_up()
+        assert _greedy(llm, (23,)) == before and whole.kernel is not None
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("family,fields", [
     ("Qwen2", {}),  # q/k/v biases
     ("Qwen3Moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)),
