@@ -19,7 +19,7 @@ from nanovllm.layers.backends import bind_backend  # noqa: E402
 from nanovllm.layers.persistent_decode import PersistentDecode, persistent_fits  # noqa: E402
 from tests.models import test_fp8_fused_decode as fused_fp8  # noqa: E402
 from tests.models.test_fp8_fused_decode import fp8_models  # noqa: E402, F401 (a fixture)
-from tests.reference import token_prompts  # noqa: E402
+from tests.reference import hf_greedy, load_hf, token_prompts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # sizes the kernel tiles: hidden and intermediate multiples of 128, head_dim 64 or 128
@@ -49,18 +49,22 @@ def _fp8_engine(model: tuple[str, dict]) -> LLM:
                **kwargs)
 
 
+def _prompts(lengths: tuple[int, ...]) -> list[list[int]]:
+    return [[(7 * i + 3 * j) % 300 + 1 for j in range(n)] for i, n in enumerate(lengths)]
+
+
 def _greedy(llm: LLM, lengths: tuple[int, ...]) -> list[list[int]]:
-    prompts = [[(7 * i + 3 * j) % 300 + 1 for j in range(n)] for i, n in enumerate(lengths)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    return [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
+    return [out["token_ids"] for out in llm.generate(_prompts(lengths), params, use_tqdm=False)]
 
 
 @pytest.mark.parametrize("eager,lengths", [
     (True, (5, 40, 17)), (True, (23,)), pytest.param(False, (5, 40, 17), marks=pytest.mark.gpu),
     pytest.param(False, (23,), marks=pytest.mark.gpu)])
 def test_same_greedy_tokens_as_the_per_kernel_path(checkpoint, eager, lengths, monkeypatch):
-    """float32: every decode step runs one launch a layer and gives the per-kernel path's tokens
-    exactly (with CUDA graphs on the GPU); a lone sequence carries partials between layers."""
+    """float32: every decode step runs one launch a layer and gives the per-kernel path's and
+    transformers' tokens exactly (with CUDA graphs on the GPU); a lone sequence carries
+    partials between layers."""
     llm = LLM(checkpoint, device=DEVICE, attention_backend="triton", dtype="float32",
               enforce_eager=eager, num_kvcache_blocks=8, max_num_seqs=4, max_model_len=512)
     try:
@@ -83,6 +87,8 @@ def test_same_greedy_tokens_as_the_per_kernel_path(checkpoint, eager, lengths, m
     finally:
         llm.shutdown()
     assert got == want
+    hf = load_hf(checkpoint, device=DEVICE)  # and transformers' own greedy tokens
+    assert got == [hf_greedy(hf, prompt, 6) for prompt in _prompts(lengths)]
     if eager:  # 5 decode steps of one batch, 2 layers
         assert carried == ([True, False] * 5 if len(lengths) == 1 else [False] * 10)
     else:  # launched when captured (replays launch no Python): the graph of 2 tokens carries
