@@ -28,9 +28,9 @@ from nanovllm.kernels.attention.prefill import LOG2E
 from nanovllm.kernels.linear.fused_fp8 import num_sms, scale_args
 from nanovllm.kernels.pdl import launch_options, wait_then_release
 from nanovllm.kernels.persistent.attention import attention
-from nanovllm.kernels.persistent.gemms import down, gate_up, normed_gemm, o_proj
+from nanovllm.kernels.persistent.gemms import down, normed_gemm, o_proj
 from nanovllm.kernels.persistent.sync import grid_sync, prefetch_share
-from nanovllm.kernels.persistent.tiles import BN, materialize, residual
+from nanovllm.kernels.persistent.tiles import BN, residual
 
 BK = 128  # K columns of a GEMM step
 L2_PREFETCH_BYTES = 40 << 20  # weights a layer asks L2 for (of the H200's 50 MB), in order
@@ -80,10 +80,9 @@ def _decode_layer_kernel(
     wait_then_release(USE_PDL)
     _prefetch(wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, pid, P, H, NQKV, HQ * D, INTER, PREFETCH, 1)
     if PHASE == 0 or PHASE == 1:  # x: with XPART plus the layer before's down_proj partials
-        materialize(x_ptr, part6_ptr, S6, XPART, xin_ptr, pid, T, H)
-        normed_gemm(x_ptr, part6_ptr, S6, XPART, in_norm_ptr, wqkv_ptr, s_qkv_n, s_qkv_k,
-                    ws_qkv, part1_ptr, pid, P, T, eps, NQKV // BN, S1, H, NQKV, _BK, W_SCALE,
-                    PRECISION)
+        normed_gemm(x_ptr, part6_ptr, S6, XPART, xin_ptr, in_norm_ptr, wqkv_ptr, s_qkv_n,
+                    s_qkv_k, ws_qkv, part1_ptr, pid, P, T, eps, NQKV // BN, S1, H, NQKV, _BK, 0,
+                    W_SCALE, PRECISION)
     if PHASE == 0:
         grid_sync(bar_ptr, P, POLL)
     _prefetch(wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, pid, P, H, NQKV, HQ * D, INTER, PREFETCH, 2)
@@ -106,10 +105,9 @@ def _decode_layer_kernel(
         if PHASE == 0:
             grid_sync(bar_ptr, P, POLL)
     if PHASE == 0 or PHASE == 5:  # gate_x: resid2 (FUSE 0) or x (FUSE 1, plus part3)
-        materialize(gate_x_ptr, part3_ptr, S3, FUSE, resid2_ptr, pid, T, H)
-        gate_up(gate_x_ptr, part3_ptr, S3, FUSE, post_norm_ptr, wgu_ptr, s_gu_n, s_gu_k,
-                ws_gu, part5_ptr, pid, P, T, eps, INTER // BN, S5, H, INTER, _BK, W_SCALE,
-                PRECISION)
+        normed_gemm(gate_x_ptr, part3_ptr, S3, FUSE, resid2_ptr, post_norm_ptr, wgu_ptr,
+                    s_gu_n, s_gu_k, ws_gu, part5_ptr, pid, P, T, eps, INTER // BN, S5, H,
+                    2 * INTER, _BK, INTER, W_SCALE, PRECISION)
     if PHASE == 0:
         grid_sync(bar_ptr, P, POLL)
     # the next layer's qkv_proj and o_proj (the same shapes) while this one's down_proj runs

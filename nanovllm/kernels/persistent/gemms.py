@@ -1,5 +1,6 @@
-"""kernels.persistent's GEMM phases: qkv_proj, o_proj, gate_up_proj and down_proj of a decode
-layer, each split over K into about one item a program, float32 partials out."""
+"""kernels.persistent's GEMM phases: qkv_proj and gate_up_proj (normed_gemm), o_proj and
+down_proj of a decode layer, each split over K into about one item a program, float32 partials
+out."""
 import triton
 import triton.language as tl
 
@@ -9,6 +10,7 @@ from nanovllm.kernels.persistent.tiles import (
     MERGE_SPLITS,
     T_P2,
     k_range,
+    materialize,
     normed_tile,
     rstd_of,
     scaled_rows,
@@ -18,22 +20,32 @@ from nanovllm.kernels.persistent.tiles import (
 
 
 @triton.jit
-def normed_gemm(x_ptr, xpart_ptr, SX: tl.constexpr, add, g_ptr, w_ptr, s_n, s_k, ws, part_ptr,
-                pid, P, T, eps, NT: tl.constexpr, S: tl.constexpr, H: tl.constexpr,
-                N: tl.constexpr, BK: tl.constexpr, W_SCALE: tl.constexpr,
+def normed_gemm(x_ptr, xpart_ptr, SX: tl.constexpr, add, keep_ptr, g_ptr, w_ptr, s_n, s_k, ws,
+                part_ptr, pid, P, T, eps, NT: tl.constexpr, S: tl.constexpr, H: tl.constexpr,
+                N: tl.constexpr, BK: tl.constexpr, PAIR: tl.constexpr, W_SCALE: tl.constexpr,
                 PRECISION: tl.constexpr):
-    """Phase 1: part[split] = RMSNorm(x)[:, split's K] @ W[:, split's K].T, x with `add` plus
-    the layer before's down_proj partials (_residual_rows)."""
+    """Phases 1 and 5: part[split] = RMSNorm(x)[:, split's K] @ W[:, split's K].T, x with `add`
+    plus the partials of the projection before (tiles._residual_rows; program 0 keeps that sum
+    in keep_ptr). With PAIR each item also computes the rows PAIR below its tile (gate_up_proj:
+    a tile of gate rows with the same tile of up rows, NT tiles of gate rows)."""
+    materialize(x_ptr, xpart_ptr, SX, add, keep_ptr, pid, T, H)
     rstd = rstd_of(x_ptr, xpart_ptr, SX, add, T, H, eps)
     K_LEN: tl.constexpr = H // S
     for item in range(pid, S * NT, P):
         split, tile = split_item(item, NT)
         n0 = tile * BN
         acc = tl.zeros([BN, T_P2], tl.float32)
+        paired = tl.zeros([BN, T_P2], tl.float32)
         for k in range(split * K_LEN, (split + 1) * K_LEN, BK):
             x = normed_tile(x_ptr, xpart_ptr, SX, add, g_ptr, rstd, T, k, H, BK)
             acc = weight_dot(w_ptr, s_n, s_k, ws, n0, k, x, acc, BK, W_SCALE, PRECISION)
+            if PAIR > 0:
+                paired = weight_dot(w_ptr, s_n, s_k, ws, PAIR + n0, k, x, paired, BK, W_SCALE,
+                                    PRECISION)
         store_partial(part_ptr, scaled_rows(acc, ws, n0, W_SCALE), split, T, n0, N)
+        if PAIR > 0:
+            store_partial(part_ptr, scaled_rows(paired, ws, PAIR + n0, W_SCALE), split, T,
+                          PAIR + n0, N)
 
 
 @triton.jit
@@ -99,30 +111,6 @@ def _act_tile(part5_ptr, S5: tl.constexpr, T, k, INTER: tl.constexpr, BK: tl.con
     gate = gate.to(dtype).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     return (silu * up.to(dtype).to(tl.float32)).to(dtype)
-
-
-@triton.jit
-def gate_up(x_ptr, xpart_ptr, SX: tl.constexpr, add, g_ptr, w_ptr, s_n, s_k, ws, part_ptr, pid,
-            P, T, eps, NT: tl.constexpr, S: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
-            BK: tl.constexpr, W_SCALE: tl.constexpr, PRECISION: tl.constexpr):
-    """Phase 5: part[split] = RMSNorm(x)[:, split's K] @ [W_gate; W_up][:, split's K].T, each
-    item a tile of gate rows with the same tile of up rows (part: [S, T, 2I]); x with `add`
-    plus o_proj's partials (_residual_rows: phase 4 folded in)."""
-    rstd = rstd_of(x_ptr, xpart_ptr, SX, add, T, H, eps)
-    K_LEN: tl.constexpr = H // S
-    for item in range(pid, S * NT, P):
-        split, tile = split_item(item, NT)
-        n0 = tile * BN
-        gate = tl.zeros([BN, T_P2], tl.float32)
-        up = tl.zeros([BN, T_P2], tl.float32)
-        for k in range(split * K_LEN, (split + 1) * K_LEN, BK):
-            x = normed_tile(x_ptr, xpart_ptr, SX, add, g_ptr, rstd, T, k, H, BK)
-            gate = weight_dot(w_ptr, s_n, s_k, ws, n0, k, x, gate, BK, W_SCALE, PRECISION)
-            up = weight_dot(w_ptr, s_n, s_k, ws, INTER + n0, k, x, up, BK, W_SCALE, PRECISION)
-        store_partial(part_ptr, scaled_rows(gate, ws, n0, W_SCALE), split, T, n0,
-                       2 * INTER)
-        store_partial(part_ptr, scaled_rows(up, ws, INTER + n0, W_SCALE), split, T,
-                       INTER + n0, 2 * INTER)
 
 
 @triton.jit

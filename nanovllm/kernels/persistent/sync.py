@@ -2,6 +2,8 @@
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.pdl import prefetch_l2
+
 
 @triton.jit
 def split_item(item, n):
@@ -49,6 +51,4 @@ def prefetch_share(w_ptr, numel, pid, P, ENABLED: tl.constexpr):
         share = tl.cdiv(lines, P)
         for line0 in range(pid * share, tl.minimum((pid + 1) * share, lines), 256):
             line = tl.minimum(line0 + tl.arange(0, 256), lines - 1).to(tl.int64)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                      [w_ptr + line * LINE], dtype=tl.int32, is_pure=False,
-                                      pack=1)
+            prefetch_l2((w_ptr + line * LINE).to(tl.int64))
