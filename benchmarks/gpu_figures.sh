@@ -16,7 +16,7 @@
 #           Llama-3.1-8B in bf16 and FP8 per channel
 #   persistent  (named only) benchmarks.persistent_layer, then decode steps (benchmarks.decode_step:
 #           Qwen3-0.6B at batch 1 and 16, Llama-3.1-8B FP8 per channel at batch 1) with
-#           NANOVLLM_PERSISTENT_DECODE off and on, alternated for N rounds; then bf16 argmax
+#           NANOVLLM_PERSISTENT_DECODE 0, 1 and auto, alternated for N rounds; then bf16 argmax
 #           agreement with transformers with it on (tests part: off)
 #   tests   every GPU-marked test (~3.5 min on an H200), then bf16 argmax agreement with
 #           transformers per backend (tests/accuracy/bf16_agreement.py); the kernel tests also
@@ -144,7 +144,8 @@ decode() {
 }
 
 persistent() {
-  # the persistent decode layer: its benchmark, then decode steps with it off and on, alternated
+  # the persistent decode layer: its benchmark, then decode steps with it off, on and measured
+  # per CUDA graph (auto), alternated
   local steps=("" "--batch 16" "--shape llama-3.1-8b --weight-format fp8-channel") layer=()
   [[ $tiny ]] && steps=("--tiny --tokens 8") layer=(--tiny)
   python -m benchmarks.persistent_layer "${layer[@]}" > "$out/persistent_layer.log" 2>&1 \
@@ -152,12 +153,13 @@ persistent() {
   sed -n '/^grid barrier/,$p' "$out/persistent_layer.log"
   for ((r = 0; r < rounds; r++)); do
     for i in "${!steps[@]}"; do
-      for on in 0 1; do
+      for on in 0 1 auto; do
         log=$out/persistent_step_r${r}_s${i}_on$on.log
         # shellcheck disable=SC2086  # a run is several flags
         NANOVLLM_PERSISTENT_DECODE=$on python -m benchmarks.decode_step ${steps[i]} > "$log" \
           2>&1 || { failed=1; echo "failed: $log"; }
-        grep "a decode step over" "$log" | sed "s/^/[round $r, persistent $on] /"
+        grep -E "a decode step over|measured per CUDA graph" "$log" \
+          | sed "s/^/[round $r, persistent $on] /"
       done
     done
   done

@@ -91,7 +91,8 @@ def gpu_figures(tmp_path: Path) -> None:
     proc = run("bash", "benchmarks/gpu_figures.sh", "--tiny", "--rounds", "1", "--out",
                str(tmp_path), "persistent", tmp_path=tmp_path, OPENBLAS_NUM_THREADS="1")
     ok(proc, "== persistent", "| 1 | persistent | ", "[round 0, persistent 0] tiny, batch 1: ",
-       "[round 0, persistent 1] tiny, batch 1: ")
+       "[round 0, persistent 1] tiny, batch 1: ",
+       "[round 0, persistent auto] tiny, batch 1: ")
     run0 = json.loads((tmp_path / "bench_r0_c1.json").read_text())
     assert run0["environment"]["kv_cache_dtype"] == "torch.float8_e4m3fn"
     assert run("bash", "benchmarks/gpu_figures.sh", "--no-such-flag",

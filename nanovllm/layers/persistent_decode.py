@@ -7,6 +7,14 @@ from torch import nn
 from nanovllm.utils.context import get_context
 
 
+def persistent_decode_mode(value: str) -> str:
+    """NANOVLLM_PERSISTENT_DECODE's mode: "off" ("0", ""), "on" ("1") or "auto"."""
+    mode = {"": "off", "0": "off", "1": "on"}.get(value.strip().lower(), value.strip().lower())
+    if mode not in ("off", "on", "auto"):
+        raise ValueError(f"NANOVLLM_PERSISTENT_DECODE={value!r}: expected 0/off, 1/on or auto")
+    return mode
+
+
 def persistent_fits(model: nn.Module) -> bool:
     """Whether the persistent layer runs every layer of a DecoderModel: dense MLPs, weights
     without biases (16-bit, or FP8 in a format the fused projections take, one format a layer),
@@ -40,11 +48,21 @@ def persistent_fits(model: nn.Module) -> bool:
     return True
 
 
+def bound_persistent_decode(model: nn.Module) -> "PersistentDecode | None":
+    """The PersistentDecode that layers.backends bound to one of model's modules, if any."""
+    return next((module.whole_layer_decode for module in model.modules()
+                 if getattr(module, "whole_layer_decode", None) is not None), None)
+
+
 class PersistentDecode:
     """Runs a DecoderModel's layers in a decode step with kernels.persistent: residual in,
     residual out."""
 
-    def __init__(self) -> None:
+    def __init__(self, measured: bool = False) -> None:
+        # measured: the runner captures each CUDA graph it takes with it and without, and
+        # keeps the faster (runner.cuda_graphs); else it runs every step it takes
+        self.measured = measured
+        self.enabled = not measured  # whether a step it takes runs it (set while capturing)
         self.kernel = None  # the launch configuration and scratch, made at the first call
 
     def release(self) -> None:
@@ -52,12 +70,16 @@ class PersistentDecode:
         self.kernel = None
 
     @staticmethod
-    def runs(x: torch.Tensor, first_layer: nn.Module) -> bool:
-        """Whether this step runs it: a decode step of <= 16 tokens over a 16-bit cache that
-        is allocated and not being calibrated."""
+    def takes(num_tokens: int) -> bool:
+        """Whether a decode step of num_tokens tokens fits the kernel."""
         from nanovllm.kernels.persistent.decode_layer import MAX_TOKENS
+        return 0 < num_tokens <= MAX_TOKENS
+
+    def runs(self, x: torch.Tensor, first_layer: nn.Module) -> bool:
+        """Whether this step runs it: enabled, a decode step of <= 16 tokens over a 16-bit
+        cache that is allocated and not being calibrated."""
         attn = first_layer.self_attn.attn
-        return (not get_context().is_prefill and 0 < x.shape[0] <= MAX_TOKENS
+        return (self.enabled and not get_context().is_prefill and self.takes(x.shape[0])
                 and attn.takes_projection() and attn.k_cache.dtype == x.dtype)
 
     def __call__(self, layers: nn.ModuleList, positions: torch.Tensor,

@@ -16,7 +16,11 @@ from benchmarks.random_checkpoints import build_checkpoint  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.kernels.persistent import decode_layer  # noqa: E402
 from nanovllm.layers.backends import bind_backend  # noqa: E402
-from nanovllm.layers.persistent_decode import PersistentDecode, persistent_fits  # noqa: E402
+from nanovllm.layers.persistent_decode import (  # noqa: E402
+    PersistentDecode,
+    persistent_decode_mode,
+    persistent_fits,
+)
 from tests.models import test_fp8_fused_decode as fused_fp8  # noqa: E402
 from tests.models.test_fp8_fused_decode import fp8_models  # noqa: E402, F401 (a fixture)
 from tests.reference import hf_greedy, load_hf, token_prompts  # noqa: E402
@@ -34,11 +38,12 @@ def checkpoint(request, tmp_path_factory) -> str:
                             **SHAPE)
 
 
-def _rebind(llm: LLM, persistent: bool) -> None:
-    """Bind the model again with the persistent layer on or off (the engine binds it only on
-    CUDA when asked: here it runs interpreted, for this test only)."""
+def _rebind(llm: LLM, persistent: bool | str) -> None:
+    """Bind the model again with the persistent layer on or off, or "auto" (the engine binds
+    it only on CUDA when asked: here it runs interpreted, for this test only)."""
     backend = llm.model_runner.backend
-    fast_path = replace(backend.fast_path, persistent_decode=persistent)
+    mode = persistent if isinstance(persistent, str) else "on" if persistent else "off"
+    fast_path = replace(backend.fast_path, persistent_decode=mode)
     bind_backend(llm.model_runner.model, type(backend)(fast_path))
 
 
@@ -151,3 +156,93 @@ def test_fp8_models_give_the_w8a16_products_tokens(fp8_models, scheme, monkeypat
         llm.shutdown()
     fused_fp8.assert_same_greedy(got, want, tol=0.05)
     fused_fp8.assert_same_greedy(lone, want[:1], tol=0.05)
+
+
+@pytest.mark.parametrize("value,mode", [("", "off"), ("0", "off"), ("off", "off"), ("1", "on"),
+                                        ("on", "on"), ("auto", "auto"), (" Auto ", "auto")])
+def test_the_switch_takes_off_on_and_auto(value, mode):
+    assert persistent_decode_mode(value) == mode
+
+
+@pytest.mark.parametrize("value", ["2", "yes", "measured"])
+def test_a_bad_switch_is_an_error_naming_it(value):
+    with pytest.raises(ValueError, match=f"NANOVLLM_PERSISTENT_DECODE='{value}'"):
+        persistent_decode_mode(value)
+
+
+def test_auto_runs_no_eager_step_until_a_graph_measures_it(checkpoint, monkeypatch):
+    """Measured ("auto"), the layer is bound but off: eager steps run the per-kernel path,
+    since only a captured graph is timed both ways (runner.cuda_graphs)."""
+    launches = []
+    launch = decode_layer.PersistentDecodeLayer.__call__
+    monkeypatch.setattr(decode_layer.PersistentDecodeLayer, "__call__",
+                        lambda self, *a, **k: launches.append(1) or launch(self, *a, **k))
+    llm = LLM(checkpoint, device=DEVICE, attention_backend="triton", dtype="float32",
+              enforce_eager=True, num_kvcache_blocks=8, max_num_seqs=4, max_model_len=512)
+    try:
+        _rebind(llm, "auto")
+        whole = llm.model_runner.model.model.whole_layer_decode
+        assert whole.measured and not whole.enabled
+        _greedy(llm, (5, 9))
+        assert not launches
+        whole.enabled = True  # what a graph measured faster captures
+        _greedy(llm, (5, 9))
+        assert launches
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("times,kept", [([2.0, 1.0], "per-kernel"), ([1.0, 2.0], "persistent")])
+def test_capture_keeps_the_faster_variant_timed_over_real_lengths(times, kept, monkeypatch):
+    """_faster_variant captures the step with the layer on, then off, times both with every
+    sequence at TIMING_CONTEXT keys over blocks of its own (no slot written), keeps the faster
+    graph, and leaves the buffers' lengths and tables zero again."""
+    from nanovllm.runner import cuda_graphs
+    whole = PersistentDecode(measured=True)
+    step = cuda_graphs._decode_inputs(3, 4, 0, torch.device("cpu"))
+    context = step[1][3]
+    seen = {}
+
+    class Graph(str):  # a graph's name, and the pool the next capture shares
+        def pool(self):
+            return "pool"
+
+    def capture(model, step, outputs, pool):
+        seen.setdefault("pools", []).append(pool)
+        return Graph("persistent" if whole.enabled else "per-kernel")
+
+    def replay(graphs, rounds):
+        seen.update(graphs=graphs, lens=context.context_lens.tolist(),
+                    tables=context.block_tables.tolist(), slots=context.slot_mapping.tolist())
+        return times
+    monkeypatch.setattr(cuda_graphs, "_capture", capture)
+    monkeypatch.setattr(cuda_graphs, "replay_times", replay)
+    graph, ms = cuda_graphs._faster_variant(None, step, None, None, whole, (5, 256))
+    assert graph == kept and ms == tuple(times)
+    assert seen["graphs"] == ["persistent", "per-kernel"] and seen["pools"] == [None, "pool"]
+    assert seen["lens"] == [cuda_graphs.TIMING_CONTEXT] * 3 and seen["slots"] == [-1] * 3
+    assert seen["tables"] == [[0, 1, 0, 0], [2, 3, 0, 0], [4, 0, 0, 0]]  # 6 blocks of 5
+    assert context.context_lens.tolist() == [0] * 3 and not context.block_tables.any()
+
+
+@pytest.mark.gpu
+def test_auto_keeps_a_measured_graph_per_size_and_its_tokens(checkpoint, monkeypatch):
+    """NANOVLLM_PERSISTENT_DECODE=auto on the GPU: every graph of <= 16 tokens is timed both
+    ways at capture, and the greedy tokens (float32) are the per-kernel path's."""
+    kwargs = dict(device=DEVICE, attention_backend="triton", dtype="float32",
+                  num_kvcache_blocks=16, max_num_seqs=16, max_model_len=512)
+    llm = LLM(checkpoint, **kwargs)
+    try:
+        want = _greedy(llm, (5, 40, 17, 23, 3))
+        lone = _greedy(llm, (23,))
+    finally:
+        llm.shutdown()
+    monkeypatch.setenv("NANOVLLM_PERSISTENT_DECODE", "auto")
+    llm = LLM(checkpoint, **kwargs)
+    try:
+        runner = llm.model_runner
+        assert sorted(runner.persistent_decode_ms) == [b for b in runner.graphs if b <= 16]
+        assert all(p > 0 and k > 0 for p, k in runner.persistent_decode_ms.values())
+        assert _greedy(llm, (5, 40, 17, 23, 3)) == want and _greedy(llm, (23,)) == lone
+    finally:
+        llm.shutdown()
