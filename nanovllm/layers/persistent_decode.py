@@ -63,6 +63,7 @@ class PersistentDecode:
         # keeps the faster (runner.cuda_graphs); else it runs every step it takes
         self.measured = measured
         self.enabled = not measured  # whether a step it takes runs it (set while capturing)
+        self.launches = 0  # steps it ran (capture checks that a variant ran it at all)
         self.kernel = None  # the launch configuration and scratch, made at the first call
 
     def release(self) -> None:
@@ -93,6 +94,7 @@ class PersistentDecode:
             attn = first.self_attn
             self.kernel = PersistentDecodeLayer(attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                                 hidden, inter, residual.dtype, residual.device)
+        self.launches += 1
         carry = residual.shape[0] <= self.kernel.fuse_max_tokens
         ctx, weights = get_context(), [_layer_weights(layer) for layer in layers]
         for i, layer in enumerate(layers):

@@ -192,23 +192,29 @@ def test_auto_runs_no_eager_step_until_a_graph_measures_it(checkpoint, monkeypat
         llm.shutdown()
 
 
-@pytest.mark.parametrize("times,kept", [([2.0, 1.0], "per-kernel"), ([1.0, 2.0], "persistent")])
-def test_capture_keeps_the_faster_variant_timed_over_real_lengths(times, kept, monkeypatch):
+@pytest.mark.parametrize("times,runs,kept", [
+    ([2.0, 1.0], True, "per-kernel"), ([1.0, 2.0], True, "persistent"),
+    ([0.99, 1.0], True, "per-kernel"),  # within PERSISTENT_MARGIN: the reference stays
+    (None, False, "persistent")])  # the layer declined the step: one capture, nothing timed
+def test_capture_keeps_the_faster_variant_timed_over_real_lengths(times, runs, kept,
+                                                                  monkeypatch):
     """_faster_variant captures the step with the layer on, then off, times both with every
-    sequence at TIMING_CONTEXT keys over blocks of its own (no slot written), keeps the faster
-    graph, and leaves the buffers' lengths and tables zero again."""
+    sequence at TIMING_CONTEXT keys over blocks of its own (no slot written), keeps the
+    persistent graph only when PERSISTENT_MARGIN faster, and leaves the buffers' lengths and
+    tables zero again; a step the layer never ran is captured once."""
     from nanovllm.runner import cuda_graphs
     whole = PersistentDecode(measured=True)
     step = cuda_graphs._decode_inputs(3, 4, 0, torch.device("cpu"))
     context = step[1][3]
-    seen = {}
+    seen = {"pools": [], "graphs": []}
 
     class Graph(str):  # a graph's name, and the pool the next capture shares
         def pool(self):
             return "pool"
 
     def capture(model, step, outputs, pool):
-        seen.setdefault("pools", []).append(pool)
+        seen["pools"].append(pool)
+        whole.launches += whole.enabled and runs  # what PersistentDecode.__call__ counts
         return Graph("persistent" if whole.enabled else "per-kernel")
 
     def replay(graphs, rounds):
@@ -218,11 +224,14 @@ def test_capture_keeps_the_faster_variant_timed_over_real_lengths(times, kept, m
     monkeypatch.setattr(cuda_graphs, "_capture", capture)
     monkeypatch.setattr(cuda_graphs, "replay_times", replay)
     graph, ms = cuda_graphs._faster_variant(None, step, None, None, whole, (5, 256))
-    assert graph == kept and ms == tuple(times)
+    assert graph == kept and ms == (tuple(times) if runs else None)
+    assert context.context_lens.tolist() == [0] * 3 and not context.block_tables.any()
+    if not runs:
+        assert seen["pools"] == [None] and not seen["graphs"]
+        return
     assert seen["graphs"] == ["persistent", "per-kernel"] and seen["pools"] == [None, "pool"]
     assert seen["lens"] == [cuda_graphs.TIMING_CONTEXT] * 3 and seen["slots"] == [-1] * 3
     assert seen["tables"] == [[0, 1, 0, 0], [2, 3, 0, 0], [4, 0, 0, 0]]  # 6 blocks of 5
-    assert context.context_lens.tolist() == [0] * 3 and not context.block_tables.any()
 
 
 @pytest.mark.gpu
@@ -241,7 +250,7 @@ def test_auto_keeps_a_measured_graph_per_size_and_its_tokens(checkpoint, monkeyp
     llm = LLM(checkpoint, **kwargs)
     try:
         runner = llm.model_runner
-        assert sorted(runner.persistent_decode_ms) == [b for b in runner.graphs if b <= 16]
+        assert sorted(runner.persistent_decode_ms) == sorted(b for b in runner.graphs if b <= 16)
         assert all(p > 0 and k > 0 for p, k in runner.persistent_decode_ms.values())
         assert _greedy(llm, (5, 40, 17, 23, 3)) == want and _greedy(llm, (23,)) == lone
     finally:
