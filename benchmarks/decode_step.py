@@ -247,7 +247,6 @@ def main(argv: list[str] | None = None) -> dict:
     llm, shape, lora = open_llm(args)
     max_id = shape["vocab_size"] - 1
     limits = dict(llm.model_runner.fused_limits)
-    persistent = dict(llm.model_runner.persistent_decode_ms)
     try:
         run = run_decode(llm, args.batch, args.tokens, max_id, lora)
         kernels, per_kernel = (kernel_phases(llm, args.batch, 16, max_id, lora)
@@ -266,11 +265,6 @@ def main(argv: list[str] | None = None) -> dict:
     if limits:  # start-up measures them: a step's kernels depend on them
         print("fused decode projections up to (tokens, measured at start-up): "
               + ", ".join(f"{name}: {n}" for name, n in limits.items()))
-    if persistent:  # NANOVLLM_PERSISTENT_DECODE=auto: each graph of <= 16 tokens timed twice
-        print("persistent decode layer, measured per CUDA graph (ms a step, persistent / "
-              "per-kernel; * kept): " + ", ".join(
-                  f"{bs}: {p:.3f} / {k:.3f}{' *' if p < k else ''}"
-                  for bs, (p, k) in sorted(persistent.items())))
     print("\n| host phase (inclusive) | us per step |\n|---|---|")
     for label, depth, *_ in PHASES:
         print(f"| {'- ' * depth}{label} | {run['host_us'].get(label, 0.0):.1f} |")

@@ -14,10 +14,6 @@
 #   decode  (named only) a batch-1 decode step phase by phase, beside its floor
 #           (benchmarks.decode_step --profile): Qwen3-0.6B alone and with a rank-16 adapter,
 #           Llama-3.1-8B in bf16 and FP8 per channel
-#   persistent  (named only) benchmarks.persistent_layer, then decode steps (benchmarks.decode_step:
-#           Qwen3-0.6B at batch 1 and 16, Llama-3.1-8B FP8 per channel at batch 1) with
-#           NANOVLLM_PERSISTENT_DECODE 0, 1 and auto, alternated for N rounds; then bf16 argmax
-#           agreement with transformers with it on (tests part: off)
 #   tests   every GPU-marked test (~3.5 min on an H200), then bf16 argmax agreement with
 #           transformers per backend (tests/accuracy/bf16_agreement.py); the kernel tests also
 #           run on CUDA when present, apart (`python -m pytest tests/kernels`: over 10 minutes)
@@ -41,7 +37,7 @@ while (($#)); do
     --upstream) upstream=$2; shift ;;
     --shapes) shape_list=$2; shift ;;
     --out) out=$2; shift ;;
-    bench | shapes | decode | persistent | tests) parts+=("$1") ;;
+    bench | shapes | decode | tests) parts+=("$1") ;;
     --) shift; extra=("$@"); break ;;
     *) sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "$0"; exit 2 ;;
   esac
@@ -141,33 +137,6 @@ decode() {
       || { failed=1; echo "failed: $out/decode_$i.log"; }
     sed -n '/a decode step over/,$p' "$out/decode_$i.log"
   done
-}
-
-persistent() {
-  # the persistent decode layer: its benchmark, then decode steps with it off, on and measured
-  # per CUDA graph (auto), alternated
-  local steps=("" "--batch 16" "--shape llama-3.1-8b --weight-format fp8-channel") layer=()
-  [[ $tiny ]] && steps=("--tiny --tokens 8") layer=(--tiny)
-  python -m benchmarks.persistent_layer "${layer[@]}" > "$out/persistent_layer.log" 2>&1 \
-    || { failed=1; echo "failed: $out/persistent_layer.log"; }
-  sed -n '/^grid barrier/,$p' "$out/persistent_layer.log"
-  for ((r = 0; r < rounds; r++)); do
-    for i in "${!steps[@]}"; do
-      for on in 0 1 auto; do
-        log=$out/persistent_step_r${r}_s${i}_on$on.log
-        # shellcheck disable=SC2086  # a run is several flags
-        NANOVLLM_PERSISTENT_DECODE=$on python -m benchmarks.decode_step ${steps[i]} > "$log" \
-          2>&1 || { failed=1; echo "failed: $log"; }
-        grep -E "a decode step over|measured per CUDA graph" "$log" \
-          | sed "s/^/[round $r, persistent $on] /"
-      done
-    done
-  done
-  [[ $tiny ]] && return  # CPU: no Triton attention to agree with
-  NANOVLLM_PERSISTENT_DECODE=1 python -m tests.accuracy.bf16_agreement \
-    --json "$out/bf16_agreement_persistent.json" > "$out/bf16_agreement_persistent.log" 2>&1 \
-    || failed=1
-  tail -8 "$out/bf16_agreement_persistent.log"
 }
 
 tests() {

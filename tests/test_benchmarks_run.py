@@ -51,17 +51,6 @@ def cold_compiles(tmp_path: Path) -> None:
        "round 1 serial: LLM() on an empty Triton cache:", "compile-ahead threads 0")
 
 
-def persistent_layer(tmp_path: Path) -> None:
-    proc = run(sys.executable, "-m", "benchmarks.persistent_layer", "--tiny", tmp_path=tmp_path,
-               OPENBLAS_NUM_THREADS="1")
-    ok(proc, "| 1 | per-kernel | ", "| 1 | persistent | ", "| 1 | persistent, no prefetch | ",
-       "| 1 | 7 residual add | ")
-    # the toy layers' outputs agree within bf16 rounding (a wrong phase gives ~1)
-    diffs = [float(line.split("|")[-2]) for line in proc.stdout.splitlines()
-             if line.startswith("| 1 | persistent")]
-    assert diffs and max(diffs) < 0.05, proc.stdout
-
-
 def shapes(tmp_path: Path) -> None:
     proc = run(sys.executable, "-m", "benchmarks.shapes", "--tiny", "--rounds", "2",
                tmp_path=tmp_path)
@@ -88,11 +77,6 @@ def gpu_figures(tmp_path: Path) -> None:
                tmp_path=tmp_path)
     ok(proc, "== decode", "tiny, batch 1: ", "tiny, batch 1, LoRA rank 8: ")
     assert proc.stdout.count("| - - - pack |") == 2
-    proc = run("bash", "benchmarks/gpu_figures.sh", "--tiny", "--rounds", "1", "--out",
-               str(tmp_path), "persistent", tmp_path=tmp_path, OPENBLAS_NUM_THREADS="1")
-    ok(proc, "== persistent", "| 1 | persistent | ", "[round 0, persistent 0] tiny, batch 1: ",
-       "[round 0, persistent 1] tiny, batch 1: ",
-       "[round 0, persistent auto] tiny, batch 1: ")
     run0 = json.loads((tmp_path / "bench_r0_c1.json").read_text())
     assert run0["environment"]["kv_cache_dtype"] == "torch.float8_e4m3fn"
     assert run("bash", "benchmarks/gpu_figures.sh", "--no-such-flag",
@@ -148,8 +132,8 @@ def moe_sweep(tmp_path: Path) -> None:
 
 
 CASES = {"cold_compiles.py": cold_compiles, "floor.py": floor, "gpu_figures.sh": gpu_figures,
-         "lora.py": lora, "moe_sweep.py": moe_sweep, "persistent_layer.py": persistent_layer,
-         "plot.py": plot, "profile_steps.py": profile_steps, "shapes.py": shapes, "soak.py": soak}
+         "lora.py": lora, "moe_sweep.py": moe_sweep, "plot.py": plot,
+         "profile_steps.py": profile_steps, "shapes.py": shapes, "soak.py": soak}
 SLOW = {"gpu_figures.sh", "profile_steps.py"}  # each takes ~20-30 s on CPU
 
 

@@ -65,12 +65,7 @@ def prefetch_tile(ptr, row0, col0, stride, row_end, col_end, ROWS: tl.constexpr,
     with a weight (no kernel writes one): under PDL its first tiles then stream while the
     kernel before still runs."""
     if ENABLED:
-        prefetch_l2(prefetch_lines(ptr, row0, col0, stride, row_end, col_end, ROWS, ROW_BYTES,
-                                   ELEM_BYTES))
-
-
-@triton.jit
-def prefetch_l2(addresses):
-    """Ask L2 for the lines at these addresses (int64) and wait for nothing."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                              [addresses], dtype=tl.int32, is_pure=False, pack=1)
+        lines = prefetch_lines(ptr, row0, col0, stride, row_end, col_end, ROWS, ROW_BYTES,
+                               ELEM_BYTES)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                  [lines], dtype=tl.int32, is_pure=False, pack=1)

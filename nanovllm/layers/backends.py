@@ -37,11 +37,6 @@ from nanovllm.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from nanovllm.layers.persistent_decode import (
-    PersistentDecode,
-    persistent_decode_mode,
-    persistent_fits,
-)
 from nanovllm.utils.context import Context
 
 logger = logging.getLogger(__name__)
@@ -59,10 +54,6 @@ class FastPath:
     fused_projections: bool = False
     # The sampler's fast path (temperature alone) as one Triton kernel (kernels.sample)
     fused_sampler: bool = False
-    # A dense layer's decode step of up to 16 tokens as one persistent launch
-    # (layers.persistent_decode): "off", "on" (every such step) or "auto" (each CUDA graph
-    # captured both ways, the faster kept); NANOVLLM_PERSISTENT_DECODE, off until measured
-    persistent_decode: str = "off"
 
     @property
     def any(self) -> bool:
@@ -88,12 +79,9 @@ def plan_fast_path(name: str, device: str) -> FastPath:
     """Fused ops on CUDA but for torch (the reference); fused projections from sm_90 (TMA); the
     fused sampler on CUDA with every backend."""
     fused_ops = device == "cuda" and name != "torch"
-    fused_projections = fused_ops and torch.cuda.get_device_capability()[0] >= 9
-    persistent = persistent_decode_mode(os.environ.get("NANOVLLM_PERSISTENT_DECODE", "off"))
-    return FastPath(fused_ops=fused_ops, fused_projections=fused_projections,
-                    fused_sampler=device == "cuda",
-                    persistent_decode=persistent if fused_projections else "off")
-
+    return FastPath(fused_ops=fused_ops,
+                    fused_projections=fused_ops and torch.cuda.get_device_capability()[0] >= 9,
+                    fused_sampler=device == "cuda")
 
 
 class TorchBackend:
@@ -252,11 +240,6 @@ def select_backend(name: str, device: str, kv_cache_dtype: str = "auto") -> Torc
                 "torch" if name == "torch" else "Triton (per-channel FP8: torch._scaled_mm)",
                 "; no CUDA graphs (eager decode)" if device == "cuda" and not backend.cuda_graphs
                 else "")
-    if fast_path.persistent_decode != "off":
-        logger.info("decode steps of up to 16 tokens: a dense layer as one persistent launch "
-                    "where the model fits it (NANOVLLM_PERSISTENT_DECODE=%s%s)",
-                    fast_path.persistent_decode, ": where a CUDA graph measures it faster"
-                    if fast_path.persistent_decode == "auto" else "")
     if kv_cache_dtype == "fp8":
         logger.info("FP8 KV cache: read and written by the %s kernels (never flash-attn: the "
                     "installed build ignores FP8 descale factors)", name)
@@ -284,10 +267,6 @@ def bind_backend(model: nn.Module, backend: TorchBackend,
     # the kernel does not take the layer's shapes; with LoRA slots it adds the delta as one
     # more K step) and the LoRA ops
     for module in model.modules():
-        if hasattr(module, "whole_layer_decode"):  # a decoder's layers as one launch each
-            mode = fast_path.persistent_decode
-            fits = mode != "off" and persistent_fits(module)
-            module.whole_layer_decode = PersistentDecode(mode == "auto") if fits else None
         if isinstance(module, (Attention, FusedMoE)):
             module.backend = backend
         elif isinstance(module, (RMSNorm, SiluAndMul)):

@@ -168,10 +168,6 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, decoder layers and the final norm."""
 
-    # Runs a whole layer of a small decode step as one launch (layers.persistent_decode), bound
-    # by layers.backends where it fits; None: the per-kernel path
-    whole_layer_decode = None
-
     def __init__(self, config: PretrainedConfig, spec: DecoderSpec):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
@@ -185,10 +181,6 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         residual = self.embed_tokens(input_ids)
-        whole = self.whole_layer_decode
-        if whole is not None and whole.runs(residual, self.layers[0]):
-            # each layer's norms run inside its launch: residual in, residual out
-            return self.norm(whole(self.layers, positions, residual))
         hidden_states = self.layers[0].input_layernorm(residual)
         for layer, next_norm in zip(self.layers, self.next_norms):
             hidden_states, residual = layer(positions, hidden_states, residual, next_norm)

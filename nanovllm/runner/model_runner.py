@@ -16,7 +16,6 @@ from nanovllm.layers.fused_calibration import (
     cuda_graph_times,
 )
 from nanovllm.layers.linear import tp_rank_and_size
-from nanovllm.layers.persistent_decode import bound_persistent_decode
 from nanovllm.layers.sampling.penalties import TokenCounts
 from nanovllm.layers.sampling.sampler import Sampler
 from nanovllm.lora.manager import LoRAManager
@@ -61,8 +60,6 @@ class ModelRunner:
         self.max_loras = config.max_loras if config.enable_lora else 0
         self.startup_s = {"load": perf_counter() - t0}
         self.fused_limits: dict[str, int] = {}  # calibrate_fused_limits's, on CUDA
-        # {graph batch size: (persistent, per-kernel) ms a step}: capture's timed variants
-        self.persistent_decode_ms: dict[int, tuple[float, float]] = {}
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = select_backend(config.attention_backend, config.device,
                                       config.kv_cache_dtype)
@@ -161,17 +158,13 @@ class ModelRunner:
                                         self.config.kv_cache_torch_dtype, self.device)
 
     def free_kv_cache_and_graphs(self) -> None:
-        """Drop the CUDA graphs (their pool and buffers), the KV pool and a persistent decode's
-        scratch (layers.persistent_decode: made again at its next step)."""
+        """Drop the CUDA graphs (their pool and buffers) and the KV pool."""
         self.graphs.clear()
         self.graph_inputs.clear()
         self.graph_outputs = None
         for attn in self.attn_layers:
             attn.k_cache = attn.v_cache = torch.tensor([])
         self.kv_cache = None
-        whole = bound_persistent_decode(self.model)
-        if whole is not None:
-            whole.release()
 
     # ---- step inputs --------------------------------------------------------------------
     def prepare_decode(self, seqs: list[Sequence], previous_ids: torch.Tensor | None = None,
@@ -275,15 +268,8 @@ class ModelRunner:
 
     def capture_cudagraph(self) -> None:
         """Capture the decode graphs (see cuda_graphs.capture_decode_graphs)."""
-        self.graphs, self.graph_inputs, self.graph_outputs, times = capture_decode_graphs(
-            self.model, self.config, self.max_num_blocks, self.num_kvcache_blocks, self.device,
-            self.compile_threads)
-        self.persistent_decode_ms = times
-        if times:
-            logger.info("persistent decode layer, measured per CUDA graph (ms a step, "
-                        "persistent / per-kernel; * persistent kept): %s", ", ".join(
-                            f"{bs}: {p:.3f} / {k:.3f}{' *' if p < k else ''}"
-                            for bs, (p, k) in sorted(times.items())))
+        self.graphs, self.graph_inputs, self.graph_outputs = capture_decode_graphs(
+            self.model, self.config, self.max_num_blocks, self.device, self.compile_threads)
 
     def shutdown(self) -> None:
         """Free graphs, the KV pool and the weights."""

@@ -1,1 +1,0 @@
-"""Persistent kernels: a decode layer in one launch, phases separated by grid barriers."""
