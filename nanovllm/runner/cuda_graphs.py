@@ -14,12 +14,12 @@ BATCH_LADDER = sorted({b * m // 2 for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) fo
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """Batch sizes with a graph: 2, 3, 4, 6, 8, ... below min(max_num_seqs, 512), and that."""
+    """Batch sizes with a graph: 1, 2, 3, 4, 6, 8, ... below min(max_num_seqs, 512), and that."""
     # Powers of two and their midpoints: a decode step reads every weight whatever its batch,
     # so padding a batch up costs little, and fewer graphs start faster (upstream captures
-    # every 16th). A lone sequence runs in the graph of 2.
+    # every 16th). A lone sequence has its own: its projections run kernels.linear.gemv.
     max_bs = min(max_num_seqs, 512)
-    return [b for b in BATCH_LADDER if 1 < b < max_bs] + [max_bs]
+    return [b for b in BATCH_LADDER if b < max_bs] + [max_bs]
 
 
 def _decode_inputs(bs: int, max_num_blocks: int, max_loras: int, device: torch.device

@@ -36,6 +36,11 @@ from nanovllm.kernels.linear.fused_fp8 import (
     scaled_dot,
     weight_stages,
 )
+from nanovllm.kernels.linear.gemv import (
+    gate_up_silu_gemv,
+    runs_gate_up_gemv,
+    silu_and_mul_rounded,
+)
 from nanovllm.kernels.linear.lora import (
     LoRAAhead,
     LoRASlots,
@@ -215,13 +220,9 @@ def _gate_up_silu_kernel(w_desc, x_desc, bias_ptr, out_ptr, M, K, inter, s_ptr, 
     if HAS_BIAS:
         gate += gate_bias
         up += up_bias
-    dtype = out_ptr.dtype.element_ty
-    # as the unfused path: the projection rounded, silu in float32 rounded, the product rounded
-    gate = gate.to(dtype).to(tl.float32)
-    up = up.to(dtype).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     toks = tok0 + tl.arange(0, BLOCK_T)[None, :]
-    tl.store(out_ptr + toks.to(tl.int64) * inter + cols, (silu * up).to(dtype), mask=toks < M)
+    tl.store(out_ptr + toks.to(tl.int64) * inter + cols,
+             silu_and_mul_rounded(gate, up, out_ptr.dtype.element_ty), mask=toks < M)
 
 
 # fits_*: dtype is the activations', weight_dtype (None: the same) and w_block as fits_weight's
@@ -313,7 +314,9 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  lora: LoRASlots | None = None, ahead: LoRAAhead | None = None) -> torch.Tensor:
     """silu(x @ Wg.T + bg) * (x @ Wu.T + bu), [M, I], for weight [2I, hidden] (gate rows
     first), as gate_up_proj (with its LoRA delta) followed by SiLU-and-mul; FP8 weights as in
-    qkv_rope_store."""
+    qkv_rope_store. One token without LoRA runs kernels.linear.gemv's (faster there)."""
+    if lora is None and runs_gate_up_gemv(x, weight, w_scale, w_block):
+        return gate_up_silu_gemv(x, weight, bias, w_scale)
     num_tokens, hidden = x.shape
     inter = weight.shape[0] // 2
     assert fits_gate_up(hidden, inter, x.dtype, weight.dtype, w_block)

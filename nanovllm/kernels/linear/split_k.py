@@ -22,6 +22,7 @@ from nanovllm.kernels.linear.fused_fp8 import (
     scaled_dot,
     weight_stages,
 )
+from nanovllm.kernels.linear.gemv import gemv_partials, runs_gemv
 from nanovllm.kernels.linear.lora import LoRASlots, add_lora, fused_lora_args, lora_keep
 from nanovllm.kernels.pdl import (
     PREFETCH_STEPS,
@@ -159,7 +160,10 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, *, w_scale: torch.Tens
     """float32 partials [S, M, N] whose sum over S is x @ weight.T (plus its LoRA delta), for a
     16-bit weight [N, K] stored k-major (weight.t() contiguous, as RowParallelLinear keeps it)
     or FP8 codes [N, K] row-major with w_scale (as in qkv_rope_store): a decode step's o_proj
-    or down_proj, whose splits the add + RMSNorm after it sums in a fixed order."""
+    or down_proj, whose splits the add + RMSNorm after it sums in a fixed order. One token
+    without LoRA runs kernels.linear.gemv (CUDA cores, measured faster there)."""
+    if lora is None and runs_gemv(x, weight, w_scale, w_block):
+        return gemv_partials(x, weight, w_scale)
     num_tokens, input_size = x.shape
     output_size = weight.shape[0]
     k_major = weight.dtype != FP8_DTYPE

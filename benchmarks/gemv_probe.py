@@ -1,0 +1,95 @@
+"""One-token decode projections: the GEMV (kernels.linear.gemv) against the MMA kernels it
+replaces there, per weight shape (H200).
+
+python -m benchmarks.gemv_probe [--layers 32]: for each shape a CUDA graph of `layers` launches
+over as many distinct weights (more bytes than L2 holds), replayed 20 times; µs per launch
+(median) beside the weight's bytes time, for split_k_linear's partials (o_proj, down_proj, an
+unfused qkv_proj) and gate_up_silu.
+"""
+import argparse
+import statistics
+from unittest import mock
+
+import torch
+
+from nanovllm.kernels.linear import fused, split_k
+from nanovllm.kernels.linear.fp8_reference import FP8_DTYPE
+
+BANDWIDTH = 4.27e12  # bytes/s, the H200's measured copy bandwidth
+SHAPES = {  # name: (N, K, weight dtype, op); op "gate_up": N = 2 x intermediate
+    "Qwen3-0.6B o_proj, bf16": (1024, 2048, torch.bfloat16, "partials"),
+    "Qwen3-0.6B down_proj, bf16": (1024, 3072, torch.bfloat16, "partials"),
+    "Qwen3-0.6B gate_up + SiLU, bf16": (6144, 1024, torch.bfloat16, "gate_up"),
+    "Llama-3.1-8B qkv_proj, FP8": (6144, 4096, FP8_DTYPE, "partials"),
+    "Llama-3.1-8B o_proj, FP8": (4096, 4096, FP8_DTYPE, "partials"),
+    "Llama-3.1-8B down_proj, FP8": (4096, 14336, FP8_DTYPE, "partials"),
+    "Llama-3.1-8B gate_up + SiLU, FP8": (28672, 4096, FP8_DTYPE, "gate_up"),
+    "Llama-3.1-8B gate_up + SiLU, bf16": (28672, 4096, torch.bfloat16, "gate_up"),
+}
+
+
+def time_chain(launch, layers: int) -> float:
+    """µs per launch: median of 20 replays of a graph of `layers` launch(i) calls."""
+    for i in range(layers):
+        launch(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(layers):
+            launch(i)
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / layers)
+    return statistics.median(times)
+
+
+def _weights(n: int, k: int, dtype: torch.dtype, op: str, layers: int) -> list[torch.Tensor]:
+    """`layers` random weights as the layers keep them: 16-bit o/down k-major."""
+    ws = [(torch.randn(n, k, device="cuda") * k ** -0.5).to(dtype) for _ in range(layers)]
+    if op == "partials" and dtype != FP8_DTYPE:
+        ws = [w.t().contiguous().t() for w in ws]
+    return ws
+
+
+def probe(n: int, k: int, dtype: torch.dtype, op: str, layers: int) -> tuple[float, float]:
+    """(MMA µs, GEMV µs) per launch at one token."""
+    ws = _weights(n, k, dtype, op, layers)
+    scale = torch.rand(n, 1, device="cuda") + 0.5 if dtype == FP8_DTYPE else None
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    if op == "partials":
+        def launch(i):
+            return split_k.split_k_linear(x, ws[i], w_scale=scale)
+        target = "nanovllm.kernels.linear.split_k.runs_gemv"
+    else:
+        def launch(i):
+            return fused.gate_up_silu(x, ws[i], None, w_scale=scale)
+        target = "nanovllm.kernels.linear.fused.runs_gate_up_gemv"
+    gemv_out = launch(0)
+    with mock.patch(target, return_value=False):
+        mma_out = launch(0)
+        mma = time_chain(launch, layers)
+    if op == "partials":
+        gemv_out, mma_out = gemv_out.sum(0), mma_out.sum(0)
+    torch.testing.assert_close(gemv_out.float(), mma_out.float(), atol=5e-2, rtol=5e-2)
+    return mma, time_chain(launch, layers)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", type=int, default=32)
+    args = p.parse_args()
+    print("| projection, one token | bytes time us | MMA us | GEMV us |\n|---|---|---|---|")
+    for name, (n, k, dtype, op) in SHAPES.items():
+        floor = n * k * (1 if dtype == FP8_DTYPE else 2) / BANDWIDTH * 1e6
+        mma, gemv = probe(n, k, dtype, op, args.layers)
+        print(f"| {name} | {floor:.2f} | {mma:.2f} | {gemv:.2f} |", flush=True)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""One-token decode projections on CUDA cores (GEMV): split_k_linear's partials, and gate_up_proj
+with SiLU-and-mul, for a decode step of a single token.
+
+A one-token step reads each weight once and multiplies it by one row, so the MMA's tiles buy
+nothing there; what bounds it is how early the weight's bytes arrive. Each program here loads
+its whole weight slice (16 or 32 KB) into registers *before* its PDL wait, while the kernel
+before still runs (no kernel writes a weight), then waits for x and reduces. Chained over 32
+weights on the H200 (`python -m benchmarks.gemv_probe`, 2026-12-05), against the MMA kernels:
+Llama-3.1-8B FP8 gate_up + SiLU 28.2 against 34.1 us (bytes 27.5), down_proj 15.7 against
+18.9, qkv_proj 7.6 against 9.6; Qwen3-0.6B bf16 gate_up + SiLU 5.0 against 6.0, o_proj 2.4
+against 2.9. At 4 tokens a GEMV of this kind lost to the MMA kernels at every shape.
+
+FP8 codes (per-channel scales only) convert to float32 in registers, as 16-bit weights do; the
+activations stay unquantized (W8A16, as kernels.linear.fused_fp8 argues).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.attention.kv_quant import FP8_DTYPE
+from nanovllm.kernels.pdl import launch_options, wait_then_release
+
+SLICE_BYTES = 16 * 1024  # weight bytes a partials program holds (the probe's best, 16-32 KB)
+PAIR_BYTES = 32 * 1024  # gate + up bytes a SiLU program holds (all of K)
+ROW_BYTES = 2048  # the widest K slice of one row a partials program takes
+K_MAJOR_ROWS = 32  # output columns of a k-major program: 64-byte runs of each weight row
+
+
+@triton.jit
+def silu_and_mul_rounded(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up in dtype, rounded as the unfused path: each projection, then silu in
+    float32, then the product (gate and up: float32 sums)."""
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (silu * up).to(dtype)
+
+
+@triton.jit
+def _gemv_partials_kernel(w_ptr, x_ptr, s_ptr, part_ptr, N, stride_w, BLOCK_N: tl.constexpr,
+                          K_SPLIT: tl.constexpr, K_MAJOR: tl.constexpr, W_SCALE: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+    """Grid (N / BLOCK_N, K / K_SPLIT): part[split, 0, rows] = x[ks] . W[rows, ks], W stored
+    [K, N] when K_MAJOR (16-bit RowParallelLinear weights), else [N, K]; W_SCALE: per-channel
+    FP8 scales s[rows]."""
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = split * K_SPLIT + tl.arange(0, K_SPLIT)
+    if K_MAJOR:
+        w = tl.load(w_ptr + ks.to(tl.int64)[:, None] * stride_w + rows[None, :])
+    else:
+        w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_w + ks[None, :])
+    if W_SCALE:
+        scale = tl.load(s_ptr + rows)
+    wait_then_release(USE_PDL)
+    x = tl.load(x_ptr + ks).to(tl.float32)
+    if K_MAJOR:
+        y = tl.sum(w.to(tl.float32) * x[:, None], 0)
+    else:
+        y = tl.sum(w.to(tl.float32) * x[None, :], 1)
+    if W_SCALE:
+        y *= scale
+    tl.store(part_ptr + split * N + rows, y)
+
+
+@triton.jit
+def _gate_up_silu_kernel(w_ptr, x_ptr, s_ptr, bias_ptr, out_ptr, K, inter, stride_w,
+                         BLOCK_N: tl.constexpr, K_P2: tl.constexpr, W_SCALE: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
+    """Grid (inter / BLOCK_N,): silu(gate) * up for BLOCK_N columns of one token, all of K in
+    one program (gate rows W[:inter], up rows W[inter:]), rounded as the unfused path."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, K_P2)
+    k_ok = ks[None, :] < K
+    g_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :]
+    g = tl.load(g_ptrs, mask=k_ok, other=0.0)
+    u = tl.load(g_ptrs + inter * stride_w, mask=k_ok, other=0.0)
+    if W_SCALE:
+        g_scale = tl.load(s_ptr + cols)
+        u_scale = tl.load(s_ptr + inter + cols)
+    if HAS_BIAS:
+        g_bias = tl.load(bias_ptr + cols).to(tl.float32)
+        u_bias = tl.load(bias_ptr + inter + cols).to(tl.float32)
+    wait_then_release(USE_PDL)
+    x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)[None, :]
+    gate = tl.sum(g.to(tl.float32) * x, 1)
+    up = tl.sum(u.to(tl.float32) * x, 1)
+    if W_SCALE:
+        gate *= g_scale
+        up *= u_scale
+    if HAS_BIAS:
+        gate += g_bias
+        up += u_bias
+    tl.store(out_ptr + cols, silu_and_mul_rounded(gate, up, out_ptr.dtype.element_ty))
+
+
+def _partials_tiles(n: int, k: int, elem_bytes: int, k_major: bool) -> tuple[int, int] | None:
+    """(BLOCK_N, K_SPLIT) filling SLICE_BYTES: for [N, K] weights the widest power-of-two K
+    slice up to ROW_BYTES that divides K (few partials for the norm after to sum); k-major,
+    K_MAJOR_ROWS columns (whole 32-byte sectors). None when they do not divide the weight."""
+    if k_major:
+        block_n, k_split = K_MAJOR_ROWS, SLICE_BYTES // (K_MAJOR_ROWS * elem_bytes)
+    else:
+        k_split = ROW_BYTES // elem_bytes
+        while k % k_split and k_split > 16:
+            k_split //= 2
+        block_n = SLICE_BYTES // (k_split * elem_bytes)
+    if k % k_split or block_n > 64 or n % block_n:
+        return None
+    return block_n, k_split
+
+
+def _pair_rows(inter: int, k: int, elem_bytes: int) -> int | None:
+    """Gate (and as many up) rows per SiLU program: PAIR_BYTES of all of K; None if they do not
+    divide inter."""
+    k_p2 = triton.next_power_of_2(k)
+    block_n = max(1, PAIR_BYTES // (2 * k_p2 * elem_bytes))
+    return block_n if inter % block_n == 0 else None
+
+
+def _weight_ok(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None,
+               w_block) -> bool:
+    """One token of 16-bit activations; a weight of their dtype, or FP8 codes per channel."""
+    if x.shape[0] != 1 or x.dtype not in (torch.float16, torch.bfloat16) or x.stride(1) != 1:
+        return False
+    if weight.dtype == FP8_DTYPE:
+        return w_block is None and w_scale is not None and w_scale.is_contiguous()
+    return weight.dtype == x.dtype and w_scale is None
+
+
+def runs_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None = None,
+              w_block=None) -> bool:
+    """Whether gemv_partials takes this step: one token, and tiles that fit the weight (stored
+    [N, K], or k-major with weight.t() contiguous)."""
+    n, k = weight.shape
+    k_major = not weight.is_contiguous()
+    if not _weight_ok(x, weight, w_scale, w_block) or (k_major and not weight.t().is_contiguous()):
+        return False
+    return _partials_tiles(n, k, weight.element_size(), k_major) is not None
+
+
+def gemv_partials(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None = None,
+                  tiles: tuple[int, int] | None = None) -> torch.Tensor:
+    """float32 partials [S, 1, N] whose sum over S is x @ weight.T (split_k_linear's contract)
+    for one token; weight [N, K] as runs_gemv takes it, FP8 codes with per-channel w_scale;
+    tiles: (BLOCK_N, K_SPLIT) instead of _partials_tiles's (a probe's sweep)."""
+    n, k = weight.shape
+    k_major = not weight.is_contiguous()
+    stored = weight.t() if k_major else weight
+    block_n, k_split = tiles or _partials_tiles(n, k, weight.element_size(), k_major)
+    part = torch.empty(k // k_split, 1, n, dtype=torch.float32, device=x.device)
+    _gemv_partials_kernel[(n // block_n, k // k_split)](
+        stored, x, weight if w_scale is None else w_scale, part, n, stored.stride(0),
+        BLOCK_N=block_n, K_SPLIT=k_split, K_MAJOR=k_major, W_SCALE=w_scale is not None,
+        num_warps=4, **launch_options())
+    return part
+
+
+def runs_gate_up_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None = None,
+                      w_block=None) -> bool:
+    """Whether gate_up_silu_gemv takes this step (weight [2I, K] contiguous)."""
+    return _weight_ok(x, weight, w_scale, w_block) and weight.is_contiguous() \
+        and _pair_rows(weight.shape[0] // 2, weight.shape[1], weight.element_size()) is not None
+
+
+def gate_up_silu_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      w_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(x @ Wg.T + bg) * (x @ Wu.T + bu), [1, I], as kernels.linear.fused.gate_up_silu."""
+    inter, k = weight.shape[0] // 2, weight.shape[1]
+    block_n = _pair_rows(inter, k, weight.element_size())
+    out = torch.empty(1, inter, dtype=x.dtype, device=x.device)
+    _gate_up_silu_kernel[(inter // block_n,)](
+        weight, x, weight if w_scale is None else w_scale, weight if bias is None else bias,
+        out, k, inter, weight.stride(0), BLOCK_N=block_n, K_P2=triton.next_power_of_2(k),
+        W_SCALE=w_scale is not None, HAS_BIAS=bias is not None, num_warps=4,
+        **launch_options())
+    return out

@@ -1,0 +1,105 @@
+"""One-token GEMV kernels (kernels.linear.gemv) vs float32 torch (TRITON_INTERPRET on CPU):
+16-bit weights in both layouts, FP8 codes per channel, gate_up with SiLU-and-mul."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from nanovllm.kernels.linear.fp8_reference import dequantize_groups, quantize_groups  # noqa: E402
+from nanovllm.kernels.linear.fused import gate_up_silu  # noqa: E402
+from nanovllm.kernels.linear.gemv import (  # noqa: E402
+    _partials_tiles,
+    gate_up_silu_gemv,
+    gemv_partials,
+    runs_gate_up_gemv,
+    runs_gemv,
+)
+from nanovllm.kernels.linear.split_k import split_k_linear  # noqa: E402
+from nanovllm.layers.activation import SiluAndMul  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def _x(size: int, dtype: torch.dtype) -> torch.Tensor:
+    return (torch.randn(1, size, device=DEVICE) * 2).to(dtype)
+
+
+def _weight(rows: int, cols: int, fmt, dtype: torch.dtype):
+    """(weight as the kernel takes it, its scales or None, the float32 weight it stands for)."""
+    w = torch.randn(rows, cols, device=DEVICE) * cols ** -0.5
+    if fmt == "fp8":
+        codes, scales = quantize_groups(w, 1, cols)
+        return codes, scales, dequantize_groups(codes, scales, 1, cols)
+    w = w.to(dtype)
+    if fmt == "k-major":  # RowParallelLinear keeps [K, N] and sees it transposed
+        return w.t().contiguous().t(), None, w.float()
+    return w, None, w.float()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", ["row-major", "k-major", "fp8"])
+@pytest.mark.parametrize("rows,cols", [(128, 3072), (64, 1024), (256, 1536)])
+def test_gemv_partials(dtype, fmt, rows, cols) -> None:
+    """The partials sum to x @ W.T in float32; S is K over the tiles' K slice."""
+    torch.manual_seed(rows + cols)
+    weight, scales, w32 = _weight(rows, cols, fmt, dtype)
+    x = _x(cols, dtype)
+    assert runs_gemv(x, weight, scales)
+    parts = gemv_partials(x, weight, scales)
+    k_split = _partials_tiles(rows, cols, weight.element_size(), fmt == "k-major")[1]
+    assert parts.dtype == torch.float32 and parts.shape == (cols // k_split, 1, rows)
+    torch.testing.assert_close(parts.sum(0), x.float() @ w32.T, atol=1e-3, rtol=1e-3)
+    if scales is not None:  # the scales are read per row: swapped rows must fail
+        wrong = gemv_partials(x, weight, scales.flip(0).contiguous()).sum(0)
+        assert not torch.allclose(wrong, x.float() @ w32.T, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", ["row-major", "fp8"])
+@pytest.mark.parametrize("inter,hidden,bias", [(192, 1000, True), (256, 512, False)])
+def test_gate_up_silu_gemv(dtype, fmt, inter, hidden, bias) -> None:
+    """Equals gate_up_proj -> SiLU-and-mul (K need not be a power of two)."""
+    torch.manual_seed(inter)
+    weight, scales, w32 = _weight(2 * inter, hidden, fmt, dtype)
+    b = torch.randn(2 * inter, device=DEVICE).to(dtype) if bias else None
+    x = _x(hidden, dtype)
+    assert runs_gate_up_gemv(x, weight, scales)
+    projected = F.linear(x.float(), w32, None if b is None else b.float()).to(dtype)
+    want = SiluAndMul.torch_forward(projected)
+    got = gate_up_silu_gemv(x, weight, b, scales)
+    assert got.shape == (1, inter) and got.dtype == dtype
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+    if scales is not None:
+        wrong = gate_up_silu_gemv(x, weight, b, scales.flip(0).contiguous())
+        assert not torch.allclose(wrong, want, atol=3e-2, rtol=3e-2)
+
+
+def test_takes_one_token_of_supported_formats() -> None:
+    """Two tokens, block scales, float32 activations or an odd row count go elsewhere."""
+    weight, scales, _ = _weight(128, 512, "fp8", torch.bfloat16)
+    x = _x(512, torch.bfloat16)
+    assert runs_gemv(x, weight, scales) and runs_gate_up_gemv(x, weight, scales)
+    assert not runs_gemv(torch.cat([x, x]), weight, scales)
+    assert not runs_gemv(x, weight, scales, (128, 128))
+    assert not runs_gemv(x.float(), weight.float())
+    assert not runs_gemv(x, weight[:100])
+    assert not runs_gate_up_gemv(torch.cat([x, x]), weight, scales)
+
+
+def test_split_k_and_gate_up_take_it_at_one_token() -> None:
+    """split_k_linear and gate_up_silu hand one token to the GEMV: its split count, its
+    values."""
+    weight, _, _ = _weight(128, 3072, "k-major", torch.float16)
+    x = _x(3072, torch.float16)
+    parts = split_k_linear(x, weight)
+    assert torch.equal(parts, gemv_partials(x, weight))
+    weight, _, _ = _weight(256, 512, "row-major", torch.float16)
+    x = _x(512, torch.float16)
+    assert torch.equal(gate_up_silu(x, weight, None), gate_up_silu_gemv(x, weight, None))
