@@ -132,9 +132,8 @@ class ModelRunner:
     @torch.inference_mode()
     def calibrate_fused_limits(self) -> None:
         """Bind each projection class the decode steps its fused kernel wins (measured)."""
-        # the step sizes decode runs: the CUDA graphs' (a lone sequence pads to 2), else all
-        sizes = graph_batch_sizes(self.config.max_num_seqs) if self.use_cuda_graph else \
-            sorted({1, *graph_batch_sizes(self.config.max_num_seqs)})
+        # the step sizes measured: the CUDA graphs' (1, 2, 3, 4, 6, ...), in eager mode too
+        sizes = graph_batch_sizes(self.config.max_num_seqs)
         limits = calibrate(self.model, [n for n in sizes if n <= CALIBRATION_MAX_TOKENS],
                            partial(cuda_graph_times, compile_threads=self.compile_threads))
         bind_backend(self.model, self.backend, limits)

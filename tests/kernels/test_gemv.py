@@ -89,8 +89,16 @@ def test_takes_one_token_of_supported_formats() -> None:
     assert not runs_gemv(torch.cat([x, x]), weight, scales)
     assert not runs_gemv(x, weight, scales, (128, 128))
     assert not runs_gemv(x.float(), weight.float())
-    assert not runs_gemv(x, weight[:100])
+    assert not runs_gemv(x[:, :256], weight, scales)  # x narrower than the weight's K
+    assert not runs_gemv(x, weight, scales[:1])  # a per-tensor scale: layers expand it to [N, 1]
     assert not runs_gate_up_gemv(torch.cat([x, x]), weight, scales)
+    w16 = weight.float().to(torch.bfloat16)
+    assert runs_gemv(x, w16) and not runs_gemv(x, w16[:100])  # rows the tiles do not divide
+    wide = torch.zeros(2, 16384, dtype=torch.bfloat16, device=DEVICE)  # 32 KB a row
+    assert not runs_gate_up_gemv(_x(16384, torch.bfloat16), wide)  # one pair over PAIR_BYTES
+    # more partials than the norm after sums: a 16-bit k-major K of 64 K slices and more
+    long = torch.zeros(32 * 256 * 65, 32, dtype=torch.bfloat16, device=DEVICE).t()
+    assert not runs_gemv(_x(32 * 256 * 65, torch.bfloat16), long)
 
 
 def test_split_k_and_gate_up_take_it_at_one_token() -> None:

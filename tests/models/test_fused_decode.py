@@ -71,6 +71,22 @@ def spy_fused_kernels(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return calls
 
 
+def spy_gemv(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The list the one-token GEMVs append their names to, as split_k and fused call them."""
+    calls = []
+
+    def spy(module, name):
+        fn = getattr(module, name)
+
+        def call(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        monkeypatch.setattr(module, name, call)
+    spy(split_k, "gemv_partials")
+    spy(fused_linear, "gate_up_silu_gemv")
+    return calls
+
+
 def _projections(model: nn.Module) -> list:
     """The model's projections that have a fused decode kernel."""
     return [m for m in model.modules() if type(m) in LIMITS]
@@ -106,9 +122,17 @@ def test_fused_decode_same_tokens(checkpoint: str, monkeypatch: pytest.MonkeyPat
         _rebind(llm, True)
         assert all(m.fused_decode_max_tokens == LIMITS[type(m)] for m in projections)
         got = [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
+        calls = list(calls)  # the three sequences' steps
+        # a lone sequence: its projections run kernels.linear.gemv (no LoRA here)
+        gemv_calls = spy_gemv(monkeypatch)
+        got_one = llm.generate(prompts[1:2], params, use_tqdm=False)[0]["token_ids"]
+        _rebind(llm, False)
+        want_one = llm.generate(prompts[1:2], params, use_tqdm=False)[0]["token_ids"]
     finally:
         llm.shutdown()
-    assert got == want
+    assert got == want and got_one == want_one
+    assert gemv_calls.count("gemv_partials") == 5 * (2 + mlps)  # o_proj, down_proj
+    assert gemv_calls.count("gate_up_silu_gemv") == 5 * mlps
     # 5 decode steps of the 3 sequences (one batch), 2 layers, each kernel (split-K: o and down)
     assert calls.count("qkv_rope_store") == 5 * 2
     assert calls.count("gate_up_silu") == 5 * mlps

@@ -24,6 +24,7 @@ SLICE_BYTES = 16 * 1024  # weight bytes a partials program holds (the probe's be
 PAIR_BYTES = 32 * 1024  # gate + up bytes a SiLU program holds (all of K)
 ROW_BYTES = 2048  # the widest K slice of one row a partials program takes
 K_MAJOR_ROWS = 32  # output columns of a k-major program: 64-byte runs of each weight row
+MAX_PARTIALS = 64  # the most splits a GEMV leaves (the norm after sums them in one program)
 
 
 @triton.jit
@@ -36,6 +37,37 @@ def silu_and_mul_rounded(gate, up, dtype: tl.constexpr):
     return (silu * up).to(dtype)
 
 
+# Loads before the PDL wait, of what no kernel writes (weights, their scales, biases): the
+# kernels call only these before it (tests/kernels/test_pdl.py scans the kernels, not these).
+@triton.jit
+def _weight_slice(w_ptr, rows, ks, stride_w, K_MAJOR: tl.constexpr):
+    """W[rows, ks] as stored: [ks, rows] of a k-major [K, N] weight, else [rows, ks]."""
+    if K_MAJOR:
+        w = tl.load(w_ptr + ks.to(tl.int64)[:, None] * stride_w + rows[None, :])
+    else:
+        w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_w + ks[None, :])
+    return w
+
+
+@triton.jit
+def _pair_slices(w_ptr, cols, ks, K, inter, stride_w):
+    """(W[cols, ks], W[inter + cols, ks]) of a gate_up weight, zeros past K."""
+    ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :]
+    gate = tl.load(ptrs, mask=ks[None, :] < K, other=0.0)
+    up = tl.load(ptrs + inter * stride_w, mask=ks[None, :] < K, other=0.0)
+    return gate, up
+
+
+@triton.jit
+def _row_values(ptr, rows, PRESENT: tl.constexpr):
+    """float32 ptr[rows] (per-channel scales, a bias) when PRESENT, else zeros (never used)."""
+    if PRESENT:
+        values = tl.load(ptr + rows).to(tl.float32)
+    else:
+        values = tl.zeros(rows.shape, tl.float32)
+    return values
+
+
 @triton.jit
 def _gemv_partials_kernel(w_ptr, x_ptr, s_ptr, part_ptr, N, stride_w, BLOCK_N: tl.constexpr,
                           K_SPLIT: tl.constexpr, K_MAJOR: tl.constexpr, W_SCALE: tl.constexpr,
@@ -46,12 +78,8 @@ def _gemv_partials_kernel(w_ptr, x_ptr, s_ptr, part_ptr, N, stride_w, BLOCK_N: t
     pid_n, split = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = split * K_SPLIT + tl.arange(0, K_SPLIT)
-    if K_MAJOR:
-        w = tl.load(w_ptr + ks.to(tl.int64)[:, None] * stride_w + rows[None, :])
-    else:
-        w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_w + ks[None, :])
-    if W_SCALE:
-        scale = tl.load(s_ptr + rows)
+    w = _weight_slice(w_ptr, rows, ks, stride_w, K_MAJOR)
+    scale = _row_values(s_ptr, rows, W_SCALE)
     wait_then_release(USE_PDL)
     x = tl.load(x_ptr + ks).to(tl.float32)
     if K_MAJOR:
@@ -71,16 +99,11 @@ def _gate_up_silu_kernel(w_ptr, x_ptr, s_ptr, bias_ptr, out_ptr, K, inter, strid
     one program (gate rows W[:inter], up rows W[inter:]), rounded as the unfused path."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, K_P2)
-    k_ok = ks[None, :] < K
-    g_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :]
-    g = tl.load(g_ptrs, mask=k_ok, other=0.0)
-    u = tl.load(g_ptrs + inter * stride_w, mask=k_ok, other=0.0)
-    if W_SCALE:
-        g_scale = tl.load(s_ptr + cols)
-        u_scale = tl.load(s_ptr + inter + cols)
-    if HAS_BIAS:
-        g_bias = tl.load(bias_ptr + cols).to(tl.float32)
-        u_bias = tl.load(bias_ptr + inter + cols).to(tl.float32)
+    g, u = _pair_slices(w_ptr, cols, ks, K, inter, stride_w)
+    g_scale = _row_values(s_ptr, cols, W_SCALE)
+    u_scale = _row_values(s_ptr, inter + cols, W_SCALE)
+    g_bias = _row_values(bias_ptr, cols, HAS_BIAS)
+    u_bias = _row_values(bias_ptr, inter + cols, HAS_BIAS)
     wait_then_release(USE_PDL)
     x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)[None, :]
     gate = tl.sum(g.to(tl.float32) * x, 1)
@@ -105,26 +128,28 @@ def _partials_tiles(n: int, k: int, elem_bytes: int, k_major: bool) -> tuple[int
         while k % k_split and k_split > 16:
             k_split //= 2
         block_n = SLICE_BYTES // (k_split * elem_bytes)
-    if k % k_split or block_n > 64 or n % block_n:
+    if k % k_split or block_n > 64 or n % block_n or k // k_split > MAX_PARTIALS:
         return None
     return block_n, k_split
 
 
 def _pair_rows(inter: int, k: int, elem_bytes: int) -> int | None:
-    """Gate (and as many up) rows per SiLU program: PAIR_BYTES of all of K; None if they do not
-    divide inter."""
-    k_p2 = triton.next_power_of_2(k)
-    block_n = max(1, PAIR_BYTES // (2 * k_p2 * elem_bytes))
-    return block_n if inter % block_n == 0 else None
+    """Gate (and as many up) rows per SiLU program: PAIR_BYTES of all of K; None if one row pair
+    is wider than that, or the rows do not divide inter."""
+    block_n = PAIR_BYTES // (2 * triton.next_power_of_2(k) * elem_bytes)
+    return block_n if block_n >= 1 and inter % block_n == 0 else None
 
 
 def _weight_ok(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None,
                w_block) -> bool:
-    """One token of 16-bit activations; a weight of their dtype, or FP8 codes per channel."""
-    if x.shape[0] != 1 or x.dtype not in (torch.float16, torch.bfloat16) or x.stride(1) != 1:
+    """One token of 16-bit activations, K wide; a weight of their dtype, or FP8 codes with one
+    float32 scale per output channel ([N, 1])."""
+    if x.shape[0] != 1 or x.dtype not in (torch.float16, torch.bfloat16) or x.stride(1) != 1 \
+            or x.shape[1] != weight.shape[1]:
         return False
     if weight.dtype == FP8_DTYPE:
-        return w_block is None and w_scale is not None and w_scale.is_contiguous()
+        return w_block is None and w_scale is not None and w_scale.is_contiguous() \
+            and w_scale.dtype == torch.float32 and w_scale.shape == (weight.shape[0], 1)
     return weight.dtype == x.dtype and w_scale is None
 
 
