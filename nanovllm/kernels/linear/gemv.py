@@ -164,15 +164,14 @@ def runs_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | Non
     return _partials_tiles(n, k, weight.element_size(), k_major) is not None
 
 
-def gemv_partials(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None = None,
-                  tiles: tuple[int, int] | None = None) -> torch.Tensor:
+def gemv_partials(x: torch.Tensor, weight: torch.Tensor,
+                  w_scale: torch.Tensor | None = None) -> torch.Tensor:
     """float32 partials [S, 1, N] whose sum over S is x @ weight.T (split_k_linear's contract)
-    for one token; weight [N, K] as runs_gemv takes it, FP8 codes with per-channel w_scale;
-    tiles: (BLOCK_N, K_SPLIT) instead of _partials_tiles's (a probe's sweep)."""
+    for one token; weight [N, K] as runs_gemv takes it, FP8 codes with per-channel w_scale."""
     n, k = weight.shape
     k_major = not weight.is_contiguous()
     stored = weight.t() if k_major else weight
-    block_n, k_split = tiles or _partials_tiles(n, k, weight.element_size(), k_major)
+    block_n, k_split = _partials_tiles(n, k, weight.element_size(), k_major)
     part = torch.empty(k // k_split, 1, n, dtype=torch.float32, device=x.device)
     _gemv_partials_kernel[(n // block_n, k // k_split)](
         stored, x, weight if w_scale is None else w_scale, part, n, stored.stride(0),
