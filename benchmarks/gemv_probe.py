@@ -1,19 +1,26 @@
 """One-token decode projections: the GEMV (kernels.linear.gemv) against the MMA kernels it
 replaces there, per weight shape (H200).
 
-python -m benchmarks.gemv_probe [--layers 32]: for each shape a CUDA graph of `layers` launches
-over as many distinct weights (more bytes than L2 holds), replayed 20 times; µs per launch
-(median) beside the weight's bytes time, for split_k_linear's partials (o_proj, down_proj, an
-unfused qkv_proj) and gate_up_silu.
+python -m benchmarks.gemv_probe [--layers 32] [--tiny]: for each shape a CUDA graph of `layers`
+launches over as many distinct weights (more bytes than L2 holds), replayed 20 times; µs per
+launch (median) beside the weight's bytes time, for split_k_linear's partials (o_proj,
+down_proj, an unfused qkv_proj) and gate_up_silu; both paths' outputs must agree. --tiny: small
+float16 shapes on CPU, Triton interpreted, timed without graphs (a smoke run).
 """
 import argparse
+import os
 import statistics
+import sys
+import time
 from unittest import mock
 
 import torch
 
-from nanovllm.kernels.linear import fused, split_k
-from nanovllm.kernels.linear.fp8_reference import FP8_DTYPE
+if "--tiny" in sys.argv and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels import triton
+
+from nanovllm.kernels.linear import fused, split_k  # noqa: E402
+from nanovllm.kernels.linear.fp8_reference import FP8_DTYPE  # noqa: E402
 
 BANDWIDTH = 4.27e12  # bytes/s, the H200's measured copy bandwidth
 SHAPES = {  # name: (N, K, weight dtype, op); op "gate_up": N = 2 x intermediate
@@ -26,12 +33,22 @@ SHAPES = {  # name: (N, K, weight dtype, op); op "gate_up": N = 2 x intermediate
     "Llama-3.1-8B gate_up + SiLU, FP8": (28672, 4096, FP8_DTYPE, "gate_up"),
     "Llama-3.1-8B gate_up + SiLU, bf16": (28672, 4096, torch.bfloat16, "gate_up"),
 }
+TINY = {"o_proj, fp16": (64, 512, torch.float16, "partials"),
+        "qkv_proj, FP8": (128, 256, FP8_DTYPE, "partials"),
+        "gate_up + SiLU, fp16": (256, 128, torch.float16, "gate_up"),
+        "gate_up + SiLU, FP8": (256, 256, FP8_DTYPE, "gate_up")}
 
 
 def time_chain(launch, layers: int) -> float:
-    """µs per launch: median of 20 replays of a graph of `layers` launch(i) calls."""
+    """µs per launch: median of 20 replays of a graph of `layers` launch(i) calls (on CPU, of
+    the calls themselves)."""
     for i in range(layers):
         launch(i)
+    if not torch.cuda.is_available():
+        start = time.perf_counter()
+        for i in range(layers):
+            launch(i)
+        return (time.perf_counter() - start) * 1e6 / layers
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -48,19 +65,21 @@ def time_chain(launch, layers: int) -> float:
     return statistics.median(times)
 
 
-def _weights(n: int, k: int, dtype: torch.dtype, op: str, layers: int) -> list[torch.Tensor]:
+def _weights(n: int, k: int, dtype: torch.dtype, op: str, layers: int, device: str
+             ) -> list[torch.Tensor]:
     """`layers` random weights as the layers keep them: 16-bit o/down k-major."""
-    ws = [(torch.randn(n, k, device="cuda") * k ** -0.5).to(dtype) for _ in range(layers)]
+    ws = [(torch.randn(n, k, device=device) * k ** -0.5).to(dtype) for _ in range(layers)]
     if op == "partials" and dtype != FP8_DTYPE:
         ws = [w.t().contiguous().t() for w in ws]
     return ws
 
 
-def probe(n: int, k: int, dtype: torch.dtype, op: str, layers: int) -> tuple[float, float]:
-    """(MMA µs, GEMV µs) per launch at one token."""
-    ws = _weights(n, k, dtype, op, layers)
-    scale = torch.rand(n, 1, device="cuda") + 0.5 if dtype == FP8_DTYPE else None
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+def probe(n: int, k: int, dtype: torch.dtype, op: str, layers: int, act: torch.dtype,
+          device: str) -> tuple[float, float]:
+    """(MMA µs, GEMV µs) per launch at one token of dtype act."""
+    ws = _weights(n, k, dtype, op, layers, device)
+    scale = torch.rand(n, 1, device=device) + 0.5 if dtype == FP8_DTYPE else None
+    x = torch.randn(1, k, device=device, dtype=act)
     if op == "partials":
         def launch(i):
             return split_k.split_k_linear(x, ws[i], w_scale=scale)
@@ -82,13 +101,16 @@ def probe(n: int, k: int, dtype: torch.dtype, op: str, layers: int) -> tuple[flo
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--tiny", action="store_true", help="small float16 shapes, CPU (a smoke run)")
     args = p.parse_args()
+    shapes, layers = (TINY, 2) if args.tiny else (SHAPES, args.layers)
+    act = torch.float16 if args.tiny else torch.bfloat16  # the interpreter's TMA lacks bf16
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     print("| projection, one token | bytes time us | MMA us | GEMV us |\n|---|---|---|---|")
-    for name, (n, k, dtype, op) in SHAPES.items():
+    for name, (n, k, dtype, op) in shapes.items():
         floor = n * k * (1 if dtype == FP8_DTYPE else 2) / BANDWIDTH * 1e6
-        mma, gemv = probe(n, k, dtype, op, args.layers)
+        mma, gemv = probe(n, k, dtype, op, layers, act, device)
         print(f"| {name} | {floor:.2f} | {mma:.2f} | {gemv:.2f} |", flush=True)
-        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -124,6 +124,13 @@ def lora(tmp_path: Path) -> None:
 
 
 # File -> its smallest CPU case, run here.
+def gemv_probe(tmp_path: Path) -> None:
+    """Both one-token paths of each tiny shape, interpreted: they must agree (the probe
+    asserts it) and print a row each."""
+    proc = run(sys.executable, "-m", "benchmarks.gemv_probe", "--tiny", tmp_path=tmp_path)
+    ok(proc, "| o_proj, fp16 |", "| qkv_proj, FP8 |", "| gate_up + SiLU, FP8 |")
+
+
 def moe_sweep(tmp_path: Path) -> None:
     """The sweep's grid without a GPU (tests/kernels/test_fused_moe_config.py runs its table)."""
     proc = run(sys.executable, "-m", "benchmarks.moe_sweep", "--dry-run", "--quick",
@@ -132,7 +139,7 @@ def moe_sweep(tmp_path: Path) -> None:
 
 
 CASES = {"cold_compiles.py": cold_compiles, "floor.py": floor, "gpu_figures.sh": gpu_figures,
-         "lora.py": lora, "moe_sweep.py": moe_sweep, "plot.py": plot,
+         "gemv_probe.py": gemv_probe, "lora.py": lora, "moe_sweep.py": moe_sweep, "plot.py": plot,
          "profile_steps.py": profile_steps, "shapes.py": shapes, "soak.py": soak}
 SLOW = {"gpu_figures.sh", "profile_steps.py"}  # each takes ~20-30 s on CPU
 
