@@ -2,14 +2,13 @@
 replaces there, per weight shape (H200).
 
 python -m benchmarks.gemv_probe [--layers 32] [--tiny]: for each shape a CUDA graph of `layers`
-launches over as many distinct weights (more bytes than L2 holds), replayed 20 times; µs per
-launch (median) beside the weight's bytes time, for split_k_linear's partials (o_proj,
+launches over as many distinct weights (more bytes than L2 holds), replayed 20 times after 3;
+µs per launch (median) beside the weight's bytes time, for split_k_linear's partials (o_proj,
 down_proj, an unfused qkv_proj) and gate_up_silu; both paths' outputs must agree. --tiny: small
 float16 shapes on CPU, Triton interpreted, timed without graphs (a smoke run).
 """
 import argparse
 import os
-import statistics
 import sys
 import time
 from unittest import mock
@@ -19,6 +18,7 @@ import torch
 if "--tiny" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels import triton
 
+from benchmarks.moe_sweep import time_call  # noqa: E402
 from nanovllm.kernels.linear import fused, split_k  # noqa: E402
 from nanovllm.kernels.linear.fp8_reference import FP8_DTYPE  # noqa: E402
 
@@ -40,29 +40,18 @@ TINY = {"o_proj, fp16": (64, 512, torch.float16, "partials"),
 
 
 def time_chain(launch, layers: int) -> float:
-    """µs per launch: median of 20 replays of a graph of `layers` launch(i) calls (on CPU, of
-    the calls themselves)."""
+    """µs per launch: moe_sweep.time_call's median graph replay of `layers` launch(i) calls
+    (on CPU, the calls themselves, timed once)."""
+    if torch.cuda.is_available():
+        flush = torch.empty(1, device="cuda")  # the weights, not a flush, outgrow L2 here
+        return time_call(torch, lambda: [launch(i) for i in range(layers)][-1], flush)[0] \
+            / layers
     for i in range(layers):
         launch(i)
-    if not torch.cuda.is_available():
-        start = time.perf_counter()
-        for i in range(layers):
-            launch(i)
-        return (time.perf_counter() - start) * 1e6 / layers
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(layers):
-            launch(i)
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / layers)
-    return statistics.median(times)
+    start = time.perf_counter()
+    for i in range(layers):
+        launch(i)
+    return (time.perf_counter() - start) * 1e6 / layers
 
 
 def _weights(n: int, k: int, dtype: torch.dtype, op: str, layers: int, device: str

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.attention.kv_quant import FP8_DTYPE
+from nanovllm.kernels.linear.fused_fp8 import fits_weight
 from nanovllm.kernels.pdl import launch_options, wait_then_release
 
 SLICE_BYTES = 16 * 1024  # weight bytes a partials program holds (the probe's best, 16-32 KB)
@@ -142,15 +143,15 @@ def _pair_rows(inter: int, k: int, elem_bytes: int) -> int | None:
 
 def _weight_ok(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None,
                w_block) -> bool:
-    """One token of 16-bit activations, K wide; a weight of their dtype, or FP8 codes with one
-    float32 scale per output channel ([N, 1])."""
-    if x.shape[0] != 1 or x.dtype not in (torch.float16, torch.bfloat16) or x.stride(1) != 1 \
-            or x.shape[1] != weight.shape[1]:
+    """One token of 16-bit activations, K wide, and a weight fits_weight takes without block
+    scales: FP8 codes come with one float32 scale per output channel ([N, 1])."""
+    if x.shape != (1, weight.shape[1]) or x.stride(1) != 1 or w_block is not None \
+            or not fits_weight(x.dtype, weight.dtype, None):
         return False
-    if weight.dtype == FP8_DTYPE:
-        return w_block is None and w_scale is not None and w_scale.is_contiguous() \
-            and w_scale.dtype == torch.float32 and w_scale.shape == (weight.shape[0], 1)
-    return weight.dtype == x.dtype and w_scale is None
+    if weight.dtype != FP8_DTYPE:
+        return w_scale is None
+    return w_scale is not None and w_scale.is_contiguous() \
+        and w_scale.dtype == torch.float32 and w_scale.shape == (weight.shape[0], 1)
 
 
 def runs_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None = None,
