@@ -1,15 +1,14 @@
 """Decode projections that carry the kernel after them: qkv_proj with q/k norm + RoPE + the K/V
-cache write in its epilogue, gate_up_proj with SiLU-and-mul in its. A decode layer then runs
-seven launches instead of nine (gate_up_proj's only up to 64 tokens: layers.backends). o_proj
-and down_proj run split over K (kernels.linear.split_k), with the same tiles and helpers.
+cache write in its epilogue, gate_up_proj with SiLU-and-mul in its; o_proj and down_proj run
+split over K (kernels.linear.split_k) with the same tiles and helpers. Which decode steps run
+them start-up measures per shape (layers.fused_calibration); a lone token's gate_up_proj runs
+kernels.linear.gemv.
 
 The GEMMs are swap-AB and TMA-fed: a batch of at most a few hundred tokens is too narrow for
 the MMA's 64-row side, so the weight's rows take it (out^T = W @ x^T) and the tokens the narrow
 side; weight and token tiles arrive by TMA through a multi-stage pipeline. Each program owns
 one head (two 64-row halves, the pair neox RoPE rotates together) or 64 gate rows with their
-64 up rows, for BLOCK_T tokens. On the H200 the fused qkv_proj beats cuBLAS + the q/k kernel at
-every decode size up to 256 (by 0.4-0.9 us), the fused gate_up_proj beats cuBLAS + SiLU-and-mul
-up to 64 (by 0.4-0.9 us) and loses from 96 (docs/benchmarks.md).
+64 up rows, for BLOCK_T tokens (their gains against cuBLAS: docs/benchmarks.md).
 
 FP8 weights run as W8A16, a constexpr branch (W_SCALE; kernels.linear.fused_fp8 says how, and
 why). LoRA slots add their delta in the epilogue (kernels.linear.lora says where the shrink is
