@@ -9,8 +9,29 @@ if not torch.cuda.is_available():
     # transformers versions import it with their models, and triton 3.6 reads the flag then.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from benchmarks.random_checkpoints import build_checkpoint
-from nanovllm.utils.context import reset_context
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
+
+from benchmarks.random_checkpoints import build_checkpoint  # noqa: E402
+from nanovllm.utils.context import reset_context  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _interpreted_bf16_dots(monkeypatch) -> None:
+    """The Triton 3.8 interpreter's tl.dot multiplies bf16 operands' bit patterns (numpy holds
+    bf16 as uint16): under the interpreter they are widened to float32 first, exactly."""
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    dot = getattr(builder, "create_dot", None)
+    if not triton.knobs.runtime.interpret or dot is None or not hasattr(builder, "cast_impl"):
+        return
+
+    def create_dot(self, a, b, *args):
+        a, b = (self.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x
+                for x in (a, b))
+        return dot(self, a, b, *args)
+    monkeypatch.setattr(builder, "create_dot", create_dot)
+
 
 # name -> shape overrides of TINY_SHAPE; together they cover tied/untied embeddings,
 # GQA ratios 1, 2 and 4, and head_dim 16..64.

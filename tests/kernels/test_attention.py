@@ -28,7 +28,7 @@ from nanovllm.kernels.attention.reference import (  # noqa: E402
 from nanovllm.kernels.attention.store_kvcache import store_kvcache  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+DTYPES = [torch.float32, torch.bfloat16]
 # (block_size, head_dim, group): the full grid on CUDA; under the (slow) interpreter a covering
 # subset in which every block_size, head_dim and GQA ratio appears.
 PAGED_CASES = (
