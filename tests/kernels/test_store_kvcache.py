@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 from nanovllm.kernels.attention.store_kvcache import store_kvcache, store_kvcache_torch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+DTYPES = [torch.float32, torch.bfloat16]
 
 
 def _qkv_views(
