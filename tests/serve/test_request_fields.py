@@ -11,6 +11,7 @@ from nanovllm.serve.openai.protocol import (
     StreamOptions,
     TextPart,
 )
+from nanovllm.serve.openai.tool_calls import FunctionDefinition, Tool
 from nanovllm.serve.openai.validation import REFUSED
 from tests.serve.test_server_fields import app, chat, completion, events  # noqa: F401
 
@@ -54,6 +55,17 @@ WORKS = {
     "structured_outputs": "test_server_structured::test_structured_outputs_field",
     "tools": "test_tool_calls::test_required_tool_call_arguments_follow_the_schema",
     "tool_choice": "test_tool_calls::test_named_tool_choice_calls_that_tool",
+    "tools.type": "test_tool_calls::test_required_tool_call_arguments_follow_the_schema",
+    "tools.function": "test_tool_calls::test_required_tool_call_arguments_follow_the_schema",
+    "tools.function.name": "test_tool_calls::test_named_tool_choice_calls_that_tool",
+    "tools.function.description": "test_tool_calls::test_tools_reach_the_chat_template",
+    "tools.function.parameters":
+        "test_tool_calls::test_required_tool_call_arguments_follow_the_schema",
+    # enforced where a grammar makes the call; with "auto" a 400 (test_bad_tools_are_400s...)
+    "tools.function.strict":
+        "test_tool_calls::test_strict_tools_are_served_where_nothing_or_the_grammar_calls",
+    "parallel_tool_calls":
+        "test_tool_calls::test_required_without_parallel_tool_calls_makes_one_call",
     "messages.name": "test_request_fields::test_tool_fields_of_messages_reach_the_template",
     "messages.tool_calls": "test_request_fields::test_tool_fields_of_messages_reach_the_template",
     "messages.tool_call_id":
@@ -64,7 +76,8 @@ WORKS = {
 # field -> a value it refuses with a 400 naming it
 REFUSED_VALUES = {"suffix": "!", "best_of": 2, "use_beam_search": True,
                   "include_stop_str_in_output": True}
-NESTED = {"messages": ChatMessage, "messages.content": TextPart, "stream_options": StreamOptions}
+NESTED = {"messages": ChatMessage, "messages.content": TextPart, "stream_options": StreamOptions,
+          "tools": Tool, "tools.function": FunctionDefinition}
 
 
 def field_names(model, prefix: str = "") -> set[str]:
@@ -259,14 +272,21 @@ def test_plain_text_response_format_is_served(app):  # noqa: F811
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 def test_unknown_fields_are_ignored_and_named_in_the_log(app, route, caplog):  # noqa: F811
-    """As vLLM: a request with fields no field reads is served, and the log names them (a
-    misspelt `temprature` would otherwise change nothing without a word)."""
+    """As vLLM: a request with fields no field reads is served, and the log names them, nested
+    ones by their path (a misspelt `temprature` or `paramters` would otherwise change nothing
+    without a word)."""
     client, _ = app
-    body = (chat if "chat" in route else completion)(temprature=0.5, user="me")
+    fields = dict(temprature=0.5, user="me", response_format={"type": "text", "strict": True})
+    ignored = ["response_format.strict", "temprature", "user"]
+    if "chat" in route:
+        tool = {"type": "function", "function": {"name": "f", "paramters": {}}}
+        fields.update(messages=[{"role": "user", "content": "hi", "nmae": "x"}], tools=[tool])
+        ignored = sorted([*ignored, "messages.0.nmae", "tools.0.function.paramters"])
+    body = (chat if "chat" in route else completion)(**fields)
     with caplog.at_level(logging.WARNING, logger="nanovllm.serve.openai.serving"):
         response = client.post(route, json=body)
     assert response.status_code == 200, response.text
-    assert "present in the request but ignored: ['temprature', 'user']" in caplog.text
+    assert f"present in the request but ignored: {ignored}" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="nanovllm.serve.openai.serving"):
         assert client.post(route, json=(chat if "chat" in route else completion)()).is_success

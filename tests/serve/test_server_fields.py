@@ -83,6 +83,19 @@ def test_nested_fields_are_strict_and_named(app):
                "messages.0.content.0.text")
 
 
+@pytest.mark.parametrize("route, fields, param", [
+    ("/v1/chat/completions", dict(max_completion_tokens=0), "max_completion_tokens"),
+    ("/v1/chat/completions", dict(max_tokens=0), "max_tokens"),
+    ("/v1/completions", dict(max_tokens=-1), "max_tokens"),
+    ("/v1/completions", dict(n=2, best_of=1), "best_of"),  # OpenAI's and vLLM's: best_of >= n
+])
+def test_a_bad_value_names_the_field_sent(app, route, fields, param):
+    client, _ = app
+    body = (chat if "chat" in route else completion)(**fields)
+    value = assert_400(client.post(route, json=body), param)["message"]
+    assert value.startswith(f"{param}={fields[param]}"), value
+
+
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 def test_stream_options_without_stream_is_a_400(app, route):
     client, _ = app

@@ -1,5 +1,7 @@
 """LoRA over HTTP: --lora-modules, the request's `model` picks the adapter, /v1/models lists
 adapters with their parent, vLLM's load/unload routes (FastAPI's TestClient, in-thread engine)."""
+import logging
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -75,6 +77,15 @@ def test_load_and_unload_at_run_time(client, adapters, expected, tmp_path):  # n
     assert client.post("/v1/unload_lora_adapter", json={"lora_name": "mlp_r4"}).status_code == 200
     assert complete(client, "mlp_r4")[0] == 404
     assert client.post("/v1/unload_lora_adapter", json={"lora_name": "mlp_r4"}).status_code == 404
+
+
+def test_unknown_fields_of_the_adapter_routes_are_named_in_the_log(client, caplog):
+    """As on the generation routes: a field the route does not read is named in the log."""
+    with caplog.at_level(logging.WARNING, logger="nanovllm.serve.openai.serving"):
+        response = client.post("/v1/unload_lora_adapter",
+                               json={"lora_name": "nope", "lora_path": "/x"})
+    assert response.status_code == 404
+    assert "present in the request but ignored: ['lora_path']" in caplog.text
 
 
 def test_lora_options_parse():

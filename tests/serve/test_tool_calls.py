@@ -7,7 +7,7 @@ import pytest
 
 from nanovllm.serve.openai.protocol import ChatCompletionRequest
 from nanovllm.serve.openai.serving import chat_prompt
-from nanovllm.serve.openai.tool_calls import parse_hermes
+from nanovllm.serve.openai.tool_calls import output_parser, parse_hermes
 from tests.serve.test_server_structured import chat, sapp  # noqa: F401
 
 WEATHER = {"type": "object", "properties": {
@@ -48,6 +48,16 @@ def test_hermes_several_calls_an_unclosed_one_and_a_bad_one():
     assert len({c["id"] for c in calls}) == 2
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    text = ('<tool_call>{"name": "a", "arguments": {}}</tool_call> and '
+            '<tool_call>{"name": "b", "arguments": {}}</tool_call>')
+    assert len(output_parser("auto")(text)[1]) == 2
+    content, calls = output_parser("auto", parallel=False)(text)
+    assert [c["function"]["name"] for c in calls] == ["a"] and content == "and"
+    required = '[{"name": "a", "parameters": {}}, {"name": "b", "parameters": {}}]'
+    assert len(output_parser("required", parallel=False)(required)[1]) == 1
+
+
 def assert_tool_calls(response, names: set[str]) -> list[dict]:
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]
@@ -67,6 +77,26 @@ def test_required_tool_call_arguments_follow_the_schema(sapp, seed):  # noqa: F8
     response = sapp.post("/v1/chat/completions", json=chat(
         tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed, max_tokens=200))
     assert_tool_calls(response, {"weather", "clock"})
+
+
+def test_required_without_parallel_tool_calls_makes_one_call(sapp):  # noqa: F811
+    """parallel_tool_calls=false: the grammar's list holds one call (the random model, left
+    free, calls several)."""
+    body = chat(tools=TOOLS, tool_choice="required", temperature=2.0, seed=0, max_tokens=400,
+                n=8)
+    free = sapp.post("/v1/chat/completions", json=body).json()["choices"]
+    assert max(len(c["message"]["tool_calls"]) for c in free) > 1
+    one = sapp.post("/v1/chat/completions", json={**body, "parallel_tool_calls": False})
+    assert one.status_code == 200, one.text
+    assert all(len(c["message"]["tool_calls"]) == 1 for c in one.json()["choices"])
+
+
+@pytest.mark.parametrize("choice", ["none", "required", {"type": "function",
+                                                         "function": {"name": "clock"}}])
+def test_strict_tools_are_served_where_nothing_or_the_grammar_calls(sapp, choice):  # noqa: F811
+    strict = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
+    response = sapp.post("/v1/chat/completions", json=chat(tools=strict, tool_choice=choice))
+    assert response.status_code == 200, response.text
 
 
 def test_named_tool_choice_calls_that_tool(sapp):  # noqa: F811
@@ -95,6 +125,11 @@ def test_none_and_auto_leave_the_output_free(sapp, choice):  # noqa: F811
     (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}),
      "tool_choice"),
     (dict(tools=TOOLS, tool_choice="required", stream=True), "tools"),
+    # "auto"'s calls are free text: strict cannot hold (the default choice with tools)
+    (dict(tools=[TOOLS[0], {"type": "function", "function": {"name": "f", "strict": True}}]),
+     "tools.1.function.strict"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "strict": True}}],
+          tool_choice="auto"), "tools.0.function.strict"),
     (dict(tools=[{"type": "function", "function": {
         "name": "f", "parameters": {"type": "nosuchtype"}}}], tool_choice="required"),
      "tool_choice"),

@@ -1,6 +1,6 @@
 """The adapters a server serves, by name: --lora-modules at start, vLLM's load_lora_adapter and
 unload_lora_adapter routes at run time. A request's `model` names the base model or one of them."""
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from nanovllm.lora.request import LoRARequest
 from nanovllm.serve.async_llm import AsyncLLM
@@ -8,11 +8,15 @@ from nanovllm.serve.openai.errors import APIError
 
 
 class LoadLoRAAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # unknown fields are named in the log
+
     lora_name: str
     lora_path: str
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
     lora_name: str
 
 

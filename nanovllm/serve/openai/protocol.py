@@ -4,13 +4,20 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
-from nanovllm.serve.openai.structured import requested_structure
-from nanovllm.serve.openai.tool_calls import Tool, ToolChoice, resolve_tool_choice, tool_schema
+from nanovllm.serve.openai.structured import requested_structure, response_format_unknown
+from nanovllm.serve.openai.tool_calls import (
+    Tool,
+    ToolChoice,
+    resolve_tool_choice,
+    template_tool,
+    tool_schema,
+)
 from nanovllm.serve.openai.validation import (
     FieldError,
     check_range,
     check_streaming,
     refuse_unsupported,
+    unknown_fields,
 )
 
 MAX_N = 128  # completions per request: each is a sequence in the batch
@@ -19,9 +26,9 @@ MAX_PROMPTS = 1024  # prompts in one completions request
 
 
 # Strict: no bool for a number, no string for an int (a float field still takes an int).
-STRICT = ConfigDict(extra="ignore", strict=True)
-# A request body keeps the fields no field reads, so that the server can name them (as vLLM).
-REQUEST = ConfigDict(extra="allow", strict=True)
+# A body, and each object in it, keeps the keys no field reads, so that the server can name
+# them (as vLLM).
+STRICT = ConfigDict(extra="allow", strict=True)
 
 
 def _null_is_default(data: object, fields: dict) -> object:
@@ -43,7 +50,7 @@ class _SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions; unknown fields are ignored
     (and logged: ignored_fields)."""
 
-    model_config = REQUEST
+    model_config = STRICT
 
     model: str | None = None
     max_tokens: int | None = None
@@ -85,6 +92,10 @@ class _SamplingRequest(BaseModel):
         refuse_unsupported(self)
         check_streaming(self)
         check_range("n", self.n, 1, MAX_N)
+        limit = self.requested_max_tokens
+        if limit is not None and limit < 1:  # named as sent: max_completion_tokens on chat
+            raise FieldError(self.max_tokens_field, f"{self.max_tokens_field}={limit} is "
+                                                    f"invalid: expected an int >= 1")
         if self.prompt_logprobs is not None:
             check_range("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         fields = dict(max_tokens=self.requested_max_tokens, temperature=self.temperature,
@@ -128,8 +139,8 @@ class _SamplingRequest(BaseModel):
 
     @property
     def ignored_fields(self) -> list[str]:
-        """The body's fields that no field of the request reads."""
-        return sorted(self.model_extra or ())
+        """The body's fields that nothing reads, nested ones as paths ("messages.0.x")."""
+        return sorted(unknown_fields(self) + response_format_unknown(self.response_format))
 
     @property
     def include_usage(self) -> bool:
@@ -160,6 +171,8 @@ class CompletionRequest(_SamplingRequest):
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """As for any request; with echo, logprobs cover the prompt too (prompt_logprobs, as
         vLLM: an explicit prompt_logprobs wins)."""
+        if self.best_of is not None and self.best_of < self.n:  # OpenAI's and vLLM's 400
+            raise FieldError("best_of", f"best_of={self.best_of} must be >= n={self.n}")
         params = super().sampling_params(default_max_tokens)
         if self.echo and params.logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = params.logprobs
@@ -211,6 +224,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None  # and the top k's, with logprobs=true
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # "auto" with tools, "none" without (tool_calls.py)
+    parallel_tool_calls: bool = True  # false: at most one call (vLLM keeps the first)
     # vLLM's: the chat template's generation prompt and its own keyword arguments
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None
@@ -244,7 +258,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def structure(self) -> tuple[StructuredOutputsParams | None, str | None]:
         """A forced tool call's JSON (field tool_choice), else as for any request."""
-        schema = tool_schema(self.tools, self.effective_tool_choice())
+        schema = tool_schema(self.tools, self.effective_tool_choice(), self.parallel_tool_calls)
         if schema is None:
             return super().structure()
         if super().structure()[0] is not None:
@@ -254,7 +268,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def template_tools(self) -> list[dict] | None:
         """The tools as the chat template reads them (vLLM passes them even for "none")."""
-        return None if not self.tools else [t.model_dump(exclude_none=True) for t in self.tools]
+        return None if not self.tools else [template_tool(t) for t in self.tools]
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None:

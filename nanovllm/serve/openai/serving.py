@@ -30,7 +30,7 @@ from nanovllm.serve.openai.protocol import (
 from nanovllm.serve.openai.responses import Choice, ChoiceOutput, ResponseFormat
 from nanovllm.serve.openai.structured import check_compiles
 from nanovllm.serve.openai.tool_calls import output_parser
-from nanovllm.serve.openai.validation import check_context
+from nanovllm.serve.openai.validation import check_context, unknown_fields
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ class OpenAIServing:
 
     async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> Response:
         """vLLM's POST /v1/load_lora_adapter: the adapter is checked, then served by its name."""
+        warn_ignored(unknown_fields(body))
         try:
             self.loras.load(body.lora_name, body.lora_path)
         except (ValueError, FileNotFoundError) as e:
@@ -82,6 +83,7 @@ class OpenAIServing:
         return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> Response:
+        warn_ignored(unknown_fields(body))
         self.loras.unload(body.lora_name)
         return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
@@ -89,7 +91,7 @@ class OpenAIServing:
         return Response(self.metrics.render(self.llm.stats), media_type=CONTENT_TYPE_LATEST)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        warn_ignored(body)
+        warn_ignored(body.ignored_fields)
         lora = self.loras.resolve(body.model)
         try:
             prompts = body.prompts()
@@ -100,7 +102,7 @@ class OpenAIServing:
         return await self._serve(request, body, prompts, params, chat=False, lora=lora)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
-        warn_ignored(body)
+        warn_ignored(body.ignored_fields)
         lora = self.loras.resolve(body.model)
         try:
             prompt = chat_prompt(self.llm, body)
@@ -133,7 +135,8 @@ class OpenAIServing:
         if getattr(body, "echo", False):  # completions: the prompt leads the text (and logprobs)
             echo = [(p if isinstance(p, str) else tokenizer.decode(ids), ids)
                     for p, ids in zip(prompts, token_ids)]
-        tools = output_parser(body.effective_tool_choice()) if chat else None
+        tools = (output_parser(body.effective_tool_choice(), body.parallel_tool_calls) if chat
+                 else None)
         fmt = ResponseFormat(self.model_name, chat, params.n, logprobs, echo, len(prompts),
                              body.prompt_logprobs, body.continuous_usage, tools)
         # The later completions of a prompt hit its full blocks in the engine's prefix cache.
@@ -182,12 +185,12 @@ def chat_prompt(llm: AsyncLLM, body: ChatCompletionRequest) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def warn_ignored(body: _SamplingRequest) -> None:
+def warn_ignored(fields: list[str]) -> None:
     """Name the fields a request carried that the server does not read (vLLM's warning): a
     misspelt field would otherwise change nothing without a word."""
-    if body.ignored_fields:
+    if fields:
         logger.warning("The following fields were present in the request but ignored: %s",
-                       body.ignored_fields)
+                       fields)
 
 
 async def collect(first: ChoiceOutput, outputs: AsyncIterator[ChoiceOutput],

@@ -3,6 +3,7 @@ from nanovllm.sampling_params import StructuredOutputsParams
 from nanovllm.serve.openai.validation import FieldError
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")  # OpenAI's json_schema object
 # vLLM's StructuredOutputsParams fields a request may set
 STRUCTURED_FIELDS = ("json", "regex", "choice", "grammar", "json_object",
                      "disable_any_whitespace")
@@ -30,6 +31,19 @@ def response_format_params(value: dict | None) -> StructuredOutputsParams | None
         raise FieldError("response_format", "response_format.json_schema: `schema` must be an "
                                             "object and `strict` a bool")
     return StructuredOutputsParams(json=schema)
+
+
+def response_format_unknown(value: dict | None) -> list[str]:
+    """The keys of response_format that nothing reads, as dotted paths, for the server's log
+    (as vLLM names them)."""
+    if not isinstance(value, dict):
+        return []
+    found = [f"response_format.{key}" for key in value if key not in ("type", "json_schema")]
+    spec = value.get("json_schema")
+    if isinstance(spec, dict):
+        found += [f"response_format.json_schema.{key}" for key in spec
+                  if key not in JSON_SCHEMA_KEYS]
+    return found
 
 
 def structured_outputs_params(value: dict | None) -> StructuredOutputsParams | None:

@@ -5,6 +5,8 @@ back from the output (a forced call's JSON, or Hermes `<tool_call>` blocks for "
     "auto"      free text; each valid <tool_call>{"name", "arguments"}</tool_call> is a call
     "required"  JSON: [{"name": one of the tools, "parameters": its schema}, ...] (vLLM's shape)
     named       JSON: the named function's arguments
+
+parallel_tool_calls=false keeps one call: "required"'s list holds one, "auto" keeps the first.
 """
 import json
 import re
@@ -17,7 +19,8 @@ from pydantic import BaseModel, ConfigDict
 
 from nanovllm.serve.openai.validation import FieldError
 
-STRICT = ConfigDict(extra="ignore", strict=True)
+# Unknown keys are kept, so that the server can name them (validation.unknown_fields).
+STRICT = ConfigDict(extra="allow", strict=True)
 TOOL_CHOICES = ("none", "auto", "required")
 # vLLM's hermes parser: a closed block, or one the output ended inside
 HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
@@ -30,7 +33,8 @@ class FunctionDefinition(BaseModel):
     name: str
     description: str | None = None
     parameters: dict | None = None  # a JSON schema of the arguments
-    strict: bool | None = None  # accepted: a forced call always conforms
+    # a forced call conforms anyway; true with "auto" is refused (nothing makes free text conform)
+    strict: bool | None = None
 
 
 class Tool(BaseModel):
@@ -58,19 +62,28 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 def resolve_tool_choice(tools: list[Tool] | None, choice: ToolChoice | None) -> ToolChoice:
     """The choice in force ("auto" with tools, "none" without: OpenAI's defaults); a choice
-    that needs tools, or names one not among them, is a FieldError."""
+    that needs tools, or names one not among them, is a FieldError, as is a strict tool under
+    "auto" (its calls are free text, which nothing makes follow the schema)."""
     if choice is None:
-        return "auto" if tools else "none"
-    if choice != "none" and not tools:
+        choice = "auto" if tools else "none"
+    elif choice != "none" and not tools:
         raise FieldError("tool_choice", f"tool_choice={_describe(choice)} needs `tools`")
     if isinstance(choice, NamedToolChoice) and _function(tools, choice.function.name) is None:
         raise FieldError("tool_choice", f"tool_choice names {choice.function.name!r}, which is "
                                         f"not among the tools")
+    strict = next((i for i, t in enumerate(tools or ()) if t.function.strict), None)
+    if choice == "auto" and strict is not None:
+        raise FieldError(f"tools.{strict}.function.strict", (
+            f"tools.{strict}.function.strict=true is enforced only with tool_choice "
+            f"\"required\" or a named function; with \"auto\" the calls are free text: set "
+            f"strict to false or force the call"))
     return choice
 
 
-def tool_schema(tools: list[Tool] | None, choice: ToolChoice) -> dict | None:
-    """The JSON schema a forced call's output follows, None when the output is free."""
+def tool_schema(tools: list[Tool] | None, choice: ToolChoice,
+                parallel: bool = True) -> dict | None:
+    """The JSON schema a forced call's output follows, None when the output is free; not
+    `parallel`, "required"'s list holds one call."""
     if isinstance(choice, NamedToolChoice):
         return _arguments_schema(_function(tools, choice.function.name))
     if choice != "required":
@@ -79,14 +92,31 @@ def tool_schema(tools: list[Tool] | None, choice: ToolChoice) -> dict | None:
         "name": {"enum": [tool.function.name]},
         "parameters": _arguments_schema(tool.function)},
         "required": ["name", "parameters"], "additionalProperties": False} for tool in tools]
-    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    return schema if parallel else {**schema, "maxItems": 1}
 
 
-def output_parser(choice: ToolChoice) -> Callable[[str], tuple[str | None, list[dict]]] | None:
-    """text -> (content, tool_calls) for the choice in force, None when there are no tools."""
+def output_parser(choice: ToolChoice, parallel: bool = True
+                  ) -> Callable[[str], tuple[str | None, list[dict]]] | None:
+    """text -> (content, tool_calls) for the choice in force, None when there are no tools;
+    not `parallel`, the first call alone (vLLM's parallel_tool_calls=false)."""
     if isinstance(choice, NamedToolChoice):
         return partial(parse_named, choice.function.name)
-    return {"auto": parse_hermes, "required": parse_required}.get(choice)
+    parse = {"auto": parse_hermes, "required": parse_required}.get(choice)
+    return parse if parse is None or parallel else partial(_first_call, parse)
+
+
+def _first_call(parse: Callable[[str], tuple[str | None, list[dict]]],
+                text: str) -> tuple[str | None, list[dict]]:
+    content, calls = parse(text)
+    return content, calls[:1]
+
+
+def template_tool(tool: Tool) -> dict:
+    """A tool as the chat template reads it: its declared fields, not the unknown ones."""
+    function = tool.function.model_dump(include=set(FunctionDefinition.model_fields),
+                                        exclude_none=True)
+    return {"type": tool.type, "function": function}
 
 
 def parse_named(name: str, text: str) -> tuple[str | None, list[dict]]:

@@ -1,5 +1,5 @@
 """Checks of a request that pydantic's types cannot say: unsupported fields, fields that need
-(or refuse) streaming, and the context length."""
+(or refuse) streaming, the context length; and the fields nothing reads, for the log."""
 from pydantic import BaseModel
 
 # Fields that would change the output but are not supported, with the values that change
@@ -14,6 +14,19 @@ class FieldError(ValueError):
     def __init__(self, param: str | None, message: str):
         super().__init__(message)
         self.param = param
+
+
+def unknown_fields(value: object, path: str = "") -> list[str]:
+    """The keys nothing reads in `value` (a model with extra="allow") and the models inside it,
+    as dotted paths ("messages.0.x")."""
+    if isinstance(value, BaseModel):
+        found = [path + name for name in value.model_extra or ()]
+        for name in type(value).model_fields:
+            found += unknown_fields(getattr(value, name), f"{path}{name}.")
+        return found
+    if isinstance(value, list):
+        return [key for i, item in enumerate(value) for key in unknown_fields(item, f"{path}{i}.")]
+    return []
 
 
 def check_range(name: str, value: int, low: int, high: int) -> None:
