@@ -63,8 +63,11 @@ class Config:
                              "not supported: LoRA runs over bf16/fp16/fp32 weights")
         # Longer prompts than max_num_batched_tokens are prefilled in chunks over several steps.
         limit = self.hf_config.max_position_embeddings
-        self.max_model_len = limit if self.max_model_len is None else min(self.max_model_len,
-                                                                          limit)
+        if self.max_model_len is not None and self.max_model_len > limit:
+            # refused, as vLLM refuses it: positions past the checkpoint's were never trained
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds this checkpoint's "
+                             f"max_position_embeddings={limit}: choose at most {limit}")
+        self.max_model_len = limit if self.max_model_len is None else self.max_model_len
         self.device = resolve_device(self.device)
         check_fp8_device(self.device, self.quant_config)
         check_tensor_parallel(self.tensor_parallel_size, self.device, self.hf_config)

@@ -122,10 +122,13 @@ def test_dummy_weights_need_no_safetensors(tiny_model, tmp_path):
 
 def test_any_token_budget_with_any_max_model_len(tiny_model):
     """A budget below max_model_len is valid (long prompts are prefilled in chunks); the
-    default max_model_len is the checkpoint's limit, and a larger one is clipped to it."""
+    default max_model_len is the checkpoint's limit, and a larger one is refused (as vLLM)."""
     config = Config(tiny_model, max_num_batched_tokens=1, max_num_seqs=512)
     assert (config.max_num_batched_tokens, config.max_model_len) == (1, 4096)
-    assert Config(tiny_model, max_model_len=10**6).max_model_len == 4096
+    with pytest.raises(ValueError, match=r"max_model_len=4097 exceeds this checkpoint's "
+                                         r"max_position_embeddings=4096"):
+        Config(tiny_model, max_model_len=4097)
+    assert Config(tiny_model, max_model_len=4096).max_model_len == 4096
     assert Config(tiny_model, max_model_len=300).max_model_len == 300
 
 
