@@ -30,7 +30,7 @@ from benchmarks import (
     cli,  # noqa: E402
     workloads,  # noqa: E402
 )
-from benchmarks.runs import measure  # noqa: E402
+from benchmarks.runs import engine_kwargs, measure  # noqa: E402
 
 
 def _variants(cache: str) -> set[str]:
@@ -85,17 +85,16 @@ def main() -> None:
     cache = os.environ["TRITON_CACHE_DIR"]
     if _variants(cache):
         raise SystemExit(f"TRITON_CACHE_DIR={cache} is not empty: give an empty directory")
-    sys.argv = ["bench.py", "--random-weights", *rest]
+    sys.argv = ["bench.py", *rest]
     args = cli.parse_args()
+    args.random_weights = not (args.tiny or args.shape)  # a random 0.6B when no checkpoint
     path = cli.resolve_model(args)
     from nanovllm import LLM
-    size = workloads.sizes("throughput", args.tiny)
+    size = cli.standard_size(args)
     prompts, params = workloads.standard(**size, max_id=workloads.max_token_id(path),
                                          seed=args.seed)
     t0 = perf_counter()
-    llm = LLM(path, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
-              kvcache_block_size=args.block_size, attention_backend=args.attention_backend,
-              load_format=args.load_format, kv_cache_dtype=args.kv_cache_dtype)
+    llm = LLM(path, **engine_kwargs(args))
     startup_s = perf_counter() - t0
     parts = ", ".join(f"{k} {v:.1f} s" for k, v in llm.model_runner.startup_s.items())
     print(f"LLM() on an empty Triton cache: {startup_s:.1f} s ({parts}); "

@@ -10,12 +10,13 @@ from time import perf_counter
 import torch
 
 from benchmarks import workloads
+from benchmarks.cli import standard_size
 from benchmarks.runs import GiB, engine_env, open_engine, sync
 
 
 def rl(args: argparse.Namespace, path: str) -> dict:
     """The standard workload plain, with logprobs=5 and with n=4; then a sleep/wake cycle."""
-    size = workloads.sizes("throughput", args.tiny)
+    size = standard_size(args)
     prompts, params = workloads.standard(**size, max_id=workloads.max_token_id(path),
                                          seed=args.seed)
     variants = {"plain": params, "logprobs=5": [replace(p, logprobs=5) for p in params],

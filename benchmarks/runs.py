@@ -36,16 +36,8 @@ def open_engine(path: str, args: argparse.Namespace, **overrides) -> Iterator[tu
     baseline and variant one after the other; shutdown frees the KV pool and the graphs.
     """
     from nanovllm import LLM, SamplingParams
-    kwargs = dict(enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
-                  tensor_parallel_size=args.tensor_parallel_size,
-                  kvcache_block_size=args.block_size, attention_backend=args.attention_backend,
-                  load_format=getattr(args, "load_format", "auto"),
-                  kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
-                  calculate_kv_scales=getattr(args, "calculate_kv_scales", True),
-                  quantization=getattr(args, "quantization", None))
-    kwargs.update(overrides)
     t0 = perf_counter()
-    llm = LLM(path, **kwargs)
+    llm = LLM(path, **{**engine_kwargs(args), **overrides})
     startup_s = perf_counter() - t0
     if getattr(args, "no_pipeline", False):
         llm._pipelined = False  # the engine's private switch, to measure what pipelining gives
@@ -59,6 +51,17 @@ def open_engine(path: str, args: argparse.Namespace, **overrides) -> Iterator[tu
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """LLM()'s keywords from bench.py's engine flags."""
+    return dict(enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
+                tensor_parallel_size=args.tensor_parallel_size,
+                kvcache_block_size=args.block_size, attention_backend=args.attention_backend,
+                load_format=getattr(args, "load_format", "auto"),
+                kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+                calculate_kv_scales=getattr(args, "calculate_kv_scales", True),
+                quantization=getattr(args, "quantization", None))
 
 
 def measure(llm, prompts: list[list[int]], params: list, outputs: list | None = None) -> dict:

@@ -8,6 +8,7 @@ from dataclasses import replace
 import torch
 
 from benchmarks import workloads
+from benchmarks.cli import standard_size
 from benchmarks.rl import rl
 from benchmarks.runs import (
     GiB,
@@ -47,11 +48,7 @@ def host_split(llm, prompts: list, params: list) -> dict:
 
 def throughput(args: argparse.Namespace, path: str) -> dict:
     """Upstream's workload, as bench.py has always run it (--repeats timed runs, one engine)."""
-    size = workloads.sizes("throughput", args.tiny)
-    for key, lo, hi in (("input_len", "min_input_len", "max_input_len"),
-                        ("output_len", "min_output_len", "max_output_len")):
-        size[key] = (getattr(args, lo) or size[key][0], getattr(args, hi) or size[key][1])
-    size["num_seqs"] = args.num_seqs or size["num_seqs"]
+    size = standard_size(args)
     prompts, params = workloads.standard(**size, max_id=workloads.max_token_id(path),
                                          seed=args.seed)
     with open_engine(path, args) as (llm, startup_s):
@@ -167,7 +164,7 @@ def tp(args: argparse.Namespace, path: str) -> dict:
         return dict(skipped=f"tensor parallelism needs 2 or more CUDA GPUs; found {num_gpus}")
     heads = workloads.head_counts(path)
     sizes = [n for n in (1, 2, 4, 8) if n <= num_gpus and all(h % n == 0 for h in heads)]
-    size = workloads.sizes("throughput", args.tiny)
+    size = standard_size(args)
     prompts, params = workloads.standard(**size, max_id=workloads.max_token_id(path),
                                          seed=args.seed)
     runs: dict[str, dict] = {}
@@ -199,7 +196,7 @@ def dp(args: argparse.Namespace, path: str) -> dict:
         return dict(skipped=f"data parallelism needs 2 or more replicas; found {gpus} CUDA "
                             f"GPU(s) for tensor_parallel_size={args.tensor_parallel_size} "
                             "(or pass --dp N)")
-    size = workloads.sizes("throughput", args.tiny)
+    size = standard_size(args)
     size["num_seqs"] *= n
     prompts, params = workloads.standard(**size, max_id=workloads.max_token_id(path),
                                          seed=args.seed)

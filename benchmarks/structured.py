@@ -13,6 +13,7 @@ from dataclasses import replace
 from time import perf_counter
 
 from benchmarks import workloads
+from benchmarks.cli import standard_size
 from benchmarks.rl import timed
 from benchmarks.runs import engine_env, open_engine
 
@@ -68,7 +69,7 @@ def wide_tokenizer_copy(path: str, vocab_size: int) -> str:
 def structured(args: argparse.Namespace, path: str) -> dict:
     """Alternated rounds of unconstrained and JSON-schema runs; medians per output token."""
     from nanovllm.sampling_params import StructuredOutputsParams
-    size = workloads.sizes("throughput", args.tiny)
+    size = standard_size(args)
     prompts, params = workloads.standard(**size, max_id=workloads.max_token_id(path),
                                          seed=args.seed)
     free = [replace(p, ignore_eos=False) for p in params]
@@ -80,7 +81,7 @@ def structured(args: argparse.Namespace, path: str) -> dict:
     with open_engine(wide, args) as (llm, startup_s):
         timer = FillTimer()
         try:
-            for _ in range(max(args.repeats, 1 if args.tiny else 3)):
+            for _ in range(args.structured_rounds):
                 for label, ps in variants.items():
                     timer.take()
                     runs[label].append(dict(timed(llm, prompts, ps), **timer.take()))

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -102,3 +104,38 @@ def test_no_pipeline_runs_the_lockstep_engine(tmp_path):
     assert data["environment"]["pipelined"] is False
     run = data["runs"][0]
     assert run["decode_tokens"] + data["workload"]["num_seqs"] == run["output_tokens"] > 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--shape", "qwen3-0.6b", "--model", "/m"], "--shape builds its own checkpoint: --model"),
+    (["--shape", "qwen3-0.6b", "--tiny"], "--shape builds its own checkpoint: --tiny"),
+    (["--tiny", "--random-weights"], "--tiny builds its own checkpoint: --random-weights"),
+    (["--shape", "qwen3-0.6b", "--load-format", "auto"], "needs --load-format dummy"),
+    (["--shape", "qwen3-0.6b", "--weight-format", "fp8-block", "--quantization", "fp8"],
+     "fp8-block already is FP8"),
+    (["--no-calculate-kv-scales"], "--calculate-kv-scales needs --kv-cache-dtype fp8"),
+    (["--num-seqs", "0"], "--num-seqs 0 must be at least 1"),
+    (["--repeats", "0"], "--repeats 0 must be at least 1"),
+    (["--min-input-len", "2000"], "--min-input-len 2000 exceeds --max-input-len 1024"),
+    (["--dp", "1"], "--data-parallel-size 1"),
+    (["--dp", "2"], "--data-parallel-size is used by --scenario dp only"),
+    (["--scenario", "graphs", "--enforce-eager"], "--enforce-eager would be ignored by "
+                                                  "--scenario graphs"),
+    (["--scenario", "tp", "--tp", "2"], "--tensor-parallel-size would be ignored"),
+    (["--scenario", "long-context", "--max-model-len", "8192"], "--max-model-len would be"),
+    (["--scenario", "rl", "--repeats", "3"], "--repeats would be ignored by --scenario rl"),
+    (["--scenario", "kv-pressure", "--num-seqs", "4"], "--num-seqs would be ignored"),
+    (["--scenario", "all", "--max-output-len", "200"], "--scenario graphs (one of all)"),
+    (["--json", "/no/such/dir/out.json"], "--json /no/such/dir/out.json: no directory"),
+])
+def test_bad_flags_are_refused_before_anything_runs(args, message):
+    proc = subprocess.run([sys.executable, "bench.py", *args], cwd=ROOT, text=True,
+                          capture_output=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_rl_runs_the_standard_workload_of_the_flags(tmp_path):
+    data, _ = run_bench(tmp_path, "--scenario", "rl", "--num-seqs", "3", "--max-output-len", "20")
+    rl = data["scenarios"]["rl"]
+    assert rl["workload"]["num_seqs"] == 3 and rl["workload"]["output_len"] == [16, 20]
+    assert rl["runs"]["plain"]["completions"] == 3

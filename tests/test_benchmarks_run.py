@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ("tests/test_bench.py", "bench.py")
 ELSEWHERE = {
     "__init__.py": BENCH, "cli.py": BENCH, "runs.py": BENCH, "scenarios.py": BENCH,
-    "workloads.py": BENCH, "report.py": BENCH, "rl.py": BENCH, "structured.py": BENCH,
+    "workloads.py": BENCH, "sizes.py": BENCH, "report.py": BENCH, "rl.py": BENCH,
+    "structured.py": BENCH,
     "random_checkpoints.py": ("tests/conftest.py", "benchmarks.random_checkpoints"),
     "step_floor.py": ("tests/test_step_floor.py", "benchmarks.step_floor"),
     "ceilings.py": ("tests/test_ceilings.py", "benchmarks.ceilings"),

@@ -3,6 +3,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import socket
 import sys
 import typing
 
@@ -10,6 +11,9 @@ from nanovllm.config import Config
 
 logger = logging.getLogger("nanovllm.serve")
 ENGINE_FIELDS = [f for f in dataclasses.fields(Config) if f.init and f.name != "model"]
+# Options that only matter beside another: given without it they are refused, not ignored.
+NEEDS = {"max_loras": "--enable-lora", "max_lora_rank": "--enable-lora",
+         "max_cpu_loras": "--enable-lora", "calculate_kv_scales": "--kv-cache-dtype fp8"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -20,12 +24,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     engine = p.add_argument_group("engine (LLM's keywords)")
     for f in ENGINE_FIELDS:
         flag = "--" + f.name.replace("_", "-")
+        default = None if f.name in NEEDS else f.default  # None: not given
+        needs = f"; needs {NEEDS[f.name]}" if f.name in NEEDS else ""
         if f.type is bool:
-            engine.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                                help=f"default {'on' if f.default else 'off'}")
+            engine.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                help=f"default {'on' if f.default else 'off'}{needs}")
         else:  # `int | None` (None: decided by the checkpoint) parses as int
             parse = next((t for t in typing.get_args(f.type) if t is not type(None)), f.type)
-            engine.add_argument(flag, type=parse, default=f.default, help=f"default {f.default}")
+            engine.add_argument(flag, type=parse, default=default,
+                                help=f"default {f.default}{needs}")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="the name clients ask for (default: MODEL)")
@@ -38,7 +45,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run the engine in a process of its own (default), or with "
                         "--no-engine-process in a thread of the server's (sharing its GIL)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse what the server would ignore or only fail on after the model loads."""
+    given = {"--enable-lora": args.enable_lora,
+             "--kv-cache-dtype fp8": args.kv_cache_dtype == "fp8"}
+    for f in ENGINE_FIELDS:
+        if f.name in NEEDS and getattr(args, f.name) is not None and not given[NEEDS[f.name]]:
+            p.error(f"--{f.name.replace('_', '-')} needs {NEEDS[f.name]}")
+        if f.name in NEEDS and getattr(args, f.name) is None:
+            setattr(args, f.name, f.default)
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port {args.port} is not a port number (0 to 65535)")
+    for flag, value in (("--api-key (or $NANOVLLM_API_KEY)", args.api_key),
+                        ("--served-model-name", args.served_model_name)):
+        if value is not None and not value.strip():
+            p.error(f"{flag} {value!r} is empty")
+    if args.lora_modules:
+        check_lora_modules(p, args)
+
+
+def check_lora_modules(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--lora-modules: needs --enable-lora; unique names, none the base model's; directories."""
+    if not args.enable_lora:
+        p.error("--lora-modules needs --enable-lora")
+    names = [spec.partition("=")[0] for spec in args.lora_modules]
+    for spec, name in zip(args.lora_modules, names):
+        path = spec.partition("=")[2]
+        if not (name and path):
+            p.error(f"--lora-modules {spec!r} is invalid: expected name=path")
+        if names.count(name) > 1 or name == (args.served_model_name or args.model):
+            p.error(f"--lora-modules {spec!r}: the name {name!r} is already served")
+        if not os.path.isdir(os.path.expanduser(path)):
+            p.error(f"--lora-modules {spec!r}: no adapter directory at {path!r}")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -56,6 +99,10 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError as e:
         sys.exit(f"serving needs the serve extra: pip install 'nanovllm[serve]' ({e})")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
+    try:  # bound before the engine starts, as vLLM does: a taken port fails in a second
+        sock = listen_socket(args.host, args.port)
+    except OSError as e:
+        sys.exit(f"error: cannot listen on --host {args.host} --port {args.port}: {e}")
     try:
         lora_modules = parse_lora_modules(args.lora_modules)
         llm = AsyncLLM(args.model, engine_process=args.engine_process, **engine_kwargs(args))
@@ -66,14 +113,31 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError) as e:
         llm.shutdown()
         sys.exit(f"error: {e}")
-    logger.info("serving %s on http://%s:%d", args.model, args.host, args.port)
+    port = sock.getsockname()[1]  # --port 0: the one the system chose
+    logger.info("serving %s on http://%s:%d", args.model, args.host, port)
     try:
         # On Ctrl-C uvicorn stops accepting, gives open streams a few seconds, then cancels
         # them (aborting their requests); the app's lifespan then stops the engine.
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5)
+        config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level,
+                                timeout_graceful_shutdown=5)
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:  # Ctrl-C after the graceful stop: a clean exit, as uvicorn.run
+        pass
     finally:
         llm.shutdown()
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), IPv4 or IPv6 as the host resolves; OSError if it cannot."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 if __name__ == "__main__":

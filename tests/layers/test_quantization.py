@@ -39,10 +39,12 @@ def test_the_released_formats_resolve():
     block = resolve_quant_config(quantization_config("block", 128), None)
     assert (block.method, block.weight_block_size, block.scale_name) == \
         ("fp8", (128, 128), "weight_scale_inv")
-    channel = resolve_quant_config(quantization_config("channel", 128), "fp8")
+    channel = resolve_quant_config(quantization_config("channel", 128), None)
     assert (channel.method, channel.weight_block_size, channel.scale_name, channel.ignore) == \
         ("compressed-tensors", None, "weight_scale", ("lm_head",))
     assert resolve_quant_config(None, "fp8").method == "online"
+    # "fp8" over an FP8 checkpoint names its own method (vLLM too): the checkpoint's scales
+    assert resolve_quant_config(quantization_config("block", 128), "fp8").method == "fp8"
     assert resolve_quant_config(None, None) is None
 
 
@@ -55,6 +57,9 @@ def _with_targets(quant: dict, targets: list[str]) -> dict:
 @pytest.mark.parametrize("quant,quantization,message", [
     ({"quant_method": "awq", "bits": 4}, None, "quant_method='awq' is not supported"),
     ({"quant_method": "gptq"}, "fp8", "quant_method='gptq' is not supported"),
+    # quantization="fp8" (per channel at load) over weights already FP8: refused, not ignored
+    (quantization_config("channel", 128), "fp8",
+     "quantization='fp8' does not match .*quant_method='compressed-tensors'"),
     ({"quant_method": "bitsandbytes"}, None, "'fp8', 'compressed-tensors'"),
     (None, "int8", "quantization='int8' is not supported"),
     ({**quantization_config("block", 128), "activation_scheme": "static"}, None,

@@ -88,10 +88,10 @@ def test_unknown_fields_of_the_adapter_routes_are_named_in_the_log(client, caplo
     assert "present in the request but ignored: ['lora_path']" in caplog.text
 
 
-def test_lora_options_parse():
-    args = parse_args(["/m", "--enable-lora", "--max-loras", "3", "--lora-modules", "a=/x",
-                       "b=/y"])
+def test_lora_options_parse(tmp_path):
+    args = parse_args(["/m", "--enable-lora", "--max-loras", "3", "--lora-modules",
+                       f"a={tmp_path}", f"b={tmp_path}"])
     assert args.enable_lora and args.max_loras == 3
-    assert parse_lora_modules(args.lora_modules) == {"a": "/x", "b": "/y"}
+    assert parse_lora_modules(args.lora_modules) == {"a": str(tmp_path), "b": str(tmp_path)}
     with pytest.raises(ValueError, match="expected name=path"):
         parse_lora_modules(["novalue"])

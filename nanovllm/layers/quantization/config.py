@@ -58,6 +58,10 @@ def resolve_quant_config(hf_quant: dict | None, quantization: str | None) -> Qua
     if not isinstance(hf_quant, dict):
         raise ValueError(f"config.json's quantization_config must be an object, not {hf_quant!r}")
     method = hf_quant.get("quant_method")
+    if quantization not in (None, method) and method in CHECKPOINT_METHODS:  # as vLLM
+        raise ValueError(f"quantization={quantization!r} does not match this checkpoint's "
+                         f"quantization_config (quant_method={method!r}): its weights are "
+                         f"quantized already; leave quantization unset")
     if method == "fp8":
         return _fp8_config(hf_quant)
     if method == "compressed-tensors":
