@@ -32,40 +32,14 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=BENCH_DOC)
     p.add_argument("--scenario", default="throughput", choices=[*SCENARIO_NAMES, "all"],
                    help="what to measure (default: throughput, the standard workload)")
-    p.add_argument("--model", help=f"checkpoint directory (default: {DEFAULT_MODEL})")
-    p.add_argument("--random-weights", action="store_true",
-                   help="use a random checkpoint of Qwen3-0.6B's shape when --model is absent")
-    p.add_argument("--shape", choices=list(SHAPES),
-                   help="dummy weights of a named model's shape: only its config.json and a "
-                        "small tokenizer are written (implies --load-format dummy)")
-    p.add_argument("--weight-format", default="bf16", choices=list(WEIGHT_FORMATS),
-                   help="with --shape: the dummy weights' format (fp8-block: Qwen's FP8 "
-                        "releases; fp8-channel: llm-compressor's FP8_DYNAMIC)")
-    p.add_argument("--load-format", choices=["auto", "dummy"],
-                   help="dummy: random weights from config.json alone")
-    p.add_argument("--quantization", choices=["fp8"],
-                   help="fp8: quantize a bf16 checkpoint's weights at load (W8A8, per channel)")
+    _model_arguments(p)
+    _engine_arguments(p)
     # Sizes of the throughput workload; unset means upstream's (or the smoke sizes with --tiny).
     p.add_argument("--num-seqs", type=int)
     p.add_argument("--min-input-len", type=int)
     p.add_argument("--max-input-len", type=int)
     p.add_argument("--min-output-len", type=int)
     p.add_argument("--max-output-len", type=int)
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--no-pipeline", action="store_true",
-                   help="lockstep engine: read each step's sampled ids before the next is launched")
-    p.add_argument("--tensor-parallel-size", "--tp", type=int, help="default 1")
-    p.add_argument("--data-parallel-size", "--dp", type=int,
-                   help="replicas for the dp scenario (default: the GPUs present / --tp)")
-    p.add_argument("--attention-backend", default="auto",
-                   choices=["auto", "flash-attn", "triton", "torch"])
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
-                   help="KV cache storage: the model dtype, or float8_e4m3fn")
-    p.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction,
-                   help="with --kv-cache-dtype fp8: per-layer K/V scales from the warm-up "
-                        "(default), or all 1.0")
-    p.add_argument("--max-model-len", type=int, help="default 4096")
-    p.add_argument("--block-size", type=int, default=256, help="kvcache_block_size")
     p.add_argument("--seed", type=int, default=0, help="workload seed (upstream's is 0)")
     p.add_argument("--repeats", type=int,
                    help="timed runs per engine; the median is reported (default 1; structured: "
@@ -86,6 +60,42 @@ def parse_args() -> argparse.Namespace:
     for name, value in defaults.items():
         setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
     return args
+
+
+def _model_arguments(p: argparse.ArgumentParser) -> None:
+    """Which checkpoint, or which shape of dummy weights, and its weights' format."""
+    p.add_argument("--model", help=f"checkpoint directory (default: {DEFAULT_MODEL})")
+    p.add_argument("--random-weights", action="store_true",
+                   help="use a random checkpoint of Qwen3-0.6B's shape when --model is absent")
+    p.add_argument("--shape", choices=list(SHAPES),
+                   help="dummy weights of a named model's shape: only its config.json and a "
+                        "small tokenizer are written (implies --load-format dummy)")
+    p.add_argument("--weight-format", default="bf16", choices=list(WEIGHT_FORMATS),
+                   help="with --shape: the dummy weights' format (fp8-block: Qwen's FP8 "
+                        "releases; fp8-channel: llm-compressor's FP8_DYNAMIC)")
+    p.add_argument("--load-format", choices=["auto", "dummy"],
+                   help="dummy: random weights from config.json alone")
+    p.add_argument("--quantization", choices=["fp8"],
+                   help="fp8: quantize a bf16 checkpoint's weights at load (W8A8, per channel)")
+
+
+def _engine_arguments(p: argparse.ArgumentParser) -> None:
+    """LLM's keywords the benchmark passes on."""
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--no-pipeline", action="store_true",
+                   help="lockstep engine: read each step's sampled ids before the next is launched")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, help="default 1")
+    p.add_argument("--data-parallel-size", "--dp", type=int,
+                   help="replicas for the dp scenario (default: the GPUs present / --tp)")
+    p.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "flash-attn", "triton", "torch"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="KV cache storage: the model dtype, or float8_e4m3fn")
+    p.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction,
+                   help="with --kv-cache-dtype fp8: per-layer K/V scales from the warm-up "
+                        "(default), or all 1.0")
+    p.add_argument("--max-model-len", type=int, help="default 4096")
+    p.add_argument("--block-size", type=int, default=256, help="kvcache_block_size")
 
 
 def check_model(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
