@@ -1,11 +1,12 @@
 """OpenAI's request bodies (with vLLM's extra sampling fields) and their SamplingParams."""
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, model_validator
 
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 from nanovllm.serve.openai.structured import requested_structure, response_format_unknown
 from nanovllm.serve.openai.tool_calls import (
+    STRICT,
     Tool,
     ToolChoice,
     resolve_tool_choice,
@@ -25,10 +26,6 @@ MAX_LOGPROBS = 20  # OpenAI's cap on logprobs (completions) and top_logprobs (ch
 MAX_PROMPTS = 1024  # prompts in one completions request
 
 
-# Strict: no bool for a number, no string for an int (a float field still takes an int).
-# A body, and each object in it, keeps the keys no field reads, so that the server can name
-# them (as vLLM).
-STRICT = ConfigDict(extra="allow", strict=True)
 
 
 def _null_is_default(data: object, fields: dict) -> object:

@@ -19,7 +19,9 @@ from pydantic import BaseModel, ConfigDict
 
 from nanovllm.serve.openai.validation import FieldError
 
-# Unknown keys are kept, so that the server can name them (validation.unknown_fields).
+# Strict: no bool for a number, no string for an int (a float field still takes an int). A
+# body, and each object in it, keeps the keys no field reads, so that the server can name them
+# (validation.unknown_fields, as vLLM). The request models share it.
 STRICT = ConfigDict(extra="allow", strict=True)
 TOOL_CHOICES = ("none", "auto", "required")
 # vLLM's hermes parser: a closed block, or one the output ended inside
