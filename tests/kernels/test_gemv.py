@@ -1,5 +1,5 @@
 """One-token GEMV kernels (kernels.linear.gemv) vs float32 torch (TRITON_INTERPRET on CPU):
-16-bit weights in both layouts, FP8 codes per channel, gate_up with SiLU-and-mul."""
+16-bit weights in both layouts, FP8 codes per channel, gate_up with SiLU-and-mul, whole rows."""
 
 import os
 
@@ -11,14 +11,18 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from nanovllm.kernels.linear import fused as fused_linear  # noqa: E402
+from nanovllm.kernels.linear.fp8_gemm import fp8_linear  # noqa: E402
 from nanovllm.kernels.linear.fp8_reference import dequantize_groups, quantize_groups  # noqa: E402
 from nanovllm.kernels.linear.fused import gate_up_silu  # noqa: E402
 from nanovllm.kernels.linear.gemv import (  # noqa: E402
     _partials_tiles,
     gate_up_silu_gemv,
     gemv_partials,
+    gemv_rows,
     runs_gate_up_gemv,
     runs_gemv,
+    runs_gemv_rows,
 )
 from nanovllm.kernels.linear.split_k import split_k_linear  # noqa: E402
 from nanovllm.layers.activation import SiluAndMul  # noqa: E402
@@ -81,6 +85,25 @@ def test_gate_up_silu_gemv(dtype, fmt, inter, hidden, bias) -> None:
         assert not torch.allclose(wrong, want, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", ["row-major", "fp8"])
+@pytest.mark.parametrize("rows,cols,bias", [(96, 1000, True), (512, 256, False)])
+def test_gemv_rows(dtype, fmt, rows, cols, bias) -> None:
+    """Equals x @ W.T + b in float32, rounded once (K need not be a power of two)."""
+    torch.manual_seed(rows + cols)
+    weight, scales, w32 = _weight(rows, cols, fmt, dtype)
+    b = torch.randn(rows, device=DEVICE).to(dtype) if bias else None
+    x = _x(cols, dtype)
+    assert runs_gemv_rows(x, weight, scales)
+    want = F.linear(x.float(), w32, None if b is None else b.float())
+    got = gemv_rows(x, weight, b, scales)
+    assert got.shape == (1, rows) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+    if scales is not None:
+        wrong = gemv_rows(x, weight, b, scales.flip(0).contiguous()).float()
+        assert not torch.allclose(wrong, want, atol=2e-2, rtol=1e-2)
+
+
 def test_takes_one_token_of_supported_formats() -> None:
     """Two tokens, block scales, float32 activations or an odd row count go elsewhere."""
     weight, scales, _ = _weight(128, 512, "fp8", torch.bfloat16)
@@ -92,10 +115,14 @@ def test_takes_one_token_of_supported_formats() -> None:
     assert not runs_gemv(x[:, :256], weight, scales)  # x narrower than the weight's K
     assert not runs_gemv(x, weight, scales[:1])  # a per-tensor scale: layers expand it to [N, 1]
     assert not runs_gate_up_gemv(torch.cat([x, x]), weight, scales)
+    assert runs_gemv_rows(x, weight, scales) and not runs_gemv_rows(torch.cat([x, x]), weight)
+    assert not runs_gemv_rows(x, weight, scales, (128, 128))
+    assert not runs_gemv_rows(x, weight.t().contiguous().t(), scales)  # rows must be contiguous
     w16 = weight.float().to(torch.bfloat16)
     assert runs_gemv(x, w16) and not runs_gemv(x, w16[:100])  # rows the tiles do not divide
     wide = torch.zeros(2, 16384, dtype=torch.bfloat16, device=DEVICE)  # 32 KB a row
     assert not runs_gate_up_gemv(_x(16384, torch.bfloat16), wide)  # one pair over PAIR_BYTES
+    assert not runs_gemv_rows(_x(16384, torch.bfloat16), wide)  # one row over ROWS_BYTES
     # more partials than the norm after sums: a 16-bit k-major K of 64 K slices and more
     long = torch.zeros(32 * 256 * 65, 32, dtype=torch.bfloat16, device=DEVICE).t()
     assert not runs_gemv(_x(32 * 256 * 65, torch.bfloat16), long)
@@ -111,3 +138,23 @@ def test_split_k_and_gate_up_take_it_at_one_token() -> None:
     weight, _, _ = _weight(256, 512, "row-major", torch.float16)
     x = _x(512, torch.float16)
     assert torch.equal(gate_up_silu(x, weight, None), gate_up_silu_gemv(x, weight, None))
+
+
+def test_qkv_and_fp8_linear_take_whole_rows_at_one_token(monkeypatch) -> None:
+    """qkv_rope_store and fp8_linear hand one token to gemv_rows (no partials to sum)."""
+    calls = []
+    real = fused_linear.gemv_rows
+    monkeypatch.setattr(fused_linear, "gemv_rows", lambda *a: calls.append("qkv") or real(*a))
+    heads, kv_heads, head_dim = 2, 1, 128
+    weight, _, _ = _weight((heads + 2 * kv_heads) * head_dim, 256, "row-major", torch.float16)
+    x = _x(256, torch.float16)
+    cache = torch.zeros(4, 16, kv_heads, head_dim, dtype=torch.float16, device=DEVICE)
+    cos_sin = torch.randn(64, head_dim, device=DEVICE)
+    pos, slots = (torch.tensor([5], device=DEVICE) for _ in range(2))
+    fused_linear.qkv_rope_store(x, weight, None, heads, kv_heads, pos, None, None, 0.0,
+                                cos_sin, cache, cache.clone(), slots)
+    assert calls == ["qkv"]
+    codes, scales, w32 = _weight(256, 512, "fp8", torch.float16)
+    x = _x(512, torch.float16)
+    got = fp8_linear(x, codes, scales, None)
+    assert torch.equal(got, gemv_rows(x, codes, None, scales))

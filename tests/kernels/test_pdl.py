@@ -46,7 +46,7 @@ def test_every_pdl_kernel_waits_first() -> None:
     names = {k.fn.__name__ for k in kernels}
     assert {"_rms_norm_kernel", "_silu_and_mul_kernel", "_decode_split_kernel",
             "_decode_reduce_kernel", "_qkv_rope_store_kernel", "_gate_up_silu_kernel",
-            "_split_k_kernel", "_gemv_partials_kernel"} <= names
+            "_split_k_kernel", "_gemv_partials_kernel", "_gemv_rows_kernel"} <= names
     for kernel in kernels:
         body = inspect.getsource(kernel.fn).split('"""')[-1]  # after the docstring
         head, sep, _ = body.partition("wait_then_release(USE_PDL)")

@@ -84,6 +84,7 @@ def spy_gemv(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         monkeypatch.setattr(module, name, call)
     spy(split_k, "gemv_partials")
     spy(fused_linear, "gate_up_silu_gemv")
+    spy(fused_linear, "gemv_rows")
     return calls
 
 
@@ -133,6 +134,7 @@ def test_fused_decode_same_tokens(checkpoint: str, monkeypatch: pytest.MonkeyPat
     assert got == want and got_one == want_one
     assert gemv_calls.count("gemv_partials") == 5 * (2 + mlps)  # o_proj, down_proj
     assert gemv_calls.count("gate_up_silu_gemv") == 5 * mlps
+    assert gemv_calls.count("gemv_rows") == 5 * 2  # qkv_proj, then the q/k kernel
     # 5 decode steps of the 3 sequences (one batch), 2 layers, each kernel (split-K: o and down)
     assert calls.count("qkv_rope_store") == 5 * 2
     assert calls.count("gate_up_silu") == 5 * mlps

@@ -1,5 +1,6 @@
-"""One-token decode projections on CUDA cores (GEMV): split_k_linear's partials, and gate_up_proj
-with SiLU-and-mul, for a decode step of a single token.
+"""One-token decode projections on CUDA cores (GEMV): split_k_linear's partials, gate_up_proj
+with SiLU-and-mul, and whole rows (qkv_proj, an FP8 linear's) for a decode step of a single
+token.
 
 A one-token step reads each weight once and multiplies it by one row, so the MMA's tiles buy
 nothing there; what bounds it is how early the weight's bytes arrive. Each program here loads
@@ -23,6 +24,7 @@ from nanovllm.kernels.pdl import launch_options, wait_then_release
 
 SLICE_BYTES = 16 * 1024  # weight bytes a partials program holds (the probe's best, 16-32 KB)
 PAIR_BYTES = 32 * 1024  # gate + up bytes a SiLU program holds (all of K)
+ROWS_BYTES = SLICE_BYTES  # whole weight rows a gemv_rows program holds (all of K)
 ROW_BYTES = 2048  # the widest K slice of one row a partials program takes
 K_MAJOR_ROWS = 32  # output columns of a k-major program: 64-byte runs of each weight row
 MAX_PARTIALS = 64  # the most splits a GEMV leaves (the norm after sums them in one program)
@@ -51,12 +53,17 @@ def _weight_slice(w_ptr, rows, ks, stride_w, K_MAJOR: tl.constexpr):
 
 
 @triton.jit
+def _rows_slice(w_ptr, rows, ks, K, stride_w):
+    """W[rows, ks] of a [N, K] weight, zeros past K."""
+    return tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_w + ks[None, :],
+                   mask=ks[None, :] < K, other=0.0)
+
+
+@triton.jit
 def _pair_slices(w_ptr, cols, ks, K, inter, stride_w):
     """(W[cols, ks], W[inter + cols, ks]) of a gate_up weight, zeros past K."""
-    ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :]
-    gate = tl.load(ptrs, mask=ks[None, :] < K, other=0.0)
-    up = tl.load(ptrs + inter * stride_w, mask=ks[None, :] < K, other=0.0)
-    return gate, up
+    return _rows_slice(w_ptr, cols, ks, K, stride_w), \
+        _rows_slice(w_ptr + inter * stride_w, cols, ks, K, stride_w)
 
 
 @triton.jit
@@ -116,6 +123,27 @@ def _gate_up_silu_kernel(w_ptr, x_ptr, s_ptr, bias_ptr, out_ptr, K, inter, strid
         gate += g_bias
         up += u_bias
     tl.store(out_ptr + cols, silu_and_mul_rounded(gate, up, out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _gemv_rows_kernel(w_ptr, x_ptr, s_ptr, bias_ptr, out_ptr, K, stride_w, BLOCK_N: tl.constexpr,
+                      K_P2: tl.constexpr, W_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      USE_PDL: tl.constexpr):
+    """Grid (N / BLOCK_N,): out[rows] = x . W[rows, :] (* s[rows]) (+ b[rows]), all of K in one
+    program, rounded once: no partials, so no launch after it sums them."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, K_P2)
+    w = _rows_slice(w_ptr, rows, ks, K, stride_w)
+    scale = _row_values(s_ptr, rows, W_SCALE)
+    bias = _row_values(bias_ptr, rows, HAS_BIAS)
+    wait_then_release(USE_PDL)
+    x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+    y = tl.sum(w.to(tl.float32) * x[None, :], 1)
+    if W_SCALE:
+        y *= scale
+    if HAS_BIAS:
+        y += bias
+    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty))
 
 
 def _partials_tiles(n: int, k: int, elem_bytes: int, k_major: bool) -> tuple[int, int] | None:
@@ -197,6 +225,34 @@ def gate_up_silu_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     _gate_up_silu_kernel[(inter // block_n,)](
         weight, x, weight if w_scale is None else w_scale, weight if bias is None else bias,
         out, k, inter, weight.stride(0), BLOCK_N=block_n, K_P2=triton.next_power_of_2(k),
+        W_SCALE=w_scale is not None, HAS_BIAS=bias is not None, num_warps=4,
+        **launch_options())
+    return out
+
+
+def _rows_per_program(n: int, k: int, elem_bytes: int) -> int | None:
+    """Weight rows per gemv_rows program: ROWS_BYTES of all of K; None if one row is wider
+    than that, or the rows do not divide n."""
+    block_n = ROWS_BYTES // (triton.next_power_of_2(k) * elem_bytes)
+    return block_n if block_n >= 1 and n % block_n == 0 else None
+
+
+def runs_gemv_rows(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None = None,
+                   w_block=None) -> bool:
+    """Whether gemv_rows takes this step (weight [N, K] contiguous, a row within ROWS_BYTES)."""
+    return _weight_ok(x, weight, w_scale, w_block) and weight.is_contiguous() \
+        and _rows_per_program(*weight.shape, weight.element_size()) is not None
+
+
+def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              w_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias), [1, N] in x's dtype, for one token (as runs_gemv_rows takes it)."""
+    n, k = weight.shape
+    block_n = _rows_per_program(n, k, weight.element_size())
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _gemv_rows_kernel[(n // block_n,)](
+        weight, x, weight if w_scale is None else w_scale, weight if bias is None else bias,
+        out, k, weight.stride(0), BLOCK_N=block_n, K_P2=triton.next_power_of_2(k),
         W_SCALE=w_scale is not None, HAS_BIAS=bias is not None, num_warps=4,
         **launch_options())
     return out
