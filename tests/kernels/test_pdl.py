@@ -40,13 +40,15 @@ def test_every_pdl_kernel_waits_first() -> None:
     """A PDL kernel may start while the previous one still writes: no load, store or early
     return may come before wait_then_release (and every program must reach it). Checked in
     the kernel's own source: a helper called before the wait is reviewed, not scanned
-    (pdl.prefetch_tile, a hint on weights, and kernels.linear.gemv's loads of weights, scales
-    and biases: no kernel writes those)."""
+    (pdl.prefetch_tile, a hint on weights; kernels.linear.gemv's loads of weights, scales
+    and biases; qk_norm_rope's of the step's positions and slots, its cos/sin rows and norm
+    weights: no kernel of the step writes those)."""
     kernels = _pdl_kernels()
     names = {k.fn.__name__ for k in kernels}
     assert {"_rms_norm_kernel", "_silu_and_mul_kernel", "_decode_split_kernel",
             "_decode_reduce_kernel", "_qkv_rope_store_kernel", "_gate_up_silu_kernel",
-            "_split_k_kernel", "_gemv_partials_kernel", "_gemv_rows_kernel"} <= names
+            "_split_k_kernel", "_gemv_partials_kernel", "_gemv_rows_kernel",
+            "_qk_norm_rope_kernel"} <= names
     for kernel in kernels:
         body = inspect.getsource(kernel.fn).split('"""')[-1]  # after the docstring
         head, sep, _ = body.partition("wait_then_release(USE_PDL)")

@@ -7,6 +7,7 @@ import triton.language as tl
 
 from nanovllm.kernels.attention.kv_quant import FP8_DTYPE
 from nanovllm.kernels.attention.store_kvcache import quantize_kv
+from nanovllm.kernels.pdl import launch_options, wait_then_release
 
 
 @triton.jit
@@ -31,6 +32,23 @@ def _load_weight(w_ptr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
         return tl.load(w_ptr + lo).to(tl.float32), tl.load(w_ptr + HALF + lo).to(tl.float32)
     else:
         return tl.zeros([1, HALF], tl.float32), tl.zeros([1, HALF], tl.float32)
+
+
+@triton.jit
+def _token_inputs(pos_ptr, slot_ptr, cache_ptr, stride_cache, q_w_ptr, k_w_ptr, tok,
+                  HEAD_DIM: tl.constexpr, NORM: tl.constexpr, STORE_KV: tl.constexpr):
+    """(cos, sin, slot, q and k norm weights' halves) of one token: the step's inputs and
+    weights, which no kernel of the step writes, so the kernel loads them before its PDL wait
+    (slot 0 without STORE_KV: unused)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    lo = tl.arange(0, HALF)[None, :]
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    slot = tl.load(slot_ptr + tok).to(tl.int64) if STORE_KV else tok * 0
+    qw1, qw2 = _load_weight(q_w_ptr, HEAD_DIM, NORM)
+    kw1, kw2 = _load_weight(k_w_ptr, HEAD_DIM, NORM)
+    cos = tl.load(cache_ptr + pos * stride_cache + lo)
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF + lo)
+    return cos, sin, slot, qw1, qw2, kw1, kw2
 
 
 @triton.jit
@@ -59,7 +77,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, p
                          NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                          Q_HEADS_P2: tl.constexpr, KV_HEADS_P2: tl.constexpr,
                          HEAD_DIM: tl.constexpr, STORE_KV: tl.constexpr, NORM: tl.constexpr,
-                         FP8: tl.constexpr):
+                         FP8: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (N,): normalise and rotate every q and k head of one token (one program per token,
     not per head: prefill launches ~16k programs, not ~400k); with STORE_KV also write the
     rotated k and the v to the token's cache slot."""
@@ -67,20 +85,18 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, p
     HALF: tl.constexpr = HEAD_DIM // 2
     lo = tl.arange(0, HALF)[None, :]
     dtype = q_out_ptr.dtype.element_ty
+    cos, sin, slot, qw1, qw2, kw1, kw2 = _token_inputs(
+        pos_ptr, slot_ptr, cache_ptr, stride_cache, q_w_ptr, k_w_ptr, tok, HEAD_DIM, NORM,
+        STORE_KV)
+    wait_then_release(USE_PDL)
     # Every load is issued before any store: the compiler cannot move a load above a store to
     # a pointer that might alias it, so each load after a store was one more memory round trip.
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
     q1, q2 = _load_heads(q_ptr + tok * stride_qn, stride_qh, NUM_Q_HEADS, Q_HEADS_P2, HEAD_DIM)
     k1, k2 = _load_heads(k_ptr + tok * stride_kn, stride_kh, NUM_KV_HEADS, KV_HEADS_P2,
                          HEAD_DIM)
     if STORE_KV:
-        slot = tl.load(slot_ptr + tok).to(tl.int64)
         v1, v2 = _load_heads(v_ptr + tok * stride_vn, stride_vh, NUM_KV_HEADS, KV_HEADS_P2,
                              HEAD_DIM)
-    qw1, qw2 = _load_weight(q_w_ptr, HEAD_DIM, NORM)
-    kw1, kw2 = _load_weight(k_w_ptr, HEAD_DIM, NORM)
-    cos = tl.load(cache_ptr + pos * stride_cache + lo)
-    sin = tl.load(cache_ptr + pos * stride_cache + HALF + lo)
     q1, q2 = _norm_rope(q1, q2, qw1, qw2, cos, sin, eps, dtype, HEAD_DIM, NORM, 1)
     k1, k2 = _norm_rope(k1, k2, kw1, kw2, cos, sin, eps, dtype, HEAD_DIM, NORM, 1)
     heads = tl.arange(0, Q_HEADS_P2)[:, None]
@@ -153,5 +169,6 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
             NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
             Q_HEADS_P2=triton.next_power_of_2(num_q_heads),
             KV_HEADS_P2=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
-            STORE_KV=kv_store is not None, NORM=norm, FP8=k_cache.dtype == FP8_DTYPE)
+            STORE_KV=kv_store is not None, NORM=norm, FP8=k_cache.dtype == FP8_DTYPE,
+            **launch_options())
     return q_out, k_out
