@@ -44,7 +44,7 @@ PHASES = (("step", 0, "engine", "_step"),
           ("commit", 1, "engine", "_commit"),
           ("wait for the ids", 2, "ids", "tolist"))
 # GPU kernel name -> phase, first match wins (--profile)
-KERNEL_PHASES = (("qkv + q/k norm + RoPE + cache write", r"qkv|qk_norm|store_kvcache"),
+KERNEL_PHASES = (("qkv + q/k norm + RoPE + cache write", r"qkv|qk_norm|store_kvcache|gemv_rows"),
                  ("attention", r"decode_split|decode_reduce|flash|fwd_kernel"),
                  ("gate_up + SiLU", r"gate_up|silu"),
                  ("o_proj, down_proj (split K)", r"split_k|gemv_partials"),
