@@ -122,7 +122,7 @@ def test_takes_one_token_of_supported_formats() -> None:
     assert runs_gemv(x, w16) and not runs_gemv(x, w16[:100])  # rows the tiles do not divide
     wide = torch.zeros(2, 16384, dtype=torch.bfloat16, device=DEVICE)  # 32 KB a row
     assert not runs_gate_up_gemv(_x(16384, torch.bfloat16), wide)  # one pair over PAIR_BYTES
-    assert not runs_gemv_rows(_x(16384, torch.bfloat16), wide)  # one row over ROWS_BYTES
+    assert not runs_gemv_rows(_x(16384, torch.bfloat16), wide)  # one row over WHOLE_ROWS_BYTES
     # more partials than the norm after sums: a 16-bit k-major K of 64 K slices and more
     long = torch.zeros(32 * 256 * 65, 32, dtype=torch.bfloat16, device=DEVICE).t()
     assert not runs_gemv(_x(32 * 256 * 65, torch.bfloat16), long)

@@ -134,7 +134,7 @@ def test_fused_decode_same_tokens(checkpoint: str, monkeypatch: pytest.MonkeyPat
     assert got == want and got_one == want_one
     assert gemv_calls.count("gemv_partials") == 5 * (2 + mlps)  # o_proj, down_proj
     assert gemv_calls.count("gate_up_silu_gemv") == 5 * mlps
-    assert gemv_calls.count("gemv_rows") == 5 * 2  # qkv_proj, then the q/k kernel
+    assert gemv_calls.count("gemv_rows") == 5 * 2  # qkv_proj: 5 steps, 2 layers
     # 5 decode steps of the 3 sequences (one batch), 2 layers, each kernel (split-K: o and down)
     assert calls.count("qkv_rope_store") == 5 * 2
     assert calls.count("gate_up_silu") == 5 * mlps

@@ -251,7 +251,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                block: tuple[int, int] | None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b) in x's dtype, as kernels.linear.fp8_reference.fp8_linear_torch (W8A8); x
     [..., K]. Up to DECODE_TOKENS tokens W8A16 (activations unquantized), where split-K takes
-    the shapes."""
+    the shapes; one token per channel as whole-row GEMVs (kernels.linear.gemv)."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     if not x2.is_contiguous():

@@ -24,7 +24,7 @@ from nanovllm.kernels.pdl import launch_options, wait_then_release
 
 SLICE_BYTES = 16 * 1024  # weight bytes a partials program holds (the probe's best, 16-32 KB)
 PAIR_BYTES = 32 * 1024  # gate + up bytes a SiLU program holds (all of K)
-ROWS_BYTES = SLICE_BYTES  # whole weight rows a gemv_rows program holds (all of K)
+WHOLE_ROWS_BYTES = SLICE_BYTES  # whole weight rows a gemv_rows program holds (all of K)
 ROW_BYTES = 2048  # the widest K slice of one row a partials program takes
 K_MAJOR_ROWS = 32  # output columns of a k-major program: 64-byte runs of each weight row
 MAX_PARTIALS = 64  # the most splits a GEMV leaves (the norm after sums them in one program)
@@ -231,15 +231,16 @@ def gate_up_silu_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def _rows_per_program(n: int, k: int, elem_bytes: int) -> int | None:
-    """Weight rows per gemv_rows program: ROWS_BYTES of all of K; None if one row is wider
+    """Weight rows per gemv_rows program: WHOLE_ROWS_BYTES of all of K; None if one row is wider
     than that, or the rows do not divide n."""
-    block_n = ROWS_BYTES // (triton.next_power_of_2(k) * elem_bytes)
+    block_n = WHOLE_ROWS_BYTES // (triton.next_power_of_2(k) * elem_bytes)
     return block_n if block_n >= 1 and n % block_n == 0 else None
 
 
 def runs_gemv_rows(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None = None,
                    w_block=None) -> bool:
-    """Whether gemv_rows takes this step (weight [N, K] contiguous, a row within ROWS_BYTES)."""
+    """Whether gemv_rows takes this step: weight [N, K] contiguous, a row within
+    WHOLE_ROWS_BYTES."""
     return _weight_ok(x, weight, w_scale, w_block) and weight.is_contiguous() \
         and _rows_per_program(*weight.shape, weight.element_size()) is not None
 
