@@ -53,6 +53,33 @@ def _attend_chunk(q, k_cache_ptr, v_cache_ptr, pages, page0, lo_n, hi_n, lo, kv_
     return m_i, l_i, acc
 
 
+@triton.jit
+def _chunk_pages(block_tables_ptr, seq, stride_bt, page0, end_page,
+                 PAGES_PER_CHUNK: tl.constexpr):
+    """Page ids page0..+PAGES_PER_CHUNK of seq's block table, 0 from end_page on."""
+    offs_p = tl.arange(0, PAGES_PER_CHUNK)
+    return tl.load(block_tables_ptr + seq * stride_bt + page0 + offs_p,
+                   mask=page0 + offs_p < end_page, other=0)
+
+
+@triton.jit
+def _split_bounds(context_lens_ptr, seq, split, num_splits, window, BLOCK_N: tl.constexpr,
+                  SLIDING: tl.constexpr):
+    """(lo, start, end) of one split: the query (position ctx - 1) sees keys lo..ctx-1,
+    spread evenly over all splits in whole key tiles (tiles never cross pages) from lo rounded
+    down to a tile. The context lengths are the step's inputs, which no kernel of the step
+    writes: read before the PDL wait."""
+    ctx = tl.load(context_lens_ptr + seq)
+    lo = 0
+    if SLIDING:
+        lo = tl.maximum(ctx - window, 0)
+    first = lo // BLOCK_N * BLOCK_N
+    split_len = (ctx - first + num_splits * BLOCK_N - 1) // (num_splits * BLOCK_N) * BLOCK_N
+    start = first + split * split_len
+    end = tl.minimum(start + split_len, ctx)
+    return lo, start, end
+
+
 # num_splits is a plain argument, not specialised: the split count depends on the batch size,
 # and a constant would compile a variant per CUDA-graph size (seconds of cold start-up); so is
 # stride_bt, the block tables' width, which an eager step takes from its longest sequence.
@@ -67,22 +94,18 @@ def _decode_split_kernel(
     SINGLE_SPLIT: tl.constexpr, FP16_DOT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Grid (Hkv, B, splits): all GROUP query heads of one kv head over one slice of the keys."""
-    wait_then_release(USE_PDL)
     # kv heads vary fastest: the programs running together read neighbouring bytes of each
     # cache row ([slot, kv head, dim]), which the H200 streams measurably faster.
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)
-    ctx = tl.load(context_lens_ptr + seq)
-    # The query (position ctx - 1) sees keys lo..ctx-1: spread them evenly over all splits, in
-    # whole key tiles (tiles never cross pages) from lo rounded down to a tile.
-    lo = 0
-    if SLIDING:
-        lo = tl.maximum(ctx - window, 0)
-    first = lo // BLOCK_N * BLOCK_N
-    split_len = (ctx - first + num_splits * BLOCK_N - 1) // (num_splits * BLOCK_N) * BLOCK_N
-    start = first + split * split_len
-    end = tl.minimum(start + split_len, ctx)
+    # The split's bounds and first block-table chunk: the step's inputs (kernels.pdl)
+    lo, start, end = _split_bounds(context_lens_ptr, seq, split, num_splits, window, BLOCK_N,
+                                   SLIDING)
+    end_page = tl.cdiv(end, BLOCK_SIZE)
+    pages = _chunk_pages(block_tables_ptr, seq, stride_bt, start // BLOCK_SIZE, end_page,
+                         PAGES_PER_CHUNK)
+    wait_then_release(USE_PDL)
     offs_g = tl.arange(0, GROUP_P2)
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + offs_g
@@ -96,17 +119,18 @@ def _decode_split_kernel(
     l_i = tl.zeros([GROUP_P2], tl.float32)
     acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
     # The split's block-table entries come PAGES_PER_CHUNK at a time into registers, so the row
-    # held stays small at any context length; each chunk's tiles are one pipelined loop.
-    offs_p = tl.arange(0, PAGES_PER_CHUNK)
-    end_page = tl.cdiv(end, BLOCK_SIZE)
+    # held stays small at any context length; each chunk's tiles are one pipelined loop. The
+    # first chunk came before the wait; each pass asks for the next before its tiles (past
+    # the end: no bytes).
     for page0 in range(start // BLOCK_SIZE, end_page, PAGES_PER_CHUNK):
-        pages = tl.load(block_tables_ptr + seq * stride_bt + page0 + offs_p,
-                        mask=page0 + offs_p < end_page, other=0)
+        next_pages = _chunk_pages(block_tables_ptr, seq, stride_bt, page0 + PAGES_PER_CHUNK,
+                                  end_page, PAGES_PER_CHUNK)
         m_i, l_i, acc = _attend_chunk(
             q, k_cache_ptr, v_cache_ptr, pages, page0, tl.maximum(start, page0 * BLOCK_SIZE),
             tl.minimum(end, (page0 + PAGES_PER_CHUNK) * BLOCK_SIZE), lo, kv_head, m_i, l_i, acc,
             qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PAGES_PER_CHUNK, PRECISION,
             SLIDING)
+        pages = next_pages
     if SINGLE_SPLIT:  # context_len 0 (a padding row) keeps l = 0 and acc = 0: zeros out
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
         tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
