@@ -93,6 +93,7 @@ class TorchBackend:
     # starts its programs in batch order, so long sequences start first and short ones fill in
     # behind; free for torch, whose CPU tests then run the row order the Triton kernels get.
     longest_first = True
+    decodes_new_token = False  # decode takes a NewToken (TritonBackend)
 
     def __init__(self, fast_path: FastPath = FastPath()) -> None:
         from nanovllm.kernels.attention import reference as attention
@@ -141,11 +142,14 @@ class TorchBackend:
                              k_scale=kv_scales[0], v_scale=kv_scales[1])
 
     def decode(self, q, k_cache, v_cache, ctx: Context, scale: float,
-               sliding_window: int | None, kv_scales: tuple[float, float] = (1.0, 1.0)
-               ) -> torch.Tensor:
+               sliding_window: int | None, kv_scales: tuple[float, float] = (1.0, 1.0),
+               new_token=None) -> torch.Tensor:
+        """Decode attention; new_token (kernels.attention.new_token.NewToken, only where
+        decodes_new_token): q, k, v as qkv_proj gives them, normed, rotated and written here."""
+        extra = {} if new_token is None else {"new_token": new_token}
         return self._decode(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables, scale,
                             sliding_window=sliding_window, k_scale=kv_scales[0],
-                            v_scale=kv_scales[1])
+                            v_scale=kv_scales[1], **extra)
 
 
 class TritonBackend(TorchBackend):
@@ -153,6 +157,7 @@ class TritonBackend(TorchBackend):
 
     name = "triton"
     cuda_graphs = True
+    decodes_new_token = True  # a lone token's q/k norm, RoPE and K/V write inside decode
 
     def __init__(self, fast_path: FastPath = FastPath()) -> None:
         from nanovllm.kernels.attention import decode, prefill, store_kvcache

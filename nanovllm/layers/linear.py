@@ -147,6 +147,18 @@ class LinearBase(nn.Module):
         return not ctx.is_prefill and ctx.slot_mapping is not None \
             and x.shape[0] <= self.fused_decode_max_tokens
 
+    def runs_gemv_rows(self, x: torch.Tensor) -> bool:
+        """Whether gemv_rows takes x: one token of a decode step bound to the fused kernels,
+        no LoRA, a weight the whole-row GEMV takes (kernels.linear.gemv)."""
+        from nanovllm.kernels.linear.gemv import runs_gemv_rows
+        return x.shape[0] == 1 and self.runs_fused_decode(x) and self.lora_slots() is None \
+            and runs_gemv_rows(x, self.weight, **self.fused_scales())
+
+    def gemv_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T (+ bias), [1, out], as whole-row GEMVs, for a step runs_gemv_rows takes."""
+        from nanovllm.kernels.linear.gemv import gemv_rows
+        return gemv_rows(x, self.weight, self.bias, self.fused_scales().get("w_scale"))
+
     def shard(self, *shard_id) -> tuple[Rows, Cols]:
         """Where this rank's part of a checkpoint tensor lies and lands (load_shard's ranges)."""
         if self.tp_size == 1 or self.tp_dim is None:

@@ -15,7 +15,10 @@ from torch import nn  # noqa: E402
 from benchmarks.random_checkpoints import build_checkpoint  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.kernels.linear import fused as fused_linear  # noqa: E402
-from nanovllm.kernels.linear import split_k  # noqa: E402
+from nanovllm.kernels.linear import (
+    gemv,  # noqa: E402
+    split_k,  # noqa: E402
+)
 from nanovllm.layers.backends import (  # noqa: E402
     FUSED_GATE_UP_MAX_TOKENS,
     FUSED_QKV_MAX_TOKENS,
@@ -84,7 +87,8 @@ def spy_gemv(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         monkeypatch.setattr(module, name, call)
     spy(split_k, "gemv_partials")
     spy(fused_linear, "gate_up_silu_gemv")
-    spy(fused_linear, "gemv_rows")
+    spy(fused_linear, "gemv_rows")  # qkv_rope_store's (backends without decodes_new_token)
+    spy(gemv, "gemv_rows")  # LinearBase.gemv_rows: Triton's decode takes the raw q, k, v
     return calls
 
 
@@ -119,11 +123,11 @@ def test_fused_decode_same_tokens(checkpoint: str, monkeypatch: pytest.MonkeyPat
         _rebind(llm, False)
         assert not any(m.fused_decode_max_tokens for m in projections)
         want = [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
-        calls = spy_fused_kernels(monkeypatch)
+        fused_calls = spy_fused_kernels(monkeypatch)
         _rebind(llm, True)
         assert all(m.fused_decode_max_tokens == LIMITS[type(m)] for m in projections)
         got = [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
-        calls = list(calls)  # the three sequences' steps
+        calls = list(fused_calls)  # the three sequences' steps
         # a lone sequence: its projections run kernels.linear.gemv (no LoRA here)
         gemv_calls = spy_gemv(monkeypatch)
         got_one = llm.generate(prompts[1:2], params, use_tqdm=False)[0]["token_ids"]
@@ -135,6 +139,8 @@ def test_fused_decode_same_tokens(checkpoint: str, monkeypatch: pytest.MonkeyPat
     assert gemv_calls.count("gemv_partials") == 5 * (2 + mlps)  # o_proj, down_proj
     assert gemv_calls.count("gate_up_silu_gemv") == 5 * mlps
     assert gemv_calls.count("gemv_rows") == 5 * 2  # qkv_proj: 5 steps, 2 layers
+    # ... its q/k norm, RoPE and K/V write inside the Triton decode kernel (new_token)
+    assert "qkv_rope_store" not in fused_calls[len(calls):]
     # 5 decode steps of the 3 sequences (one batch), 2 layers, each kernel (split-K: o and down)
     assert calls.count("qkv_rope_store") == 5 * 2
     assert calls.count("gate_up_silu") == 5 * mlps

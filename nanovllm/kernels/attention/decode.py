@@ -8,6 +8,13 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.attention import prefill  # dot_precision looked up per call (tests patch)
+from nanovllm.kernels.attention.new_token import (
+    NewToken,
+    new_key_step,
+    new_token_args,
+    new_token_inputs,
+    query_tile,
+)
 from nanovllm.kernels.attention.prefill import LOG2E, check_shapes, softmax_step
 from nanovllm.kernels.attention.reference import check_sliding_window
 from nanovllm.kernels.pdl import launch_options, wait_then_release
@@ -65,7 +72,7 @@ def _chunk_pages(block_tables_ptr, seq, stride_bt, page0, end_page,
 @triton.jit
 def _split_bounds(context_lens_ptr, seq, split, num_splits, window, BLOCK_N: tl.constexpr,
                   SLIDING: tl.constexpr):
-    """(lo, start, end) of one split: the query (position ctx - 1) sees keys lo..ctx-1,
+    """(lo, start, end, ctx) of one split: the query (position ctx - 1) sees keys lo..ctx-1,
     spread evenly over all splits in whole key tiles (tiles never cross pages) from lo rounded
     down to a tile. The context lengths are the step's inputs, which no kernel of the step
     writes: read before the PDL wait."""
@@ -77,7 +84,16 @@ def _split_bounds(context_lens_ptr, seq, split, num_splits, window, BLOCK_N: tl.
     split_len = (ctx - first + num_splits * BLOCK_N - 1) // (num_splits * BLOCK_N) * BLOCK_N
     start = first + split * split_len
     end = tl.minimum(start + split_len, ctx)
-    return lo, start, end
+    return lo, start, end, ctx
+
+
+@triton.jit
+def _cached_end(end, ctx, NEW_KV: tl.constexpr):
+    """The end of a split's keys read from the cache: with NEW_KV the last key is the new one,
+    taken from registers (new_token.new_key_step)."""
+    if NEW_KV:
+        end = tl.minimum(end, ctx - 1)
+    return end
 
 
 # num_splits is a plain argument, not specialised: the split count depends on the batch size,
@@ -87,37 +103,50 @@ def _split_bounds(context_lens_ptr, seq, split, num_splits, window, BLOCK_N: tl.
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, context_lens_ptr, block_tables_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_qb, stride_qh, stride_bt, stride_ob,
-    stride_oh, qk_scale, v_scale, num_splits, window,
+    stride_oh, qk_scale, v_scale, num_splits, window, k_new_ptr, v_new_ptr, stride_nb, pos_ptr,
+    slot_ptr, cs_ptr, stride_cs, qn_w_ptr, kn_w_ptr, eps, k_inv_scale, v_inv_scale,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGES_PER_CHUNK: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr, FP16_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, FP16_DOT: tl.constexpr, NEW_KV: tl.constexpr,
+    NORM: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """Grid (Hkv, B, splits): all GROUP query heads of one kv head over one slice of the keys."""
+    """Grid (Hkv, B, splits): all GROUP query heads of one kv head over one slice of the keys.
+    With NEW_KV, q, k_new and v_new are qkv_proj's raw output: the kernel normalises and
+    rotates them and writes the new K/V itself (kernels.attention.new_token)."""
     # kv heads vary fastest: the programs running together read neighbouring bytes of each
     # cache row ([slot, kv head, dim]), which the H200 streams measurably faster.
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)
     # The split's bounds and first block-table chunk: the step's inputs (kernels.pdl)
-    lo, start, end = _split_bounds(context_lens_ptr, seq, split, num_splits, window, BLOCK_N,
-                                   SLIDING)
-    end_page = tl.cdiv(end, BLOCK_SIZE)
+    lo, start, end, ctx = _split_bounds(context_lens_ptr, seq, split, num_splits, window,
+                                        BLOCK_N, SLIDING)
+    end_cached = _cached_end(end, ctx, NEW_KV)
+    end_page = tl.cdiv(end_cached, BLOCK_SIZE)
     pages = _chunk_pages(block_tables_ptr, seq, stride_bt, start // BLOCK_SIZE, end_page,
                          PAGES_PER_CHUNK)
+    cos, sin, slot, qw1, qw2, kw1, kw2 = new_token_inputs(
+        pos_ptr, slot_ptr, cs_ptr, stride_cs, qn_w_ptr, kn_w_ptr, seq, HEAD_DIM, NORM, NEW_KV)
     wait_then_release(USE_PDL)
     offs_g = tl.arange(0, GROUP_P2)
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
     # GQA packing: [GROUP_P2, D] queries (padded to >= 16 rows for tl.dot) share each K/V load.
-    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None], other=0.0)
+    q = query_tile(q_ptr, seq, stride_qb, stride_qh, heads, g_mask, cos, sin, qw1, qw2, eps,
+                   GROUP_P2, HEAD_DIM, NORM, NEW_KV)
     if FP16_DOT:  # an FP8 cache widens to fp16 in one instruction per pair, exactly
         q = q.to(tl.float16)
     m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_P2], tl.float32)
     acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
+    if NEW_KV:
+        if (start <= ctx - 1) & (ctx - 1 < end):  # this split holds the new token's position
+            m_i, l_i, acc = new_key_step(
+                q, m_i, l_i, acc, k_new_ptr, v_new_ptr, seq * stride_nb + kv_head * HEAD_DIM,
+                k_cache_ptr, v_cache_ptr, slot, kv_head, cos, sin, kw1, kw2, eps, k_inv_scale,
+                v_inv_scale, qk_scale, NUM_KV_HEADS, HEAD_DIM, PRECISION, NORM, FP8)
     # The split's block-table entries come PAGES_PER_CHUNK at a time into registers, so the row
     # held stays small at any context length; each chunk's tiles are one pipelined loop. The
     # first chunk came before the wait; each pass asks for the next before its tiles (past
@@ -127,7 +156,8 @@ def _decode_split_kernel(
                                   end_page, PAGES_PER_CHUNK)
         m_i, l_i, acc = _attend_chunk(
             q, k_cache_ptr, v_cache_ptr, pages, page0, tl.maximum(start, page0 * BLOCK_SIZE),
-            tl.minimum(end, (page0 + PAGES_PER_CHUNK) * BLOCK_SIZE), lo, kv_head, m_i, l_i, acc,
+            tl.minimum(end_cached, (page0 + PAGES_PER_CHUNK) * BLOCK_SIZE), lo, kv_head, m_i,
+            l_i, acc,
             qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PAGES_PER_CHUNK, PRECISION,
             SLIDING)
         pages = next_pages
@@ -197,9 +227,11 @@ def decode_attention_triton(
     sliding_window: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    new_token: NewToken | None = None,
 ) -> torch.Tensor:
     """Flash-decoding: q [B, H, D] (one query per sequence) over its paged context (an FP8 cache
-    dequantized with k_scale, v_scale); 0 -> zeros."""
+    dequantized with k_scale, v_scale); 0 -> zeros. With new_token, q and its k and v are
+    qkv_proj's raw output: q/k norm, RoPE and the K/V write happen inside (new_token)."""
     window = check_sliding_window(sliding_window)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -230,7 +262,8 @@ def decode_attention_triton(
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         PAGES_PER_CHUNK=_PAGES_PER_CHUNK, PRECISION=prefill.dot_precision(q.dtype),
         SLIDING=window > 0, SINGLE_SPLIT=num_splits == 1,
-        FP16_DOT=fp8 and q.dtype == torch.bfloat16,
+        FP16_DOT=fp8 and q.dtype == torch.bfloat16, FP8=fp8,
+        **new_token_args(new_token, q, (k_scale, v_scale)),
         num_warps=_FP8_NUM_WARPS if fp8 else 4, num_stages=_FP8_NUM_STAGES if fp8 else 2,
         **launch_options(),
     )

@@ -1,0 +1,96 @@
+"""Decode attention taking qkv_proj's raw output (kernels.attention.new_token) against
+qk_norm_rope writing the K/V, then decode attention over the cache (TRITON_INTERPRET on CPU)."""
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # the interpreter's tiny dots (see
+import torch  # noqa: E402                           # test_attention)
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
+
+import pytest  # noqa: E402
+
+from nanovllm.kernels.attention.decode import decode_attention_triton  # noqa: E402
+from nanovllm.kernels.attention.kv_quant import FP8_DTYPE  # noqa: E402
+from nanovllm.kernels.attention.new_token import NewToken  # noqa: E402
+from nanovllm.kernels.attention.qk_norm_rope import qk_norm_rope  # noqa: E402
+from nanovllm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KV_HEADS, BLOCK, MAX_POS = 2, 16, 512
+
+
+def _case(lens: list[int], group: int, head_dim: int, dtype: torch.dtype, cache_dtype):
+    """(raw qkv [B, H + 2 Hkv, D], caches of garbage, block tables, context lengths,
+    positions, slots): sequence b's new token at position lens[b] - 1 (a padding row: 0)."""
+    batch = len(lens)
+    per_seq = [max(1, -(-n // BLOCK)) for n in lens]
+    ids = torch.randperm(sum(per_seq) + 2).tolist()
+    tables = torch.zeros(batch, max(per_seq) + 1, dtype=torch.int32)
+    for b, n in enumerate(per_seq):
+        tables[b, :n] = torch.tensor(ids[:n], dtype=torch.int32)
+        ids = ids[n:]
+    shape = (sum(per_seq) + 2, BLOCK, KV_HEADS, head_dim)
+    k_cache, v_cache = (torch.randn(shape, device=DEVICE).to(cache_dtype) for _ in range(2))
+    positions = torch.tensor([max(n - 1, 0) for n in lens], device=DEVICE)
+    slots = torch.tensor([int(tables[b, (n - 1) // BLOCK]) * BLOCK + (n - 1) % BLOCK if n else -1
+                          for b, n in enumerate(lens)], device=DEVICE)
+    qkv = (torch.randn(batch, (group + 2) * KV_HEADS, head_dim, device=DEVICE) * 3).to(dtype)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    return qkv, k_cache, v_cache, tables.to(DEVICE), ctx, positions, slots
+
+
+CASES = [  # (lens, group, head_dim, norm, num_splits, window, fp8 cache)
+    ([1, 40, 17, 0], 2, 32, True, 1, None, False),
+    ([1, 40, 17, 0], 2, 32, True, 3, None, False),
+    ([70, 33, 5], 4, 16, False, 5, None, False),
+    ([70, 33, 5], 1, 32, True, 2, 20, False),
+    ([40, 9, 0], 2, 32, True, 2, None, True),
+]
+
+
+@pytest.mark.parametrize("lens,group,head_dim,norm,num_splits,window,fp8", CASES)
+def test_new_token_inside_decode(lens, group, head_dim, norm, num_splits, window, fp8) -> None:
+    """Same output (to the online softmax's order) and the same cache bytes, the new token's
+    slot (garbage before) written by the kernel, padding rows untouched and zero."""
+    torch.manual_seed(len(lens) + num_splits)
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    qkv, k_cache, v_cache, tables, ctx, positions, slots = _case(
+        lens, group, head_dim, dtype, FP8_DTYPE if fp8 else dtype)
+    q, k, v = qkv.split([group * KV_HEADS, KV_HEADS, KV_HEADS], dim=1)
+    weights = [(torch.rand(head_dim, device=DEVICE) + 0.5).to(dtype) if norm else None
+               for _ in range(2)]
+    cos_sin = RotaryEmbedding(head_dim, MAX_POS, {"rope_type": "default", "rope_theta": 1e4}
+                              ).to(DEVICE).cos_sin_cache
+    scales = (0.5, 2.0) if fp8 else (1.0, 1.0)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    q_ref, _ = qk_norm_rope(q, k, positions, *weights, cos_sin, 1e-5,
+                            (v, k_ref, v_ref, slots), scales)
+    args = (tables, 0.3, num_splits, window, *scales)
+    want = decode_attention_triton(q_ref, k_ref, v_ref, ctx, *args)
+    got = decode_attention_triton(q, k_cache, v_cache, ctx, *args, new_token=NewToken(
+        k, v, positions, slots, cos_sin, *weights, 1e-5))
+    atol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, want, atol=atol, rtol=atol)
+    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+    for b, n in enumerate(lens):
+        if n == 0:
+            assert torch.equal(got[b], torch.zeros_like(got[b]))
+
+
+def test_a_wrong_new_key_shows() -> None:
+    """The new key weighs in the output: another k gives another result (the test can fail)."""
+    qkv, k_cache, v_cache, tables, ctx, positions, slots = _case([3, 2], 2, 16, torch.float32,
+                                                                  torch.float32)
+    cos_sin = RotaryEmbedding(16, MAX_POS, {"rope_type": "default", "rope_theta": 1e4}
+                              ).to(DEVICE).cos_sin_cache
+
+    def run(qkv):
+        q, k, v = qkv.split([2 * KV_HEADS, KV_HEADS, KV_HEADS], dim=1)
+        return decode_attention_triton(q, k_cache.clone(), v_cache.clone(), ctx, tables, 0.3,
+                                       new_token=NewToken(k, v, positions, slots, cos_sin,
+                                                          None, None, 0.0))
+    other = qkv.clone()
+    other[:, 2 * KV_HEADS:3 * KV_HEADS] += 1  # another new key
+    assert not torch.allclose(run(qkv), run(other), atol=1e-3)
