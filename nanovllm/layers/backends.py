@@ -142,14 +142,11 @@ class TorchBackend:
                              k_scale=kv_scales[0], v_scale=kv_scales[1])
 
     def decode(self, q, k_cache, v_cache, ctx: Context, scale: float,
-               sliding_window: int | None, kv_scales: tuple[float, float] = (1.0, 1.0),
-               new_token=None) -> torch.Tensor:
-        """Decode attention; new_token (kernels.attention.new_token.NewToken, only where
-        decodes_new_token): q, k, v as qkv_proj gives them, normed, rotated and written here."""
-        extra = {} if new_token is None else {"new_token": new_token}
+               sliding_window: int | None, kv_scales: tuple[float, float] = (1.0, 1.0)
+               ) -> torch.Tensor:
         return self._decode(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables, scale,
                             sliding_window=sliding_window, k_scale=kv_scales[0],
-                            v_scale=kv_scales[1], **extra)
+                            v_scale=kv_scales[1])
 
 
 class TritonBackend(TorchBackend):
@@ -173,6 +170,15 @@ class TritonBackend(TorchBackend):
         self.store_kvcache = store_kvcache.store_kvcache
         self._prefill = prefill.prefill_attention_triton  # same signatures
         self._decode = decode.decode_attention_triton
+
+    def decode(self, q, k_cache, v_cache, ctx: Context, scale: float,
+               sliding_window: int | None, kv_scales: tuple[float, float] = (1.0, 1.0),
+               new_token=None) -> torch.Tensor:
+        """Decode attention; with new_token (kernels.attention.new_token.NewToken) q, k and v
+        are qkv_proj's output, normalised, rotated and written to the cache inside."""
+        return self._decode(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables, scale,
+                            sliding_window=sliding_window, k_scale=kv_scales[0],
+                            v_scale=kv_scales[1], new_token=new_token)
 
 
 class FlashAttnBackend(TorchBackend):

@@ -48,7 +48,9 @@ def _attend_chunk(q, k_cache_ptr, v_cache_ptr, pages, page0, lo_n, hi_n, lo, kv_
         page = tl.sum(tl.where(offs_p == start_n // BLOCK_SIZE - page0, pages, 0))
         rows = page.to(tl.int64) * BLOCK_SIZE + start_n % BLOCK_SIZE + offs_n
         visible = start_n + offs_n < hi_n
-        if SLIDING:  # only the first tile holds keys before lo; each tile keeps >= 1 visible
+        # Only the first tile holds keys before lo, and each keeps >= 1 visible (with a new
+        # token, one after its step: _decode_split_kernel)
+        if SLIDING:
             visible &= start_n + offs_n >= lo
         cache_offs = rows * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
         k_t = tl.load(k_cache_ptr + cache_offs[None, :] + offs_d[:, None],
@@ -134,7 +136,7 @@ def _decode_split_kernel(
     heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
     # GQA packing: [GROUP_P2, D] queries (padded to >= 16 rows for tl.dot) share each K/V load.
-    q = query_tile(q_ptr, seq, stride_qb, stride_qh, heads, g_mask, cos, sin, qw1, qw2, eps,
+    q = query_tile(q_ptr, seq, stride_qb, stride_qh, kv_head, cos, sin, qw1, qw2, eps, GROUP,
                    GROUP_P2, HEAD_DIM, NORM, NEW_KV)
     if FP16_DOT:  # an FP8 cache widens to fp16 in one instruction per pair, exactly
         q = q.to(tl.float16)
@@ -142,7 +144,9 @@ def _decode_split_kernel(
     l_i = tl.zeros([GROUP_P2], tl.float32)
     acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
     if NEW_KV:
-        if (start <= ctx - 1) & (ctx - 1 < end):  # this split holds the new token's position
+        # The split holding the new position takes its key first: a window of 1 then leaves
+        # its cache tiles no visible key, which the softmax takes only after a finite max.
+        if (start <= ctx - 1) & (ctx - 1 < end):
             m_i, l_i, acc = new_key_step(
                 q, m_i, l_i, acc, k_new_ptr, v_new_ptr, seq * stride_nb + kv_head * HEAD_DIM,
                 k_cache_ptr, v_cache_ptr, slot, kv_head, cos, sin, kw1, kw2, eps, k_inv_scale,

@@ -14,8 +14,13 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.attention.prefill import softmax_step
-from nanovllm.kernels.attention.qk_norm_rope import _norm_rope, _token_inputs
-from nanovllm.kernels.attention.store_kvcache import quantize_kv
+from nanovllm.kernels.attention.qk_norm_rope import (
+    _load_heads,
+    _norm_rope,
+    _token_inputs,
+    check_rope_args,
+    store_kv_heads,
+)
 
 
 class NewToken(NamedTuple):
@@ -55,40 +60,22 @@ def _join_halves(x1, x2, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def query_tile(q_ptr, seq, stride_qb, stride_qh, heads, g_mask, cos, sin, w1, w2, eps,
-               GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr,
-               NEW_KV: tl.constexpr):
-    """seq's query heads `heads` [GROUP_P2, D] (zeros where not g_mask): with NEW_KV the raw q
+def query_tile(q_ptr, seq, stride_qb, stride_qh, kv_head, cos, sin, w1, w2, eps,
+               GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+               NORM: tl.constexpr, NEW_KV: tl.constexpr):
+    """seq's GROUP query heads of kv_head [GROUP_P2, D] (padding rows 0): with NEW_KV the raw q
     normalised and rotated, as qk_norm_rope writes it; else q as given."""
-    row = q_ptr + seq * stride_qb + heads[:, None] * stride_qh
+    heads = q_ptr + seq * stride_qb + kv_head * GROUP * stride_qh
     if NEW_KV:
-        HALF: tl.constexpr = HEAD_DIM // 2
-        lo = tl.arange(0, HALF)[None, :]
-        q1 = tl.load(row + lo, mask=g_mask[:, None], other=0.0)
-        q2 = tl.load(row + HALF + lo, mask=g_mask[:, None], other=0.0)
+        q1, q2 = _load_heads(heads, stride_qh, GROUP, GROUP_P2, HEAD_DIM)
         q1, q2 = _norm_rope(q1, q2, w1, w2, cos, sin, eps, q_ptr.dtype.element_ty, HEAD_DIM,
                             NORM, 1)
         q = _join_halves(q1, q2, GROUP_P2, HEAD_DIM)
     else:
-        q = tl.load(row + tl.arange(0, HEAD_DIM)[None, :], mask=g_mask[:, None], other=0.0)
+        rows = tl.arange(0, GROUP_P2)[:, None]
+        q = tl.load(heads + rows * stride_qh + tl.arange(0, HEAD_DIM)[None, :],
+                    mask=rows < GROUP, other=0.0)
     return q
-
-
-@triton.jit
-def _store_halves(cache_ptr, slot, kv_head, x1, x2, inv_scale, NUM_KV_HEADS: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, FP8: tl.constexpr):
-    """x's halves [1, D/2] as the cache holds them (returned), stored to the cache row of
-    (slot, kv_head) unless slot < 0 (a padding row)."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    lo = tl.arange(0, HALF)[None, :]
-    dtype = cache_ptr.dtype.element_ty
-    c1 = quantize_kv(x1, inv_scale, dtype, FP8)
-    c2 = quantize_kv(x2, inv_scale, dtype, FP8)
-    dst = cache_ptr + (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM + lo
-    mask = lo < tl.where(slot >= 0, HALF, 0)  # one comparison (the interpreter's bool & bool)
-    tl.store(dst, c1, mask=mask)
-    tl.store(dst + HALF, c2, mask=mask)
-    return c1, c2
 
 
 @triton.jit
@@ -96,24 +83,22 @@ def new_key_step(q, m_i, l_i, acc, k_ptr, v_ptr, row, k_cache_ptr, v_cache_ptr, 
                  cos, sin, w1, w2, eps, k_inv_scale, v_inv_scale, qk_scale,
                  NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
                  NORM: tl.constexpr, FP8: tl.constexpr):
-    """The new token's K/V of kv_head (raw k at k_ptr + row, v at v_ptr + row) to its cache
-    slot, k normalised and rotated, and its online-softmax step: a 16-key tile whose key 0 is
-    it, as the cache holds it, through softmax_step as a cache tile goes."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    lo = tl.arange(0, HALF)[None, :]
-    k1 = tl.load(k_ptr + row + lo)
-    k2 = tl.load(k_ptr + row + HALF + lo)
-    v1 = tl.load(v_ptr + row + lo)
-    v2 = tl.load(v_ptr + row + HALF + lo)
+    """The new token's K/V of kv_head (raw, at k_ptr + row and v_ptr + row) to its cache
+    slot, k normalised and rotated, and its online-softmax step."""
+    k1, k2 = _load_heads(k_ptr + row, 0, 1, 1, HEAD_DIM)
+    v1, v2 = _load_heads(v_ptr + row, 0, 1, 1, HEAD_DIM)
     k1, k2 = _norm_rope(k1, k2, w1, w2, cos, sin, eps, k_ptr.dtype.element_ty, HEAD_DIM, NORM, 1)
-    k1, k2 = _store_halves(k_cache_ptr, slot, kv_head, k1, k2, k_inv_scale, NUM_KV_HEADS,
-                           HEAD_DIM, FP8)
-    v1, v2 = _store_halves(v_cache_ptr, slot, kv_head, v1, v2, v_inv_scale, NUM_KV_HEADS,
-                           HEAD_DIM, FP8)
-    first = (tl.arange(0, 16) == 0)[None, :]  # [1, 16]: key 0 of the tile
+    head = tl.full([1, 1], kv_head, tl.int32)
+    k1, k2 = store_kv_heads(k_cache_ptr, slot, head, k1, k2, k_inv_scale, NUM_KV_HEADS,
+                            HEAD_DIM, FP8)
+    v1, v2 = store_kv_heads(v_cache_ptr, slot, head, v1, v2, v_inv_scale, NUM_KV_HEADS,
+                            HEAD_DIM, FP8)
+    # The key as the cache holds it, in a 16-key tile of which it is key 0, through
+    # softmax_step as a cache tile goes (tl.dot wants 16 keys)
+    first = (tl.arange(0, 16) == 0)[None, :]  # [1, 16]
     k = tl.trans(_join_halves(k1, k2, 1, HEAD_DIM)).to(q.dtype)  # [D, 1]
     v = _join_halves(v1, v2, 1, HEAD_DIM).to(q.dtype)  # [1, D]
-    k_t = k * first.to(q.dtype)  # [D, 16], zeros but key 0
+    k_t = k * first.to(q.dtype)  # [D, 16]
     v_t = tl.trans(first).to(q.dtype) * v  # [16, D]
     return softmax_step(q, k_t, v_t, first, m_i, l_i, acc, qk_scale, PRECISION)
 
@@ -126,10 +111,11 @@ def new_token_args(new: NewToken | None, q: torch.Tensor, kv_scales: tuple[float
                     stride_cs=0, qn_w_ptr=q, kn_w_ptr=q, eps=0.0, k_inv_scale=1.0,
                     v_inv_scale=1.0, NEW_KV=False, NORM=False)
     batch, num_kv_heads, head_dim = new.k.shape
+    check_rope_args(head_dim, q.dtype, new.q_norm, new.k_norm, new.cos_sin_cache)
     assert new.v.shape == new.k.shape and new.k.stride()[1:] == (head_dim, 1)
     assert new.v.stride() == new.k.stride() and q.stride(2) == 1 and q.stride(1) == head_dim
+    assert new.k.dtype == new.v.dtype == q.dtype
     assert new.positions.shape == new.slot_mapping.shape == (batch,)
-    assert new.cos_sin_cache.dtype == torch.float32 and new.cos_sin_cache.stride(-1) == 1
     norm = new.q_norm is not None
     return dict(k_new_ptr=new.k, v_new_ptr=new.v, stride_nb=new.k.stride(0),
                 pos_ptr=new.positions, slot_ptr=new.slot_mapping, cs_ptr=new.cos_sin_cache,

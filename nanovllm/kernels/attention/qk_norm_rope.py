@@ -109,18 +109,42 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, p
     tl.store(dst, k1, mask=mask)
     tl.store(dst + HALF, k2, mask=mask)
     if STORE_KV:  # store_kvcache fused in: saves a launch per layer
-        # slot < 0 marks a padding row. The cache is contiguous [num_slots, Hkv, D]; int64, it
-        # can exceed 2^31 elements.
-        # one comparison, not mask & (slot >= 0): triton 3.9's interpreter makes that int32
-        mask = heads < tl.where(slot >= 0, NUM_KV_HEADS, 0)
-        offs = (slot * NUM_KV_HEADS + heads) * HEAD_DIM + lo
-        kv_dtype = k_cache_ptr.dtype.element_ty
-        tl.store(k_cache_ptr + offs, quantize_kv(k1, k_inv_scale, kv_dtype, FP8), mask=mask)
-        tl.store(k_cache_ptr + offs + HALF, quantize_kv(k2, k_inv_scale, kv_dtype, FP8),
-                 mask=mask)
-        tl.store(v_cache_ptr + offs, quantize_kv(v1, v_inv_scale, kv_dtype, FP8), mask=mask)
-        tl.store(v_cache_ptr + offs + HALF, quantize_kv(v2, v_inv_scale, kv_dtype, FP8),
-                 mask=mask)
+        store_kv_heads(k_cache_ptr, slot, heads, k1, k2, k_inv_scale, NUM_KV_HEADS, HEAD_DIM,
+                       FP8)
+        store_kv_heads(v_cache_ptr, slot, heads, v1, v2, v_inv_scale, NUM_KV_HEADS, HEAD_DIM,
+                       FP8)
+
+
+@triton.jit
+def store_kv_heads(cache_ptr, slot, heads, x1, x2, inv_scale, NUM_KV_HEADS: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, FP8: tl.constexpr):
+    """The halves [heads, D/2] of x as the cache holds them (returned; FP8: x / scale rounded),
+    stored to cache rows (slot, heads); heads from NUM_KV_HEADS and slot < 0 (a padding row)
+    are not stored. The cache is contiguous [num_slots, Hkv, D]: int64 offsets past 2^31."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    dtype = cache_ptr.dtype.element_ty
+    c1 = quantize_kv(x1, inv_scale, dtype, FP8)
+    c2 = quantize_kv(x2, inv_scale, dtype, FP8)
+    # one comparison, not mask & (slot >= 0): triton 3.9's interpreter makes that int32
+    mask = heads < tl.where(slot >= 0, NUM_KV_HEADS, 0)
+    dst = cache_ptr + (slot * NUM_KV_HEADS + heads) * HEAD_DIM + tl.arange(0, HALF)[None, :]
+    tl.store(dst, c1, mask=mask)
+    tl.store(dst + HALF, c2, mask=mask)
+    return c1, c2
+
+
+def check_rope_args(head_dim: int, dtype: torch.dtype, q_weight: torch.Tensor | None,
+                    k_weight: torch.Tensor | None, cos_sin_cache: torch.Tensor) -> None:
+    """What the kernels' norm and RoPE take: a power-of-two head_dim, both norm weights (or
+    neither) in the activation dtype, a float32 [positions, head_dim] cos/sin cache."""
+    assert head_dim >= 2 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
+    if q_weight is not None:
+        assert q_weight.dtype == k_weight.dtype == dtype, "weights in the activation dtype"
+        assert q_weight.is_contiguous() and k_weight.is_contiguous()
+    else:
+        assert k_weight is None
+    assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.shape[-1] == head_dim
+    assert cos_sin_cache.stride(-1) == 1
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
@@ -139,16 +163,11 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     num_kv_heads = k.shape[1]
     assert k.shape == (num_tokens, num_kv_heads, head_dim) and k.dtype == q.dtype
     assert q.stride(-1) == 1 and k.stride(-1) == 1, "head_dim must be contiguous"
-    assert head_dim >= 2 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
+    check_rope_args(head_dim, q.dtype, q_weight, k_weight, cos_sin_cache)
+    assert positions.shape == (num_tokens,)
     norm = q_weight is not None
-    if norm:
-        assert q_weight.dtype == k_weight.dtype == q.dtype, "weights in the activation dtype"
-        assert q_weight.is_contiguous() and k_weight.is_contiguous()
-    else:  # unused pointers
-        assert k_weight is None
+    if not norm:  # unused pointers
         q_weight = k_weight = cos_sin_cache
-    assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.shape[-1] == head_dim
-    assert cos_sin_cache.stride(-1) == 1 and positions.shape == (num_tokens,)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if kv_store is None:  # unused pointers: any tensor will do
