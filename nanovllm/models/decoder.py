@@ -115,6 +115,15 @@ class DecoderMLP(nn.Module):
             return self.gate_up_proj.gate_up_silu(x)  # SiLU-and-mul in the GEMM's epilogue
         return self.act_fn(self.gate_up_proj(x))
 
+    def add_norm_gated(self, proj: RowParallelLinear, x: torch.Tensor, residual: torch.Tensor,
+                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gated(norm(proj(x) + residual)), proj(x) + residual)."""
+        # A lone token's gate_up GEMV normalises proj's partials itself: no launch of the norm
+        if proj.runs_fused_decode(x) and self.gate_up_proj.takes_norm(residual, norm):
+            return self.gate_up_proj.norm_gate_up_silu(proj.split_k_partials(x), residual, norm)
+        hidden_states, residual = project_add_norm(proj, x, residual, norm)
+        return self.gated(hidden_states), residual
+
 
 def project_add_norm(proj: RowParallelLinear, x: torch.Tensor, residual: torch.Tensor,
                      norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,7 +139,8 @@ class DecoderLayer(nn.Module):
 
     # Each residual add is fused into the RMSNorm after it, and each o_proj and down_proj into
     # that add (project_add_norm, where split-K partials meet the norm that sums them), so the
-    # norm after a layer runs inside it: DecoderModel runs only the first layer's own.
+    # norm after a layer runs inside it: DecoderModel runs only the first layer's own. A lone
+    # token's post-attention norm runs inside gate_up_proj's GEMV (add_norm_gated).
 
     def __init__(self, config: PretrainedConfig, spec: DecoderSpec, rotary_emb: RotaryEmbedding,
                  layer_idx: int):
@@ -157,12 +167,12 @@ class DecoderLayer(nn.Module):
                 residual: torch.Tensor, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(next_norm(h), h), h = residual + attention + MLP; hidden_states: normed residual."""
         o = self.self_attn.attend(positions, hidden_states)
-        hidden_states, residual = project_add_norm(self.self_attn.o_proj, o, residual,
-                                                   self.post_attention_layernorm)
+        o_proj, norm = self.self_attn.o_proj, self.post_attention_layernorm
         if isinstance(self.mlp, SparseMoeBlock):
+            hidden_states, residual = project_add_norm(o_proj, o, residual, norm)
             return next_norm(self.mlp(hidden_states), residual)
-        return project_add_norm(self.mlp.down_proj, self.mlp.gated(hidden_states), residual,
-                                next_norm)
+        gated, residual = self.mlp.add_norm_gated(o_proj, o, residual, norm)
+        return project_add_norm(self.mlp.down_proj, gated, residual, next_norm)
 
 
 class DecoderModel(nn.Module):

@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from nanovllm.kernels.fused_ops import add_partials_rms_norm  # noqa: E402
 from nanovllm.kernels.linear import fused as fused_linear  # noqa: E402
 from nanovllm.kernels.linear.fp8_gemm import fp8_linear  # noqa: E402
 from nanovllm.kernels.linear.fp8_reference import dequantize_groups, quantize_groups  # noqa: E402
@@ -20,9 +21,11 @@ from nanovllm.kernels.linear.gemv import (  # noqa: E402
     gate_up_silu_gemv,
     gemv_partials,
     gemv_rows,
+    norm_gate_up_silu_gemv,
     runs_gate_up_gemv,
     runs_gemv,
     runs_gemv_rows,
+    runs_norm_gate_up_gemv,
 )
 from nanovllm.kernels.linear.split_k import split_k_linear  # noqa: E402
 from nanovllm.layers.activation import SiluAndMul  # noqa: E402
@@ -102,6 +105,28 @@ def test_gemv_rows(dtype, fmt, rows, cols, bias) -> None:
     if scales is not None:
         wrong = gemv_rows(x, weight, b, scales.flip(0).contiguous()).float()
         assert not torch.allclose(wrong, want, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", ["row-major", "fp8"])
+@pytest.mark.parametrize("inter,hidden,splits", [(192, 1000, 5), (256, 512, 1)])
+def test_norm_gate_up_silu_gemv(dtype, fmt, inter, hidden, splits) -> None:
+    """Equals add_partials_rms_norm then gate_up_silu_gemv bit for bit, the residual too."""
+    torch.manual_seed(inter + splits)
+    weight, scales, _ = _weight(2 * inter, hidden, fmt, dtype)
+    b = torch.randn(2 * inter, device=DEVICE).to(dtype)
+    partials = torch.randn(splits, 1, hidden, device=DEVICE) * 3
+    residual = _x(hidden, dtype)
+    norm_weight = (torch.rand(hidden, device=DEVICE) + 0.5).to(dtype)
+    assert runs_norm_gate_up_gemv(residual, norm_weight, weight, scales)
+    normed, want_res = add_partials_rms_norm(partials, residual, norm_weight, 1e-5)
+    want = gate_up_silu_gemv(normed, weight, b, scales)
+    got, got_res = norm_gate_up_silu_gemv(partials, residual, norm_weight, 1e-5, weight, b,
+                                          scales)
+    assert torch.equal(got_res, want_res) and torch.equal(got, want)
+    other, _ = norm_gate_up_silu_gemv(partials, residual, norm_weight.flip(0).contiguous(),
+                                      1e-5, weight, b, scales)
+    assert not torch.allclose(other, want, atol=3e-2, rtol=3e-2)  # the norm weight is used
 
 
 def test_takes_one_token_of_supported_formats() -> None:

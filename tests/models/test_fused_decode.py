@@ -89,6 +89,7 @@ def spy_gemv(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     spy(fused_linear, "gate_up_silu_gemv")
     spy(fused_linear, "gemv_rows")  # qkv_rope_store's (backends without decodes_new_token)
     spy(gemv, "gemv_rows")  # LinearBase.gemv_rows: Triton's decode takes the raw q, k, v
+    spy(gemv, "norm_gate_up_silu_gemv")
     return calls
 
 
@@ -137,7 +138,9 @@ def test_fused_decode_same_tokens(checkpoint: str, monkeypatch: pytest.MonkeyPat
         llm.shutdown()
     assert got == want and got_one == want_one
     assert gemv_calls.count("gemv_partials") == 5 * (2 + mlps)  # o_proj, down_proj
-    assert gemv_calls.count("gate_up_silu_gemv") == 5 * mlps
+    # gate_up_proj with the norm before it (o_proj's partials summed in its programs)
+    assert gemv_calls.count("norm_gate_up_silu_gemv") == 5 * mlps
+    assert gemv_calls.count("gate_up_silu_gemv") == 0
     assert gemv_calls.count("gemv_rows") == 5 * 2  # qkv_proj: 5 steps, 2 layers
     # ... its q/k norm, RoPE and K/V write inside the Triton decode kernel (new_token)
     assert "qkv_rope_store" not in fused_calls[len(calls):]

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.attention.kv_quant import FP8_DTYPE
+from nanovllm.kernels.fused_ops import load_row, rms_scaled
 from nanovllm.kernels.linear.fused_fp8 import fits_weight
 from nanovllm.kernels.pdl import launch_options, wait_then_release
 
@@ -100,11 +101,41 @@ def _gemv_partials_kernel(w_ptr, x_ptr, s_ptr, part_ptr, N, stride_w, BLOCK_N: t
 
 
 @triton.jit
-def _gate_up_silu_kernel(w_ptr, x_ptr, s_ptr, bias_ptr, out_ptr, K, inter, stride_w,
-                         BLOCK_N: tl.constexpr, K_P2: tl.constexpr, W_SCALE: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
+def _norm_weight(w_ptr, ks, K, PARTIALS: tl.constexpr):
+    """float32 RMSNorm weight w[ks] (zeros past K) when PARTIALS, else zeros (never used)."""
+    if PARTIALS:
+        w = tl.load(w_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+    else:
+        w = tl.zeros(ks.shape, tl.float32)
+    return w
+
+
+@triton.jit
+def _gemv_input(x_ptr, res_ptr, res_out_ptr, norm_w, ks, K, eps, dtype: tl.constexpr,
+                PARTIALS: tl.constexpr):
+    """float32 x [1, K_P2]: x itself, or with PARTIALS RMSNorm(the sum of x's PARTIALS split-K
+    partials + the residual), as add_partials_rms_norm gives it; program 0 then also stores
+    the sum (the next residual)."""
+    mask = ks < K
+    if PARTIALS:
+        h = load_row(x_ptr, res_ptr, 0, ks, mask, 0, 0, K, dtype, True, PARTIALS)
+        if tl.program_id(0) == 0:
+            tl.store(res_out_ptr + ks, h.to(dtype), mask=mask)
+        x, _ = rms_scaled(h, norm_w, eps, K, dtype)
+    else:
+        x = tl.load(x_ptr + ks, mask=mask, other=0.0)
+    return x.to(tl.float32)[None, :]
+
+
+@triton.jit
+def _gate_up_silu_kernel(w_ptr, x_ptr, s_ptr, bias_ptr, out_ptr, K, inter, stride_w, res_ptr,
+                         norm_w_ptr, res_out_ptr, eps, BLOCK_N: tl.constexpr,
+                         K_P2: tl.constexpr, W_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         PARTIALS: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (inter / BLOCK_N,): silu(gate) * up for BLOCK_N columns of one token, all of K in
-    one program (gate rows W[:inter], up rows W[inter:]), rounded as the unfused path."""
+    one program (gate rows W[:inter], up rows W[inter:]), rounded as the unfused path. With
+    PARTIALS, x is the RMSNorm of o_proj's partials plus the residual, normalised by every
+    program for itself: the norm's own launch and its wait go (_gemv_input)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, K_P2)
     g, u = _pair_slices(w_ptr, cols, ks, K, inter, stride_w)
@@ -112,8 +143,10 @@ def _gate_up_silu_kernel(w_ptr, x_ptr, s_ptr, bias_ptr, out_ptr, K, inter, strid
     u_scale = _row_values(s_ptr, inter + cols, W_SCALE)
     g_bias = _row_values(bias_ptr, cols, HAS_BIAS)
     u_bias = _row_values(bias_ptr, inter + cols, HAS_BIAS)
+    norm_w = _norm_weight(norm_w_ptr, ks, K, PARTIALS)
     wait_then_release(USE_PDL)
-    x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)[None, :]
+    dtype = out_ptr.dtype.element_ty
+    x = _gemv_input(x_ptr, res_ptr, res_out_ptr, norm_w, ks, K, eps, dtype, PARTIALS)
     gate = tl.sum(g.to(tl.float32) * x, 1)
     up = tl.sum(u.to(tl.float32) * x, 1)
     if W_SCALE:
@@ -122,7 +155,7 @@ def _gate_up_silu_kernel(w_ptr, x_ptr, s_ptr, bias_ptr, out_ptr, K, inter, strid
     if HAS_BIAS:
         gate += g_bias
         up += u_bias
-    tl.store(out_ptr + cols, silu_and_mul_rounded(gate, up, out_ptr.dtype.element_ty))
+    tl.store(out_ptr + cols, silu_and_mul_rounded(gate, up, dtype))
 
 
 @triton.jit
@@ -216,18 +249,51 @@ def runs_gate_up_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tens
         and _pair_rows(weight.shape[0] // 2, weight.shape[1], weight.element_size()) is not None
 
 
+def _gate_up_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    w_scale: torch.Tensor | None, norm: tuple | None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(gate_up_silu_gemv's output, the residual out with norm = (residual, its RMSNorm's
+    weight, eps), x then the partials)."""
+    inter, k = weight.shape[0] // 2, weight.shape[1]
+    block_n = _pair_rows(inter, k, weight.element_size())
+    like = x if norm is None else norm[0]
+    out = torch.empty(1, inter, dtype=like.dtype, device=x.device)
+    res_out = None if norm is None else torch.empty_like(like)
+    residual, norm_weight, eps = norm or (x, x, 0.0)
+    _gate_up_silu_kernel[(inter // block_n,)](
+        weight, x, weight if w_scale is None else w_scale, weight if bias is None else bias,
+        out, k, inter, weight.stride(0), residual, norm_weight,
+        residual if res_out is None else res_out, eps, BLOCK_N=block_n,
+        K_P2=triton.next_power_of_2(k), W_SCALE=w_scale is not None, HAS_BIAS=bias is not None,
+        PARTIALS=0 if norm is None else x.shape[0], num_warps=4, **launch_options())
+    return out, res_out
+
+
 def gate_up_silu_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       w_scale: torch.Tensor | None = None) -> torch.Tensor:
     """silu(x @ Wg.T + bg) * (x @ Wu.T + bu), [1, I], as kernels.linear.fused.gate_up_silu."""
-    inter, k = weight.shape[0] // 2, weight.shape[1]
-    block_n = _pair_rows(inter, k, weight.element_size())
-    out = torch.empty(1, inter, dtype=x.dtype, device=x.device)
-    _gate_up_silu_kernel[(inter // block_n,)](
-        weight, x, weight if w_scale is None else w_scale, weight if bias is None else bias,
-        out, k, inter, weight.stride(0), BLOCK_N=block_n, K_P2=triton.next_power_of_2(k),
-        W_SCALE=w_scale is not None, HAS_BIAS=bias is not None, num_warps=4,
-        **launch_options())
-    return out
+    return _gate_up_launch(x, weight, bias, w_scale, None)[0]
+
+
+def runs_norm_gate_up_gemv(residual: torch.Tensor, norm_weight: torch.Tensor,
+                           weight: torch.Tensor, w_scale: torch.Tensor | None = None,
+                           w_block=None) -> bool:
+    """Whether norm_gate_up_silu_gemv takes this step: runs_gate_up_gemv's for x shaped like
+    the residual, and a norm weight in its dtype."""
+    return runs_gate_up_gemv(residual, weight, w_scale, w_block) \
+        and norm_weight.shape == residual.shape[1:] and norm_weight.dtype == residual.dtype \
+        and norm_weight.is_contiguous()
+
+
+def norm_gate_up_silu_gemv(partials: torch.Tensor, residual: torch.Tensor,
+                           norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                           bias: torch.Tensor | None, w_scale: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up_silu_gemv(h, ...), the sum) for h = add_partials_rms_norm(partials, residual,
+    norm_weight, eps): the norm computed inside the GEMV's programs, bit for bit."""
+    assert partials.dtype == torch.float32 and partials.is_contiguous()
+    assert partials.shape[1:] == residual.shape and partials.shape[0] <= MAX_PARTIALS
+    return _gate_up_launch(partials, weight, bias, w_scale, (residual, norm_weight, eps))
 
 
 def _rows_per_program(n: int, k: int, elem_bytes: int) -> int | None:
