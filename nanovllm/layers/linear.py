@@ -229,19 +229,23 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         return gate_up_silu(x, self.weight, self.bias, lora=self.lora_slots(),
                             ahead=self.take_lora_ahead(x), **self.fused_scales())
 
-    def takes_norm(self, residual: torch.Tensor, norm: nn.Module) -> bool:
-        """Whether norm_gate_up_silu runs this step: a fused one-token step without LoRA."""
-        from nanovllm.kernels.linear.gemv import runs_norm_gate_up_gemv
+    def runs_norm_gate_up(self, partials: torch.Tensor, residual: torch.Tensor,
+                          norm: nn.Module) -> bool:
+        """Whether norm_gate_up_silu runs this step: fused, one token, no LoRA, and a GEMV
+        that takes norm's sum of partials and residual (kernels.linear.gemv_gate_up)."""
+        from nanovllm.kernels.linear.gemv_gate_up import PendingNorm, runs_norm_gate_up_gemv
+        pending = PendingNorm(partials, residual, norm.weight, norm.eps)
         return self.runs_fused_decode(residual) and self.lora_slots() is None \
-            and runs_norm_gate_up_gemv(residual, norm.weight, self.weight, **self.fused_scales())
+            and runs_norm_gate_up_gemv(pending, self.weight, **self.fused_scales())
 
     def norm_gate_up_silu(self, partials: torch.Tensor, residual: torch.Tensor,
                           norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up_silu(h), the sum) for (h, the sum) = norm.add_partials(partials, residual),
-        the norm computed inside the GEMV (kernels.linear.gemv), for steps takes_norm picks."""
-        from nanovllm.kernels.linear.gemv import norm_gate_up_silu_gemv
-        return norm_gate_up_silu_gemv(partials, residual, norm.weight, norm.eps, self.weight,
-                                      self.bias, self.fused_scales().get("w_scale"))
+        the norm computed inside the GEMV, for steps runs_norm_gate_up takes."""
+        from nanovllm.kernels.linear.gemv_gate_up import PendingNorm, norm_gate_up_silu_gemv
+        pending = PendingNorm(partials, residual, norm.weight, norm.eps)
+        return norm_gate_up_silu_gemv(pending, self.weight, self.bias,
+                                      self.fused_scales().get("w_scale"))
 
     def shard(self, shard_id: int) -> tuple[Rows, Cols]:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size

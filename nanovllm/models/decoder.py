@@ -118,10 +118,14 @@ class DecoderMLP(nn.Module):
     def add_norm_gated(self, proj: RowParallelLinear, x: torch.Tensor, residual: torch.Tensor,
                        norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(gated(norm(proj(x) + residual)), proj(x) + residual)."""
-        # A lone token's gate_up GEMV normalises proj's partials itself: no launch of the norm
-        if proj.runs_fused_decode(x) and self.gate_up_proj.takes_norm(residual, norm):
-            return self.gate_up_proj.norm_gate_up_silu(proj.split_k_partials(x), residual, norm)
-        hidden_states, residual = project_add_norm(proj, x, residual, norm)
+        if not proj.runs_fused_decode(x):
+            hidden_states, residual = norm(proj(x), residual)
+            return self.gated(hidden_states), residual
+        partials = proj.split_k_partials(x)
+        # A lone token's gate_up GEMV may normalise the partials itself: no launch of the norm
+        if self.gate_up_proj.runs_norm_gate_up(partials, residual, norm):
+            return self.gate_up_proj.norm_gate_up_silu(partials, residual, norm)
+        hidden_states, residual = norm.add_partials(partials, residual)
         return self.gated(hidden_states), residual
 
 

@@ -18,13 +18,16 @@ from nanovllm.kernels.linear.fp8_reference import dequantize_groups, quantize_gr
 from nanovllm.kernels.linear.fused import gate_up_silu  # noqa: E402
 from nanovllm.kernels.linear.gemv import (  # noqa: E402
     _partials_tiles,
-    gate_up_silu_gemv,
     gemv_partials,
     gemv_rows,
-    norm_gate_up_silu_gemv,
-    runs_gate_up_gemv,
     runs_gemv,
     runs_gemv_rows,
+)
+from nanovllm.kernels.linear.gemv_gate_up import (  # noqa: E402
+    PendingNorm,
+    gate_up_silu_gemv,
+    norm_gate_up_silu_gemv,
+    runs_gate_up_gemv,
     runs_norm_gate_up_gemv,
 )
 from nanovllm.kernels.linear.split_k import split_k_linear  # noqa: E402
@@ -109,24 +112,40 @@ def test_gemv_rows(dtype, fmt, rows, cols, bias) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fmt", ["row-major", "fp8"])
-@pytest.mark.parametrize("inter,hidden,splits", [(192, 1000, 5), (256, 512, 1)])
+@pytest.mark.parametrize("inter,hidden,splits", [(192, 1000, 4), (256, 512, 1)])
 def test_norm_gate_up_silu_gemv(dtype, fmt, inter, hidden, splits) -> None:
-    """Equals add_partials_rms_norm then gate_up_silu_gemv bit for bit, the residual too."""
+    """Equals add_partials_rms_norm then gate_up_silu_gemv (bit for bit under the interpreter;
+    on a GPU the two kernels may sum the squares in other orders), the residual exactly."""
     torch.manual_seed(inter + splits)
     weight, scales, _ = _weight(2 * inter, hidden, fmt, dtype)
     b = torch.randn(2 * inter, device=DEVICE).to(dtype)
-    partials = torch.randn(splits, 1, hidden, device=DEVICE) * 3
-    residual = _x(hidden, dtype)
     norm_weight = (torch.rand(hidden, device=DEVICE) + 0.5).to(dtype)
-    assert runs_norm_gate_up_gemv(residual, norm_weight, weight, scales)
-    normed, want_res = add_partials_rms_norm(partials, residual, norm_weight, 1e-5)
+    norm = PendingNorm(torch.randn(splits, 1, hidden, device=DEVICE) * 3, _x(hidden, dtype),
+                       norm_weight, 1e-5)
+    assert runs_norm_gate_up_gemv(norm, weight, scales)
+    normed, want_res = add_partials_rms_norm(*norm)
     want = gate_up_silu_gemv(normed, weight, b, scales)
-    got, got_res = norm_gate_up_silu_gemv(partials, residual, norm_weight, 1e-5, weight, b,
-                                          scales)
-    assert torch.equal(got_res, want_res) and torch.equal(got, want)
-    other, _ = norm_gate_up_silu_gemv(partials, residual, norm_weight.flip(0).contiguous(),
-                                      1e-5, weight, b, scales)
+    got, got_res = norm_gate_up_silu_gemv(norm, weight, b, scales)
+    assert torch.equal(got_res, want_res)
+    if DEVICE == "cpu":
+        assert torch.equal(got, want)
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+    other, _ = norm_gate_up_silu_gemv(norm._replace(weight=norm_weight.flip(0).contiguous()),
+                                      weight, b, scales)
     assert not torch.allclose(other, want, atol=3e-2, rtol=3e-2)  # the norm weight is used
+
+
+def test_norm_in_gate_up_only_where_its_reads_are_cheap() -> None:
+    """Every program reads all partials: refused past half the weight's bytes (Llama-3.1-8B
+    bf16: 16 partials of its 4,096-wide hidden state, 2 gate rows a program)."""
+    weight = torch.zeros(2 * 64, 4096, dtype=torch.bfloat16, device=DEVICE)
+    residual = _x(4096, torch.bfloat16)
+    norm_weight = torch.ones(4096, dtype=torch.bfloat16, device=DEVICE)
+
+    def runs(splits: int) -> bool:
+        partials = torch.zeros(splits, 1, 4096, device=DEVICE)
+        return runs_norm_gate_up_gemv(PendingNorm(partials, residual, norm_weight, 1e-5), weight)
+    assert runs(1) and not runs(2) and not runs(16)  # 2 rows x 2 bytes: one 4-byte partial
 
 
 def test_takes_one_token_of_supported_formats() -> None:

@@ -15,10 +15,7 @@ from torch import nn  # noqa: E402
 from benchmarks.random_checkpoints import build_checkpoint  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.kernels.linear import fused as fused_linear  # noqa: E402
-from nanovllm.kernels.linear import (
-    gemv,  # noqa: E402
-    split_k,  # noqa: E402
-)
+from nanovllm.kernels.linear import gemv, gemv_gate_up, split_k  # noqa: E402
 from nanovllm.layers.backends import (  # noqa: E402
     FUSED_GATE_UP_MAX_TOKENS,
     FUSED_QKV_MAX_TOKENS,
@@ -86,10 +83,10 @@ def spy_gemv(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             return fn(*args, **kwargs)
         monkeypatch.setattr(module, name, call)
     spy(split_k, "gemv_partials")
-    spy(fused_linear, "gate_up_silu_gemv")
+    spy(fused_linear, "gate_up_silu_gemv")  # kernels.linear.fused's name for it
     spy(fused_linear, "gemv_rows")  # qkv_rope_store's (backends without decodes_new_token)
     spy(gemv, "gemv_rows")  # LinearBase.gemv_rows: Triton's decode takes the raw q, k, v
-    spy(gemv, "norm_gate_up_silu_gemv")
+    spy(gemv_gate_up, "norm_gate_up_silu_gemv")
     return calls
 
 

@@ -36,11 +36,10 @@ from nanovllm.kernels.linear.fused_fp8 import (
     scaled_dot,
     weight_stages,
 )
-from nanovllm.kernels.linear.gemv import (
+from nanovllm.kernels.linear.gemv import gemv_rows, runs_gemv_rows
+from nanovllm.kernels.linear.gemv_gate_up import (
     gate_up_silu_gemv,
-    gemv_rows,
     runs_gate_up_gemv,
-    runs_gemv_rows,
     silu_and_mul_rounded,
 )
 from nanovllm.kernels.linear.lora import (
@@ -323,7 +322,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  lora: LoRASlots | None = None, ahead: LoRAAhead | None = None) -> torch.Tensor:
     """silu(x @ Wg.T + bg) * (x @ Wu.T + bu), [M, I], for weight [2I, hidden] (gate rows
     first), as gate_up_proj (with its LoRA delta) followed by SiLU-and-mul; FP8 weights as in
-    qkv_rope_store. One token without LoRA runs kernels.linear.gemv's (faster there)."""
+    qkv_rope_store. One token without LoRA runs kernels.linear.gemv_gate_up's (faster there)."""
     if lora is None and runs_gate_up_gemv(x, weight, w_scale, w_block):
         return gate_up_silu_gemv(x, weight, bias, w_scale)
     num_tokens, hidden = x.shape

@@ -1,6 +1,6 @@
-"""One-token decode projections on CUDA cores (GEMV): split_k_linear's partials, gate_up_proj
-with SiLU-and-mul, and whole rows (qkv_proj, an FP8 linear's) for a decode step of a single
-token.
+"""One-token decode projections on CUDA cores (GEMV): split_k_linear's partials and whole rows
+(qkv_proj, an FP8 linear's) for a decode step of a single token; gate_up_proj with
+SiLU-and-mul in kernels.linear.gemv_gate_up.
 
 A one-token step reads each weight once and multiplies it by one row, so the MMA's tiles buy
 nothing there; what bounds it is how early the weight's bytes arrive. Each program here loads
@@ -19,26 +19,14 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.attention.kv_quant import FP8_DTYPE
-from nanovllm.kernels.fused_ops import load_row, rms_scaled
 from nanovllm.kernels.linear.fused_fp8 import fits_weight
 from nanovllm.kernels.pdl import launch_options, wait_then_release
 
 SLICE_BYTES = 16 * 1024  # weight bytes a partials program holds (the probe's best, 16-32 KB)
-PAIR_BYTES = 32 * 1024  # gate + up bytes a SiLU program holds (all of K)
 WHOLE_ROWS_BYTES = SLICE_BYTES  # whole weight rows a gemv_rows program holds (all of K)
 ROW_BYTES = 2048  # the widest K slice of one row a partials program takes
 K_MAJOR_ROWS = 32  # output columns of a k-major program: 64-byte runs of each weight row
 MAX_PARTIALS = 64  # the most splits a GEMV leaves (the norm after sums them in one program)
-
-
-@triton.jit
-def silu_and_mul_rounded(gate, up, dtype: tl.constexpr):
-    """silu(gate) * up in dtype, rounded as the unfused path: each projection, then silu in
-    float32, then the product (gate and up: float32 sums)."""
-    gate = gate.to(dtype).to(tl.float32)
-    up = up.to(dtype).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    return (silu * up).to(dtype)
 
 
 # Loads before the PDL wait, of what no kernel writes (weights, their scales, biases): the
@@ -54,21 +42,14 @@ def _weight_slice(w_ptr, rows, ks, stride_w, K_MAJOR: tl.constexpr):
 
 
 @triton.jit
-def _rows_slice(w_ptr, rows, ks, K, stride_w):
+def rows_slice(w_ptr, rows, ks, K, stride_w):
     """W[rows, ks] of a [N, K] weight, zeros past K."""
     return tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_w + ks[None, :],
                    mask=ks[None, :] < K, other=0.0)
 
 
 @triton.jit
-def _pair_slices(w_ptr, cols, ks, K, inter, stride_w):
-    """(W[cols, ks], W[inter + cols, ks]) of a gate_up weight, zeros past K."""
-    return _rows_slice(w_ptr, cols, ks, K, stride_w), \
-        _rows_slice(w_ptr + inter * stride_w, cols, ks, K, stride_w)
-
-
-@triton.jit
-def _row_values(ptr, rows, PRESENT: tl.constexpr):
+def row_values(ptr, rows, PRESENT: tl.constexpr):
     """float32 ptr[rows] (per-channel scales, a bias) when PRESENT, else zeros (never used)."""
     if PRESENT:
         values = tl.load(ptr + rows).to(tl.float32)
@@ -88,7 +69,7 @@ def _gemv_partials_kernel(w_ptr, x_ptr, s_ptr, part_ptr, N, stride_w, BLOCK_N: t
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = split * K_SPLIT + tl.arange(0, K_SPLIT)
     w = _weight_slice(w_ptr, rows, ks, stride_w, K_MAJOR)
-    scale = _row_values(s_ptr, rows, W_SCALE)
+    scale = row_values(s_ptr, rows, W_SCALE)
     wait_then_release(USE_PDL)
     x = tl.load(x_ptr + ks).to(tl.float32)
     if K_MAJOR:
@@ -101,64 +82,6 @@ def _gemv_partials_kernel(w_ptr, x_ptr, s_ptr, part_ptr, N, stride_w, BLOCK_N: t
 
 
 @triton.jit
-def _norm_weight(w_ptr, ks, K, PARTIALS: tl.constexpr):
-    """float32 RMSNorm weight w[ks] (zeros past K) when PARTIALS, else zeros (never used)."""
-    if PARTIALS:
-        w = tl.load(w_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-    else:
-        w = tl.zeros(ks.shape, tl.float32)
-    return w
-
-
-@triton.jit
-def _gemv_input(x_ptr, res_ptr, res_out_ptr, norm_w, ks, K, eps, dtype: tl.constexpr,
-                PARTIALS: tl.constexpr):
-    """float32 x [1, K_P2]: x itself, or with PARTIALS RMSNorm(the sum of x's PARTIALS split-K
-    partials + the residual), as add_partials_rms_norm gives it; program 0 then also stores
-    the sum (the next residual)."""
-    mask = ks < K
-    if PARTIALS:
-        h = load_row(x_ptr, res_ptr, 0, ks, mask, 0, 0, K, dtype, True, PARTIALS)
-        if tl.program_id(0) == 0:
-            tl.store(res_out_ptr + ks, h.to(dtype), mask=mask)
-        x, _ = rms_scaled(h, norm_w, eps, K, dtype)
-    else:
-        x = tl.load(x_ptr + ks, mask=mask, other=0.0)
-    return x.to(tl.float32)[None, :]
-
-
-@triton.jit
-def _gate_up_silu_kernel(w_ptr, x_ptr, s_ptr, bias_ptr, out_ptr, K, inter, stride_w, res_ptr,
-                         norm_w_ptr, res_out_ptr, eps, BLOCK_N: tl.constexpr,
-                         K_P2: tl.constexpr, W_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         PARTIALS: tl.constexpr, USE_PDL: tl.constexpr):
-    """Grid (inter / BLOCK_N,): silu(gate) * up for BLOCK_N columns of one token, all of K in
-    one program (gate rows W[:inter], up rows W[inter:]), rounded as the unfused path. With
-    PARTIALS, x is the RMSNorm of o_proj's partials plus the residual, normalised by every
-    program for itself: the norm's own launch and its wait go (_gemv_input)."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, K_P2)
-    g, u = _pair_slices(w_ptr, cols, ks, K, inter, stride_w)
-    g_scale = _row_values(s_ptr, cols, W_SCALE)
-    u_scale = _row_values(s_ptr, inter + cols, W_SCALE)
-    g_bias = _row_values(bias_ptr, cols, HAS_BIAS)
-    u_bias = _row_values(bias_ptr, inter + cols, HAS_BIAS)
-    norm_w = _norm_weight(norm_w_ptr, ks, K, PARTIALS)
-    wait_then_release(USE_PDL)
-    dtype = out_ptr.dtype.element_ty
-    x = _gemv_input(x_ptr, res_ptr, res_out_ptr, norm_w, ks, K, eps, dtype, PARTIALS)
-    gate = tl.sum(g.to(tl.float32) * x, 1)
-    up = tl.sum(u.to(tl.float32) * x, 1)
-    if W_SCALE:
-        gate *= g_scale
-        up *= u_scale
-    if HAS_BIAS:
-        gate += g_bias
-        up += u_bias
-    tl.store(out_ptr + cols, silu_and_mul_rounded(gate, up, dtype))
-
-
-@triton.jit
 def _gemv_rows_kernel(w_ptr, x_ptr, s_ptr, bias_ptr, out_ptr, K, stride_w, BLOCK_N: tl.constexpr,
                       K_P2: tl.constexpr, W_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                       USE_PDL: tl.constexpr):
@@ -166,9 +89,9 @@ def _gemv_rows_kernel(w_ptr, x_ptr, s_ptr, bias_ptr, out_ptr, K, stride_w, BLOCK
     program, rounded once: no partials, so no launch after it sums them."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, K_P2)
-    w = _rows_slice(w_ptr, rows, ks, K, stride_w)
-    scale = _row_values(s_ptr, rows, W_SCALE)
-    bias = _row_values(bias_ptr, rows, HAS_BIAS)
+    w = rows_slice(w_ptr, rows, ks, K, stride_w)
+    scale = row_values(s_ptr, rows, W_SCALE)
+    bias = row_values(bias_ptr, rows, HAS_BIAS)
     wait_then_release(USE_PDL)
     x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
     y = tl.sum(w.to(tl.float32) * x[None, :], 1)
@@ -195,14 +118,7 @@ def _partials_tiles(n: int, k: int, elem_bytes: int, k_major: bool) -> tuple[int
     return block_n, k_split
 
 
-def _pair_rows(inter: int, k: int, elem_bytes: int) -> int | None:
-    """Gate (and as many up) rows per SiLU program: PAIR_BYTES of all of K; None if one row pair
-    is wider than that, or the rows do not divide inter."""
-    block_n = PAIR_BYTES // (2 * triton.next_power_of_2(k) * elem_bytes)
-    return block_n if block_n >= 1 and inter % block_n == 0 else None
-
-
-def _weight_ok(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None,
+def weight_ok(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None,
                w_block) -> bool:
     """One token of 16-bit activations, K wide, and a weight fits_weight takes without block
     scales: FP8 codes come with one float32 scale per output channel ([N, 1])."""
@@ -221,7 +137,7 @@ def runs_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | Non
     [N, K], or k-major with weight.t() contiguous)."""
     n, k = weight.shape
     k_major = not weight.is_contiguous()
-    if not _weight_ok(x, weight, w_scale, w_block) or (k_major and not weight.t().is_contiguous()):
+    if not weight_ok(x, weight, w_scale, w_block) or (k_major and not weight.t().is_contiguous()):
         return False
     return _partials_tiles(n, k, weight.element_size(), k_major) is not None
 
@@ -242,60 +158,6 @@ def gemv_partials(x: torch.Tensor, weight: torch.Tensor,
     return part
 
 
-def runs_gate_up_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None = None,
-                      w_block=None) -> bool:
-    """Whether gate_up_silu_gemv takes this step (weight [2I, K] contiguous)."""
-    return _weight_ok(x, weight, w_scale, w_block) and weight.is_contiguous() \
-        and _pair_rows(weight.shape[0] // 2, weight.shape[1], weight.element_size()) is not None
-
-
-def _gate_up_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    w_scale: torch.Tensor | None, norm: tuple | None
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(gate_up_silu_gemv's output, the residual out with norm = (residual, its RMSNorm's
-    weight, eps), x then the partials)."""
-    inter, k = weight.shape[0] // 2, weight.shape[1]
-    block_n = _pair_rows(inter, k, weight.element_size())
-    like = x if norm is None else norm[0]
-    out = torch.empty(1, inter, dtype=like.dtype, device=x.device)
-    res_out = None if norm is None else torch.empty_like(like)
-    residual, norm_weight, eps = norm or (x, x, 0.0)
-    _gate_up_silu_kernel[(inter // block_n,)](
-        weight, x, weight if w_scale is None else w_scale, weight if bias is None else bias,
-        out, k, inter, weight.stride(0), residual, norm_weight,
-        residual if res_out is None else res_out, eps, BLOCK_N=block_n,
-        K_P2=triton.next_power_of_2(k), W_SCALE=w_scale is not None, HAS_BIAS=bias is not None,
-        PARTIALS=0 if norm is None else x.shape[0], num_warps=4, **launch_options())
-    return out, res_out
-
-
-def gate_up_silu_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      w_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(x @ Wg.T + bg) * (x @ Wu.T + bu), [1, I], as kernels.linear.fused.gate_up_silu."""
-    return _gate_up_launch(x, weight, bias, w_scale, None)[0]
-
-
-def runs_norm_gate_up_gemv(residual: torch.Tensor, norm_weight: torch.Tensor,
-                           weight: torch.Tensor, w_scale: torch.Tensor | None = None,
-                           w_block=None) -> bool:
-    """Whether norm_gate_up_silu_gemv takes this step: runs_gate_up_gemv's for x shaped like
-    the residual, and a norm weight in its dtype."""
-    return runs_gate_up_gemv(residual, weight, w_scale, w_block) \
-        and norm_weight.shape == residual.shape[1:] and norm_weight.dtype == residual.dtype \
-        and norm_weight.is_contiguous()
-
-
-def norm_gate_up_silu_gemv(partials: torch.Tensor, residual: torch.Tensor,
-                           norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                           bias: torch.Tensor | None, w_scale: torch.Tensor | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gate_up_silu_gemv(h, ...), the sum) for h = add_partials_rms_norm(partials, residual,
-    norm_weight, eps): the norm computed inside the GEMV's programs, bit for bit."""
-    assert partials.dtype == torch.float32 and partials.is_contiguous()
-    assert partials.shape[1:] == residual.shape and partials.shape[0] <= MAX_PARTIALS
-    return _gate_up_launch(partials, weight, bias, w_scale, (residual, norm_weight, eps))
-
-
 def _rows_per_program(n: int, k: int, elem_bytes: int) -> int | None:
     """Weight rows per gemv_rows program: WHOLE_ROWS_BYTES of all of K; None if one row is wider
     than that, or the rows do not divide n."""
@@ -307,7 +169,7 @@ def runs_gemv_rows(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor 
                    w_block=None) -> bool:
     """Whether gemv_rows takes this step: weight [N, K] contiguous, a row within
     WHOLE_ROWS_BYTES."""
-    return _weight_ok(x, weight, w_scale, w_block) and weight.is_contiguous() \
+    return weight_ok(x, weight, w_scale, w_block) and weight.is_contiguous() \
         and _rows_per_program(*weight.shape, weight.element_size()) is not None
 
 
