@@ -25,7 +25,8 @@ from nanovllm.kernels.pdl import launch_options, wait_then_release
 SLICE_BYTES = 16 * 1024  # weight bytes a partials program holds (the probe's best, 16-32 KB)
 WHOLE_ROWS_BYTES = SLICE_BYTES  # whole weight rows a gemv_rows program holds (all of K)
 ROW_BYTES = 2048  # the widest K slice of one row a partials program takes
-K_MAJOR_ROWS = 32  # output columns of a k-major program: 64-byte runs of each weight row
+K_MAJOR_ROWS = 16  # output columns of a k-major program: one 32-byte sector of each weight
+# row, so a program takes 512 K rows (16-bit) and the norm after sums half the partials of 32
 MAX_PARTIALS = 64  # the most splits a GEMV leaves (the norm after sums them in one program)
 
 
@@ -105,9 +106,12 @@ def _gemv_rows_kernel(w_ptr, x_ptr, s_ptr, bias_ptr, out_ptr, K, stride_w, BLOCK
 def _partials_tiles(n: int, k: int, elem_bytes: int, k_major: bool) -> tuple[int, int] | None:
     """(BLOCK_N, K_SPLIT) filling SLICE_BYTES: for [N, K] weights the widest power-of-two K
     slice up to ROW_BYTES that divides K (few partials for the norm after to sum); k-major,
-    K_MAJOR_ROWS columns (whole 32-byte sectors). None when they do not divide the weight."""
+    K_MAJOR_ROWS columns (whole 32-byte sectors) of the widest K slice up to SLICE_BYTES that
+    divides K. None when they do not divide the weight."""
     if k_major:
         block_n, k_split = K_MAJOR_ROWS, SLICE_BYTES // (K_MAJOR_ROWS * elem_bytes)
+        while k % k_split and k_split > 16:
+            k_split //= 2
     else:
         k_split = ROW_BYTES // elem_bytes
         while k % k_split and k_split > 16:
