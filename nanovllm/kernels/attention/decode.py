@@ -131,10 +131,6 @@ def _decode_split_kernel(
     cos, sin, slot, qw1, qw2, kw1, kw2 = new_token_inputs(
         pos_ptr, slot_ptr, cs_ptr, stride_cs, qn_w_ptr, kn_w_ptr, seq, HEAD_DIM, NORM, NEW_KV)
     wait_then_release(USE_PDL)
-    offs_g = tl.arange(0, GROUP_P2)
-    offs_d = tl.arange(0, HEAD_DIM)
-    heads = kv_head * GROUP + offs_g
-    g_mask = offs_g < GROUP
     # GQA packing: [GROUP_P2, D] queries (padded to >= 16 rows for tl.dot) share each K/V load.
     q = query_tile(q_ptr, seq, stride_qb, stride_qh, kv_head, cos, sin, qw1, qw2, eps, GROUP,
                    GROUP_P2, HEAD_DIM, NORM, NEW_KV)
@@ -161,15 +157,30 @@ def _decode_split_kernel(
         m_i, l_i, acc = _attend_chunk(
             q, k_cache_ptr, v_cache_ptr, pages, page0, tl.maximum(start, page0 * BLOCK_SIZE),
             tl.minimum(end_cached, (page0 + PAGES_PER_CHUNK) * BLOCK_SIZE), lo, kv_head, m_i,
-            l_i, acc,
-            qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PAGES_PER_CHUNK, PRECISION,
-            SLIDING)
+            l_i, acc, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PAGES_PER_CHUNK,
+            PRECISION, SLIDING)
         pages = next_pages
+    _store_split(m_i, l_i, acc, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, seq, kv_head,
+                 split, num_splits, stride_ob, stride_oh, v_scale, GROUP, GROUP_P2,
+                 NUM_KV_HEADS, HEAD_DIM, SINGLE_SPLIT)
+
+
+@triton.jit
+def _store_split(m_i, l_i, acc, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, seq, kv_head,
+                 split, num_splits, stride_ob, stride_oh, v_scale, GROUP: tl.constexpr,
+                 GROUP_P2: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 SINGLE_SPLIT: tl.constexpr):
+    """A split's result for its GROUP query heads: with one split the output itself, else its
+    softmax partials [B, H, splits(, D)] for the reduce kernel."""
+    offs_g = tl.arange(0, GROUP_P2)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
     if SINGLE_SPLIT:  # context_len 0 (a padding row) keeps l = 0 and acc = 0: zeros out
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
         tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
-    else:  # partials [B, H, splits(, D)]; an empty split stores m=-inf, l=0, acc=0
+    else:  # an empty split stores m=-inf, l=0, acc=0
         part = ((seq * NUM_KV_HEADS + kv_head) * GROUP + offs_g) * num_splits + split
         tl.store(part_m_ptr + part, m_i, mask=g_mask)
         tl.store(part_l_ptr + part, l_i, mask=g_mask)
@@ -220,6 +231,14 @@ def _num_splits(batch: int, num_kv_heads: int, max_context: int) -> int:
     return max(1, min(by_length, by_occupancy, _MAX_SPLITS))
 
 
+def _graph_splits(batch: int, num_kv_heads: int, table_keys: int, window: int,
+                  block_n: int) -> int:
+    """_num_splits for the keys a block table of table_keys can hold (a CUDA graph's: its
+    widest), only the window's (from a tile boundary) with one."""
+    max_keys = min(table_keys, window + block_n - 1) if window else table_keys
+    return _num_splits(batch, num_kv_heads, max_keys)
+
+
 def decode_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -246,10 +265,8 @@ def decode_attention_triton(
     fp8 = k_cache.element_size() == 1
     block_n = _block_n(batch * num_kv_heads, head_dim, block_size, fp8)
     if num_splits is None:
-        max_keys = block_tables.shape[1] * block_size
-        if window:  # only the window is read (from a tile boundary)
-            max_keys = min(max_keys, window + block_n - 1)
-        num_splits = _num_splits(batch, num_kv_heads, max_keys)
+        num_splits = _graph_splits(batch, num_kv_heads, block_tables.shape[1] * block_size,
+                                   window, block_n)
     assert 1 <= num_splits <= _MAX_SPLITS, f"num_splits={num_splits}: 1..{_MAX_SPLITS}"
     group = num_heads // num_kv_heads
     # fp32 scratch sized from shapes only (no data-dependent allocation under graph capture);
