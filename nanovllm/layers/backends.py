@@ -290,6 +290,7 @@ def bind_backend(model: nn.Module, backend: TorchBackend,
             limit = _fused_decode_max_tokens(module)
             if fused_limits is not None:
                 limit = fused_limits.get(layer_class(module), limit)
+            module.fused_decode = fits
             module.fused_decode_max_tokens = limit if fits else 0
             module.lora_shrink = backend.lora_shrink if lora else None
             module.lora_expand = backend.lora_expand if lora else None

@@ -52,6 +52,7 @@ class LinearBase(LoRASlots, nn.Module):
             self.register_parameter("bias", None)
         for param in self.parameters(recurse=False):
             param.weight_loader = self.weight_loader
+        self.fused_decode = False  # bind_backend's: bound to the fused decode kernels
         self.fused_decode_max_tokens = 0  # bind_backend's: largest step of the fused kernel
         self.init_lora_slots()
 
@@ -86,10 +87,13 @@ class LinearBase(LoRASlots, nn.Module):
             and x.shape[0] <= self.fused_decode_max_tokens
 
     def runs_gemv_rows(self, x: torch.Tensor) -> bool:
-        """Whether gemv_rows takes x: one token of a decode step bound to the fused kernels,
+        """Whether gemv_rows takes x: one token of a decode step writing the cache, on a layer
+        bound to the fused kernels (at any measured limit: one token runs a GEMV either way),
         no LoRA, a weight the whole-row GEMV takes (kernels.linear.gemv)."""
         from nanovllm.kernels.linear.gemv import runs_gemv_rows
-        return x.shape[0] == 1 and self.runs_fused_decode(x) and self.lora_slots() is None \
+        ctx = get_context()
+        return x.shape[0] == 1 and self.fused_decode and not ctx.is_prefill \
+            and ctx.slot_mapping is not None and self.lora_slots() is None \
             and runs_gemv_rows(x, self.weight, **self.fused_scales())
 
     def gemv_rows(self, x: torch.Tensor) -> torch.Tensor:

@@ -83,7 +83,9 @@ class DecoderAttention(nn.Module):
 
     def attend(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """Attention over the tokens of hidden_states: o_proj's input, [tokens, q_size]."""
-        if self.qkv_proj.runs_fused_decode(hidden_states) and self.attn.takes_projection():
+        if self.attn.takes_projection() and (self.qkv_proj.runs_fused_decode(hidden_states)
+                                             or self.attn.decodes_new_token(hidden_states,
+                                                                            self.qkv_proj)):
             # qkv_proj, q/k norm, RoPE and the K/V write as one kernel
             o = self.attn.decode_projected(positions, hidden_states, self.qkv_proj)
             return o.flatten(1, -1)

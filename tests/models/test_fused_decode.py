@@ -147,6 +147,29 @@ def test_fused_decode_same_tokens(checkpoint: str, monkeypatch: pytest.MonkeyPat
     assert calls.count("split_k_linear") == 5 * (2 + mlps)
 
 
+def test_lone_token_decodes_its_new_token_at_any_qkv_limit(checkpoint: str,
+                                                           monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """A lone token takes qkv_proj's GEMV into the decode kernel even where start-up measured
+    qkv_proj's fused kernel slower at every size (limit 0): that kernel does not run there."""
+    llm = LLM(checkpoint, device=DEVICE, attention_backend="triton", dtype="float16",
+              enforce_eager=True, num_kvcache_blocks=8, max_num_seqs=4, max_model_len=512)
+    try:
+        prompt = [[(5 * j) % 300 + 1 for j in range(23)]]
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        _rebind(llm, False)
+        want = llm.generate(prompt, params, use_tqdm=False)[0]["token_ids"]
+        _rebind(llm, True)
+        for module in _projections(llm.model_runner.model):
+            if isinstance(module, QKVParallelLinear):
+                module.fused_decode_max_tokens = 0
+        calls = spy_gemv(monkeypatch)
+        got = llm.generate(prompt, params, use_tqdm=False)[0]["token_ids"]
+    finally:
+        llm.shutdown()
+    assert got == want and calls.count("gemv_rows") == 5 * 2  # 5 steps, 2 layers
+
+
 def test_fits_fused_decode_rules(checkpoints) -> None:
     """float32 layers and head_dim below 128 keep the unfused path."""
     llm = LLM(checkpoints["untied_gqa4_d64"], device="cpu", dtype="float16",
