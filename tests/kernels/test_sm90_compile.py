@@ -1,0 +1,64 @@
+"""The one-token decode kernels compile for sm_90 (Triton to PTX, ptxas to a cubin), without a
+GPU: what the interpreter cannot show (layouts of tl.join, tl.permute, tl.reshape, a [1, D]
+tl.trans, a 16-key tile through tl.dot, a runtime branch holding the softmax state)."""
+import os
+import subprocess
+import sys
+
+_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from nanovllm.kernels.attention.decode import _decode_split_kernel
+from nanovllm.kernels.attention.qk_norm_rope import _qk_norm_rope_kernel
+from nanovllm.kernels.linear.gemv import _gemv_rows_kernel
+from nanovllm.kernels.linear.gemv_gate_up import _gate_up_silu_kernel
+
+def cubin(kernel, consts, types, **options):
+    names = [p.name for p in kernel.params]
+    sig = {n: "constexpr" if n in consts else types.get(n, "*bf16") for n in names}
+    src = ASTSource(fn=kernel, signature=sig,
+                    constexprs={(names.index(n),): v for n, v in consts.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4, launch_pdl=True, **options))
+    return len(k.asm["cubin"]) > 0
+
+ints = dict.fromkeys(["stride_qb", "stride_qh", "stride_bt", "stride_ob", "stride_oh",
+                      "num_splits", "window", "stride_nb", "stride_cs", "K", "inter",
+                      "stride_w", "stride_qn", "stride_kn", "stride_kh", "stride_cache",
+                      "stride_vn", "stride_vh"], "i32")
+floats = dict.fromkeys(["qk_scale", "v_scale", "eps", "k_inv_scale", "v_inv_scale"], "fp32")
+types = {**ints, **floats, "context_lens_ptr": "*i32", "block_tables_ptr": "*i32",
+         "pos_ptr": "*i64", "slot_ptr": "*i32", "cs_ptr": "*fp32", "cache_ptr": "*fp32",
+         "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32",
+         "s_ptr": "*fp32", "x_ptr": "*fp32"}
+for fp8 in (False, True):
+    cache = "*fp8e4nv" if fp8 else "*bf16"
+    print("decode", fp8, cubin(_decode_split_kernel, dict(
+        GROUP=2, GROUP_P2=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256,
+        BLOCK_N=128 if fp8 else 64, PAGES_PER_CHUNK=16, PRECISION="tf32", SLIDING=False,
+        SINGLE_SPLIT=False, FP16_DOT=fp8, NEW_KV=True, NORM=True, FP8=fp8, USE_PDL=True),
+        {**types, "k_cache_ptr": cache, "v_cache_ptr": cache}, num_stages=3 if fp8 else 2))
+    weight = "*fp8e4nv" if fp8 else "*bf16"
+    print("gate_up", fp8, cubin(_gate_up_silu_kernel, dict(
+        BLOCK_N=16 if fp8 else 8, K_P2=1024, W_SCALE=fp8, HAS_BIAS=False, PARTIALS=4,
+        USE_PDL=True), {**types, "w_ptr": weight}))
+    print("rows", fp8, cubin(_gemv_rows_kernel, dict(
+        BLOCK_N=8, K_P2=1024, W_SCALE=fp8, HAS_BIAS=True, USE_PDL=True),
+        {**types, "w_ptr": weight, "x_ptr": "*bf16"}))
+print("qk", cubin(_qk_norm_rope_kernel, dict(
+    NUM_Q_HEADS=16, NUM_KV_HEADS=8, Q_HEADS_P2=16, KV_HEADS_P2=8, HEAD_DIM=128, STORE_KV=True,
+    NORM=True, FP8=False, USE_PDL=True), types))
+"""
+
+
+def test_one_token_kernels_compile_for_sm90() -> None:
+    """Each variant a lone token runs on an H100/H200 gives a cubin (a process without the
+    interpreter)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[:7] == [
+        "decode False True", "gate_up False True", "rows False True",
+        "decode True True", "gate_up True True", "rows True True", "qk True"], out.stdout
