@@ -8,11 +8,14 @@ between two such kernels: cuBLAS GEMMs never release their dependents early
 step from 4,236 to 4,146 us (H200, alternated x2, 2026-12-04).
 
 Before its wait a program may read only what no kernel of a step writes, so that it overlaps
-the kernel before: weights, scales and biases, and the step's inputs (positions, slots,
-context lengths, block tables), which the host copies before the step's first kernel (the
-GPU-side carry writes input_ids only: runner.step_inputs). A decode projection's program thus
-asks L2 for its first weight tiles (prefetch_tile) or loads its weight slice (the one-token
-GEMVs); tests/kernels/test_pdl.py lists the helpers allowed there."""
+the kernel before: weights, scales and biases, the step's inputs (positions, slots, context
+lengths, block tables), which the host copies before the step's first kernel (the GPU-side
+carry writes input_ids only: runner.step_inputs), and in a decode step the KV cache's rows
+before each sequence's new position, which only earlier steps wrote (the step writes the new
+positions' rows). A decode projection's program thus asks L2 for its first weight tiles
+(prefetch_tile) or loads its weight slice (the one-token GEMVs), and decode with the new token
+loads its first key tile (kernels.attention.decode); tests/kernels/test_pdl.py lists the
+helpers allowed there."""
 import functools
 
 import torch

@@ -42,8 +42,11 @@ PRE_WAIT_HELPERS = {
     "prefetch_tile", "_prefetch_weight",  # an L2 hint on weight tiles
     "_weight_slice", "rows_slice", "_pair_slices", "row_values", "_norm_weight",  # GEMVs
     "_token_inputs",  # qk_norm_rope: positions, slots, cos/sin rows, norm weights
-    "_split_bounds", "_chunk_pages", "_cached_end",  # decode: context lengths, block tables
+    "_split_bounds", "_chunk_pages", "cached_end",  # decode: context lengths, block tables
     "new_token_inputs",  # decode's new token: as _token_inputs
+    # decode's new token: the split's first cache tile, rows before the new position, which
+    # only earlier steps wrote (the kernel writes the new position's row after its wait)
+    "_first_tile",
 }
 
 

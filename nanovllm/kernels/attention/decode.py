@@ -1,18 +1,21 @@
 """Triton split-KV (flash-decoding) decode over the paged cache: each (sequence, KV head, split)
 program attends its slice of the context for the query heads of that KV head, and a reduce
-kernel merges the splits' softmax partials. An FP8 cache is read as in prefill.py.
-Page ids are read a chunk at a time into registers, so the K/V tile loads can be pipelined.
+kernel merges the splits' softmax partials (decode_reduce.py). An FP8 cache is read as in
+prefill.py. Page ids are read a chunk at a time into registers, so the K/V tile loads can be
+pipelined.
 """
 import torch
 import triton
 import triton.language as tl
 
 from nanovllm.kernels.attention import prefill  # dot_precision looked up per call (tests patch)
+from nanovllm.kernels.attention.decode_reduce import _decode_reduce_kernel, _store_split
 from nanovllm.kernels.attention.new_token import (
     NewToken,
-    new_key_step,
+    cached_end,
     new_token_args,
     new_token_inputs,
+    new_token_steps,
     query_tile,
 )
 from nanovllm.kernels.attention.prefill import LOG2E, check_shapes, softmax_step
@@ -31,35 +34,65 @@ _PAGES_PER_CHUNK = 16
 
 
 @triton.jit
+def _cache_tile(k_cache_ptr, v_cache_ptr, pages, page0, start_n, hi_n, lo, kv_head, dtype,
+                NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                BLOCK_N: tl.constexpr, PAGES_PER_CHUNK: tl.constexpr, SLIDING: tl.constexpr):
+    """Keys start_n..+BLOCK_N, a tile of a page among `pages` (from page0), as `dtype` (the
+    cache's: FP8 codes): k_t [D, N], v [N, D] and which are visible, below hi_n and, SLIDING,
+    from lo (others 0)."""
+    # The page id comes from registers, not memory: a load here would make each tile's K/V
+    # addresses wait on it, and Triton then keeps one K/V tile in flight at any num_stages.
+    page = tl.sum(tl.where(tl.arange(0, PAGES_PER_CHUNK) == start_n // BLOCK_SIZE - page0,
+                           pages, 0))
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = page.to(tl.int64) * BLOCK_SIZE + start_n % BLOCK_SIZE + offs_n
+    visible = start_n + offs_n < hi_n
+    if SLIDING:
+        visible &= start_n + offs_n >= lo
+    cache_offs = rows * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+    k_t = tl.load(k_cache_ptr + cache_offs[None, :] + offs_d[:, None], mask=visible[None, :],
+                  other=0.0).to(dtype)
+    v = tl.load(v_cache_ptr + cache_offs[:, None] + offs_d[None, :], mask=visible[:, None],
+                other=0.0).to(dtype)
+    return k_t, v, visible
+
+
+@triton.jit
 def _attend_chunk(q, k_cache_ptr, v_cache_ptr, pages, page0, lo_n, hi_n, lo, kv_head, m_i, l_i,
                   acc, qk_scale, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGES_PER_CHUNK: tl.constexpr,
                   PRECISION: tl.constexpr, SLIDING: tl.constexpr):
     """Online softmax over the key tiles lo_n..hi_n, whose page ids `pages` (from page0) are held
     in registers; lo_n is a tile boundary and tiles never cross pages."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_p = tl.arange(0, PAGES_PER_CHUNK)
     # Hoisted out of the loop, the tile-invariant address math would stay live across both loops:
     # sm_90 then needs ~45 more registers, one program per SM fewer (FP8: 2 instead of 3).
     for start_n in tl.range(lo_n, hi_n, BLOCK_N, disable_licm=True):
-        # The page id comes from registers, not memory: a load here would make each tile's K/V
-        # addresses wait on it, and Triton then keeps one K/V tile in flight at any num_stages.
-        page = tl.sum(tl.where(offs_p == start_n // BLOCK_SIZE - page0, pages, 0))
-        rows = page.to(tl.int64) * BLOCK_SIZE + start_n % BLOCK_SIZE + offs_n
-        visible = start_n + offs_n < hi_n
-        # Only the first tile holds keys before lo, and each keeps >= 1 visible (with a new
-        # token, one after its step: _decode_split_kernel)
-        if SLIDING:
-            visible &= start_n + offs_n >= lo
-        cache_offs = rows * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
-        k_t = tl.load(k_cache_ptr + cache_offs[None, :] + offs_d[:, None],
-                      mask=visible[None, :], other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + cache_offs[:, None] + offs_d[None, :],
-                    mask=visible[:, None], other=0.0).to(q.dtype)
+        # Only a split's first tile holds keys before lo, and each keeps >= 1 visible (with a
+        # new token the first tile comes before this loop: new_token.new_token_steps)
+        k_t, v, visible = _cache_tile(k_cache_ptr, v_cache_ptr, pages, page0, start_n, hi_n, lo,
+                                      kv_head, q.dtype, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                                      BLOCK_N, PAGES_PER_CHUNK, SLIDING)
         m_i, l_i, acc = softmax_step(q, k_t, v, visible[None, :], m_i, l_i, acc, qk_scale,
                                       PRECISION)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _first_tile(k_cache_ptr, v_cache_ptr, pages, start, end_cached, lo, kv_head,
+                NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                BLOCK_N: tl.constexpr, PAGES_PER_CHUNK: tl.constexpr, SLIDING: tl.constexpr,
+                NEW_KV: tl.constexpr):
+    """With NEW_KV, the split's first cache tile (codes; every key hidden in an empty split),
+    read before the PDL wait: its rows precede the new position, so only earlier steps wrote
+    them (kernels.pdl). Without, nothing (the tile is read in the loop)."""
+    if NEW_KV:
+        tile = _cache_tile(k_cache_ptr, v_cache_ptr, pages, start // BLOCK_SIZE, start,
+                           end_cached, lo, kv_head, k_cache_ptr.dtype.element_ty, NUM_KV_HEADS,
+                           HEAD_DIM, BLOCK_SIZE, BLOCK_N, PAGES_PER_CHUNK, SLIDING)
+    else:
+        tile = None
+    return tile
 
 
 @triton.jit
@@ -89,15 +122,6 @@ def _split_bounds(context_lens_ptr, seq, split, num_splits, window, BLOCK_N: tl.
     return lo, start, end, ctx
 
 
-@triton.jit
-def _cached_end(end, ctx, NEW_KV: tl.constexpr):
-    """The end of a split's keys read from the cache: with NEW_KV the last key is the new one,
-    taken from registers (new_token.new_key_step)."""
-    if NEW_KV:
-        end = tl.minimum(end, ctx - 1)
-    return end
-
-
 # num_splits is a plain argument, not specialised: the split count depends on the batch size,
 # and a constant would compile a variant per CUDA-graph size (seconds of cold start-up); so is
 # stride_bt, the block tables' width, which an eager step takes from its longest sequence.
@@ -121,13 +145,17 @@ def _decode_split_kernel(
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)
-    # The split's bounds and first block-table chunk: the step's inputs (kernels.pdl)
+    # The split's bounds and first block-table chunk: the step's inputs; with NEW_KV its first
+    # cache tile too, rows that only earlier steps wrote (kernels.pdl)
     lo, start, end, ctx = _split_bounds(context_lens_ptr, seq, split, num_splits, window,
                                         BLOCK_N, SLIDING)
-    end_cached = _cached_end(end, ctx, NEW_KV)
+    end_cached = cached_end(end, ctx, NEW_KV)
     end_page = tl.cdiv(end_cached, BLOCK_SIZE)
     pages = _chunk_pages(block_tables_ptr, seq, stride_bt, start // BLOCK_SIZE, end_page,
                          PAGES_PER_CHUNK)
+    tile = _first_tile(k_cache_ptr, v_cache_ptr, pages, start, end_cached, lo, kv_head,
+                       NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PAGES_PER_CHUNK, SLIDING,
+                       NEW_KV)
     cos, sin, slot, qw1, qw2, kw1, kw2 = new_token_inputs(
         pos_ptr, slot_ptr, cs_ptr, stride_cs, qn_w_ptr, kn_w_ptr, seq, HEAD_DIM, NORM, NEW_KV)
     wait_then_release(USE_PDL)
@@ -136,26 +164,21 @@ def _decode_split_kernel(
                    GROUP_P2, HEAD_DIM, NORM, NEW_KV)
     if FP16_DOT:  # an FP8 cache widens to fp16 in one instruction per pair, exactly
         q = q.to(tl.float16)
-    m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_P2], tl.float32)
-    acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
-    if NEW_KV:
-        # The split holding the new position takes its key first: a window of 1 then leaves
-        # its cache tiles no visible key, which the softmax takes only after a finite max.
-        if (start <= ctx - 1) & (ctx - 1 < end):
-            m_i, l_i, acc = new_key_step(
-                q, m_i, l_i, acc, k_new_ptr, v_new_ptr, seq * stride_nb + kv_head * HEAD_DIM,
-                k_cache_ptr, v_cache_ptr, slot, kv_head, cos, sin, kw1, kw2, eps, k_inv_scale,
-                v_inv_scale, qk_scale, NUM_KV_HEADS, HEAD_DIM, PRECISION, NORM, FP8)
+    m_i, l_i, acc = new_token_steps(
+        q, tile, (start <= ctx - 1) & (ctx - 1 < end), k_new_ptr, v_new_ptr,
+        seq * stride_nb + kv_head * HEAD_DIM, k_cache_ptr, v_cache_ptr, slot, kv_head, cos, sin,
+        kw1, kw2, eps, k_inv_scale, v_inv_scale, qk_scale, GROUP_P2, NUM_KV_HEADS, HEAD_DIM,
+        PRECISION, NORM, FP8, NEW_KV)
     # The split's block-table entries come PAGES_PER_CHUNK at a time into registers, so the row
     # held stays small at any context length; each chunk's tiles are one pipelined loop. The
     # first chunk came before the wait; each pass asks for the next before its tiles (past
-    # the end: no bytes).
+    # the end: no bytes). With NEW_KV the first tile is done (new_token_steps).
     for page0 in range(start // BLOCK_SIZE, end_page, PAGES_PER_CHUNK):
         next_pages = _chunk_pages(block_tables_ptr, seq, stride_bt, page0 + PAGES_PER_CHUNK,
                                   end_page, PAGES_PER_CHUNK)
         m_i, l_i, acc = _attend_chunk(
-            q, k_cache_ptr, v_cache_ptr, pages, page0, tl.maximum(start, page0 * BLOCK_SIZE),
+            q, k_cache_ptr, v_cache_ptr, pages, page0,
+            tl.maximum(start + NEW_KV * BLOCK_N, page0 * BLOCK_SIZE),
             tl.minimum(end_cached, (page0 + PAGES_PER_CHUNK) * BLOCK_SIZE), lo, kv_head, m_i,
             l_i, acc, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PAGES_PER_CHUNK,
             PRECISION, SLIDING)
@@ -163,55 +186,6 @@ def _decode_split_kernel(
     _store_split(m_i, l_i, acc, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, seq, kv_head,
                  split, num_splits, stride_ob, stride_oh, v_scale, GROUP, GROUP_P2,
                  NUM_KV_HEADS, HEAD_DIM, SINGLE_SPLIT)
-
-
-@triton.jit
-def _store_split(m_i, l_i, acc, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, seq, kv_head,
-                 split, num_splits, stride_ob, stride_oh, v_scale, GROUP: tl.constexpr,
-                 GROUP_P2: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 SINGLE_SPLIT: tl.constexpr):
-    """A split's result for its GROUP query heads: with one split the output itself, else its
-    softmax partials [B, H, splits(, D)] for the reduce kernel."""
-    offs_g = tl.arange(0, GROUP_P2)
-    offs_d = tl.arange(0, HEAD_DIM)
-    heads = kv_head * GROUP + offs_g
-    g_mask = offs_g < GROUP
-    if SINGLE_SPLIT:  # context_len 0 (a padding row) keeps l = 0 and acc = 0: zeros out
-        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
-        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
-    else:  # an empty split stores m=-inf, l=0, acc=0
-        part = ((seq * NUM_KV_HEADS + kv_head) * GROUP + offs_g) * num_splits + split
-        tl.store(part_m_ptr + part, m_i, mask=g_mask)
-        tl.store(part_l_ptr + part, l_i, mask=g_mask)
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc * v_scale,
-                 mask=g_mask[:, None])
-
-
-@triton.jit(do_not_specialize=["num_splits"])
-def _decode_reduce_kernel(
-    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ob, stride_oh, num_splits,
-    NUM_HEADS: tl.constexpr, SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """Grid (B, H): merge the per-split softmax partials of one query head."""
-    wait_then_release(USE_PDL)
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_P2)
-    offs_d = tl.arange(0, HEAD_DIM)
-    s_mask = splits < num_splits
-    part = (seq * NUM_HEADS + head) * num_splits + splits
-    m = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
-    l_sum = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-                  mask=s_mask[:, None], other=0.0)
-    m_max = tl.max(m, axis=0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # context_len 0: every split empty
-    w = tl.exp2(m - m_max)  # empty splits (m = -inf) get weight 0
-    denom = tl.sum(w * l_sum, axis=0)
-    o = tl.sum(w[:, None] * acc, axis=0) / tl.where(denom == 0.0, 1.0, denom)  # zeros if empty
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
 def _block_n(programs: int, head_dim: int, block_size: int, fp8: bool) -> int:

@@ -54,6 +54,15 @@ def new_token_inputs(pos_ptr, slot_ptr, cs_ptr, stride_cs, qn_w_ptr, kn_w_ptr, s
 
 
 @triton.jit
+def cached_end(end, ctx, NEW_KV: tl.constexpr):
+    """The end of a split's keys read from the cache: with NEW_KV the last key is the new one,
+    taken from registers (new_key_step)."""
+    if NEW_KV:
+        end = tl.minimum(end, ctx - 1)
+    return end
+
+
+@triton.jit
 def _join_halves(x1, x2, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """[ROWS, D] rows from their halves [ROWS, D/2], x1 first."""
     return tl.reshape(tl.permute(tl.join(x1, x2), (0, 2, 1)), (ROWS, HEAD_DIM))
@@ -101,6 +110,33 @@ def new_key_step(q, m_i, l_i, acc, k_ptr, v_ptr, row, k_cache_ptr, v_cache_ptr, 
     k_t = k * first.to(q.dtype)  # [D, 16]
     v_t = tl.trans(first).to(q.dtype) * v  # [16, D]
     return softmax_step(q, k_t, v_t, first, m_i, l_i, acc, qk_scale, PRECISION)
+
+
+@triton.jit
+def new_token_steps(q, tile, holds_new, k_ptr, v_ptr, row, k_cache_ptr, v_cache_ptr, slot,
+                    kv_head, cos, sin, w1, w2, eps, k_inv_scale, v_inv_scale, qk_scale,
+                    GROUP_P2: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    PRECISION: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
+                    NEW_KV: tl.constexpr):
+    """The online-softmax state (m, l, acc) a split's cache loop starts from: empty, or with
+    NEW_KV after the split's first cache tile (k_t, v, visible as the cache holds them, read
+    before the PDL wait) and, where the split holds it, the new key (new_key_step)."""
+    m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_P2], tl.float32)
+    acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
+    if NEW_KV:
+        # The tile first, its registers then free for the new key's step. All its keys may be
+        # hidden (an empty split; a window of 1, the new key alone): MAY_BE_HIDDEN then keeps
+        # the state empty, not NaN.
+        k_t, v, visible = tile
+        m_i, l_i, acc = softmax_step(q, k_t.to(q.dtype), v.to(q.dtype), visible[None, :], m_i,
+                                      l_i, acc, qk_scale, PRECISION, MAY_BE_HIDDEN=True)
+        if holds_new:
+            m_i, l_i, acc = new_key_step(q, m_i, l_i, acc, k_ptr, v_ptr, row, k_cache_ptr,
+                                         v_cache_ptr, slot, kv_head, cos, sin, w1, w2, eps,
+                                         k_inv_scale, v_inv_scale, qk_scale, NUM_KV_HEADS,
+                                         HEAD_DIM, PRECISION, NORM, FP8)
+    return m_i, l_i, acc
 
 
 def new_token_args(new: NewToken | None, q: torch.Tensor, kv_scales: tuple[float, float]
