@@ -11,11 +11,12 @@ Before its wait a program may read only what no kernel of a step writes, so that
 the kernel before: weights, scales and biases, the step's inputs (positions, slots, context
 lengths, block tables), which the host copies before the step's first kernel (the GPU-side
 carry writes input_ids only: runner.step_inputs), and in a decode step the KV cache's rows
-before each sequence's new position, which only earlier steps wrote (the step writes the new
-positions' rows). A decode projection's program thus asks L2 for its first weight tiles
-(prefetch_tile) or loads its weight slice (the one-token GEMVs), and decode with the new token
-loads its first key tile (kernels.attention.decode); tests/kernels/test_pdl.py lists the
-helpers allowed there."""
+before each sequence's new position. That holds while a decode step writes only its new
+positions' rows, a block is hashed (shared) only once the step writing it was launched, and no
+kernel copies or recycles cache blocks inside a step (engine.block_manager). A decode
+projection's program thus asks L2 for its first weight tiles (prefetch_tile) or loads its
+weight slice (the one-token GEMVs), and decode with the new token loads its first K/V tile
+(kernels.attention.decode); tests/kernels/test_pdl.py lists the helpers allowed there."""
 import functools
 
 import torch

@@ -9,8 +9,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 
 import pytest  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.runtime import interpreter  # noqa: E402
 
 from nanovllm.kernels.attention.decode import decode_attention_triton  # noqa: E402
 from nanovllm.kernels.attention.kv_quant import FP8_DTYPE  # noqa: E402
@@ -20,20 +18,6 @@ from nanovllm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KV_HEADS, BLOCK, MAX_POS = 2, 16, 512
-
-
-@pytest.fixture(autouse=True)
-def _bf16_dots(monkeypatch) -> None:
-    """The interpreter's tl.dot multiplies bf16 operands' bit patterns (numpy holds bf16 as
-    uint16), and both paths agreed on that garbage: widened to float32 first (exactly), the
-    bf16 cases compare numbers."""
-    dot = interpreter.InterpreterBuilder.create_dot
-
-    def create_dot(self, a, b, *args):
-        a, b = (self.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x
-                for x in (a, b))
-        return dot(self, a, b, *args)
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 
 
 def _case(lens: list[int], group: int, head_dim: int, dtype: torch.dtype, cache_dtype,

@@ -57,7 +57,7 @@ def test_every_pdl_kernel_waits_first() -> None:
     kernels = _pdl_kernels()
     names = {k.fn.__name__ for k in kernels}
     assert {"_rms_norm_kernel", "_silu_and_mul_kernel", "_decode_split_kernel",
-            "_decode_reduce_kernel", "_qkv_rope_store_kernel", "_gate_up_silu_kernel",
+            "decode_reduce_kernel", "_qkv_rope_store_kernel", "_gate_up_silu_kernel",
             "_split_k_kernel", "_gemv_partials_kernel", "_gemv_rows_kernel",
             "_qk_norm_rope_kernel"} <= names
     for kernel in kernels:

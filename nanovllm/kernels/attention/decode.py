@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.attention import prefill  # dot_precision looked up per call (tests patch)
-from nanovllm.kernels.attention.decode_reduce import _decode_reduce_kernel, _store_split
+from nanovllm.kernels.attention.decode_reduce import decode_reduce_kernel, store_split
 from nanovllm.kernels.attention.new_token import (
     NewToken,
     cached_end,
@@ -27,6 +27,8 @@ _TARGET_PROGRAMS = 512  # enough programs to fill an H100/H200 a few times over
 _MAX_SPLITS = 64
 # An FP8 cache's launch, measured on the H200: 128-key tiles, and a third stage, which keeps two
 # K/V tiles in flight (half the bytes per tile of bf16, whose launch gains nothing from it).
+# Not with the new token (batch 1): a split is a few tiles there, the first held from before
+# the wait, and the third stage buys nothing but shared memory (73,728 bytes, not 40,960).
 _FP8_BLOCK_N, _FP8_NUM_WARPS, _FP8_NUM_STAGES = 128, 4, 3
 # Block-table entries held in registers at a time: fixed (one compiled variant), small at any
 # context length, and 16-64 key tiles per chunk, so the tile pipeline refills only rarely.
@@ -37,9 +39,7 @@ _PAGES_PER_CHUNK = 16
 def _cache_tile(k_cache_ptr, v_cache_ptr, pages, page0, start_n, hi_n, lo, kv_head, dtype,
                 NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                 BLOCK_N: tl.constexpr, PAGES_PER_CHUNK: tl.constexpr, SLIDING: tl.constexpr):
-    """Keys start_n..+BLOCK_N, a tile of a page among `pages` (from page0), as `dtype` (the
-    cache's: FP8 codes): k_t [D, N], v [N, D] and which are visible, below hi_n and, SLIDING,
-    from lo (others 0)."""
+    """k_t [D, N], v [N, D] of keys start_n..+BLOCK_N as `dtype`, visible below hi_n (from lo)."""
     # The page id comes from registers, not memory: a load here would make each tile's K/V
     # addresses wait on it, and Triton then keeps one K/V tile in flight at any num_stages.
     page = tl.sum(tl.where(tl.arange(0, PAGES_PER_CHUNK) == start_n // BLOCK_SIZE - page0,
@@ -79,17 +79,18 @@ def _attend_chunk(q, k_cache_ptr, v_cache_ptr, pages, page0, lo_n, hi_n, lo, kv_
 
 
 @triton.jit
-def _first_tile(k_cache_ptr, v_cache_ptr, pages, start, end_cached, lo, kv_head,
+def _first_tile(k_cache_ptr, v_cache_ptr, pages, start, end, ctx, lo, kv_head,
                 NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                 BLOCK_N: tl.constexpr, PAGES_PER_CHUNK: tl.constexpr, SLIDING: tl.constexpr,
                 NEW_KV: tl.constexpr):
-    """With NEW_KV, the split's first cache tile (codes; every key hidden in an empty split),
-    read before the PDL wait: its rows precede the new position, so only earlier steps wrote
-    them (kernels.pdl). Without, nothing (the tile is read in the loop)."""
+    """NEW_KV: the split's first cache tile (codes), read before the PDL wait; else None."""
     if NEW_KV:
+        # Only rows before the new position (cached_end), which earlier steps wrote; an empty
+        # split's keys are all hidden. Without NEW_KV the loop reads the tile.
         tile = _cache_tile(k_cache_ptr, v_cache_ptr, pages, start // BLOCK_SIZE, start,
-                           end_cached, lo, kv_head, k_cache_ptr.dtype.element_ty, NUM_KV_HEADS,
-                           HEAD_DIM, BLOCK_SIZE, BLOCK_N, PAGES_PER_CHUNK, SLIDING)
+                           cached_end(end, ctx, NEW_KV), lo, kv_head,
+                           k_cache_ptr.dtype.element_ty, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                           BLOCK_N, PAGES_PER_CHUNK, SLIDING)
     else:
         tile = None
     return tile
@@ -153,7 +154,7 @@ def _decode_split_kernel(
     end_page = tl.cdiv(end_cached, BLOCK_SIZE)
     pages = _chunk_pages(block_tables_ptr, seq, stride_bt, start // BLOCK_SIZE, end_page,
                          PAGES_PER_CHUNK)
-    tile = _first_tile(k_cache_ptr, v_cache_ptr, pages, start, end_cached, lo, kv_head,
+    tile = _first_tile(k_cache_ptr, v_cache_ptr, pages, start, end, ctx, lo, kv_head,
                        NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PAGES_PER_CHUNK, SLIDING,
                        NEW_KV)
     cos, sin, slot, qw1, qw2, kw1, kw2 = new_token_inputs(
@@ -183,9 +184,9 @@ def _decode_split_kernel(
             l_i, acc, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PAGES_PER_CHUNK,
             PRECISION, SLIDING)
         pages = next_pages
-    _store_split(m_i, l_i, acc, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, seq, kv_head,
-                 split, num_splits, stride_ob, stride_oh, v_scale, GROUP, GROUP_P2,
-                 NUM_KV_HEADS, HEAD_DIM, SINGLE_SPLIT)
+    store_split(m_i, l_i, acc, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, seq, kv_head,
+                split, num_splits, stride_ob, stride_oh, v_scale, GROUP, GROUP_P2,
+                NUM_KV_HEADS, HEAD_DIM, SINGLE_SPLIT)
 
 
 def _block_n(programs: int, head_dim: int, block_size: int, fp8: bool) -> int:
@@ -259,11 +260,12 @@ def decode_attention_triton(
         SLIDING=window > 0, SINGLE_SPLIT=num_splits == 1,
         FP16_DOT=fp8 and q.dtype == torch.bfloat16, FP8=fp8,
         **new_token_args(new_token, q, (k_scale, v_scale)),
-        num_warps=_FP8_NUM_WARPS if fp8 else 4, num_stages=_FP8_NUM_STAGES if fp8 else 2,
+        num_warps=_FP8_NUM_WARPS if fp8 else 4,
+        num_stages=_FP8_NUM_STAGES if fp8 and new_token is None else 2,
         **launch_options(),
     )
     if num_splits > 1:
-        _decode_reduce_kernel[(batch, num_heads)](
+        decode_reduce_kernel[(batch, num_heads)](
             part_m, part_l, part_acc, out, out.stride(0), out.stride(1), num_splits,
             # the most splits, whatever this step's count: one compiled variant
             NUM_HEADS=num_heads, SPLITS_P2=_MAX_SPLITS,

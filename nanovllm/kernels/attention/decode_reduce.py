@@ -1,5 +1,4 @@
-"""Flash-decoding's split partials (kernels.attention.decode): each split program's store of
-its softmax partials, or with one split the output itself, and the kernel merging them."""
+"""Flash-decoding's split partials (kernels.attention.decode): their store, and their merge."""
 import triton
 import triton.language as tl
 
@@ -7,12 +6,11 @@ from nanovllm.kernels.pdl import wait_then_release
 
 
 @triton.jit
-def _store_split(m_i, l_i, acc, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, seq, kv_head,
-                 split, num_splits, stride_ob, stride_oh, v_scale, GROUP: tl.constexpr,
-                 GROUP_P2: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 SINGLE_SPLIT: tl.constexpr):
-    """A split's result for its GROUP query heads: with one split the output itself, else its
-    softmax partials [B, H, splits(, D)] for the reduce kernel."""
+def store_split(m_i, l_i, acc, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, seq, kv_head,
+                split, num_splits, stride_ob, stride_oh, v_scale, GROUP: tl.constexpr,
+                GROUP_P2: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                SINGLE_SPLIT: tl.constexpr):
+    """A split's GROUP heads: with one split the output, else partials [B, H, splits(, D)]."""
     offs_g = tl.arange(0, GROUP_P2)
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + offs_g
@@ -30,7 +28,7 @@ def _store_split(m_i, l_i, acc, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, s
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _decode_reduce_kernel(
+def decode_reduce_kernel(
     part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ob, stride_oh, num_splits,
     NUM_HEADS: tl.constexpr, SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
     USE_PDL: tl.constexpr,

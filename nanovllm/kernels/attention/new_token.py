@@ -55,8 +55,7 @@ def new_token_inputs(pos_ptr, slot_ptr, cs_ptr, stride_cs, qn_w_ptr, kn_w_ptr, s
 
 @triton.jit
 def cached_end(end, ctx, NEW_KV: tl.constexpr):
-    """The end of a split's keys read from the cache: with NEW_KV the last key is the new one,
-    taken from registers (new_key_step)."""
+    """End of a split's keys read from the cache: with NEW_KV, before the new key (registers)."""
     if NEW_KV:
         end = tl.minimum(end, ctx - 1)
     return end
@@ -118,9 +117,7 @@ def new_token_steps(q, tile, holds_new, k_ptr, v_ptr, row, k_cache_ptr, v_cache_
                     GROUP_P2: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                     PRECISION: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
                     NEW_KV: tl.constexpr):
-    """The online-softmax state (m, l, acc) a split's cache loop starts from: empty, or with
-    NEW_KV after the split's first cache tile (k_t, v, visible as the cache holds them, read
-    before the PDL wait) and, where the split holds it, the new key (new_key_step)."""
+    """(m, l, acc) a split's loop starts from: empty, or NEW_KV's after `tile` and the new key."""
     m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_P2], tl.float32)
     acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
