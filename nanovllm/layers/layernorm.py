@@ -2,6 +2,9 @@
 import torch
 from torch import nn
 
+# the add + RMSNorm a one-token GEMV computes first, handed between decoder layers (no Triton)
+from nanovllm.kernels.linear.norm_prologue import PendingNorm
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, in float32; with a residual, (normed, x + residual). `fused` (bound
@@ -54,6 +57,10 @@ class RMSNorm(nn.Module):
             self.feeds[0].hand_lora_ahead(out if isinstance(out, torch.Tensor) else out[0],
                                           ahead)
         return out
+
+    def pending(self, partials: torch.Tensor, residual: torch.Tensor) -> PendingNorm:
+        """add_partials(partials, residual) left for the projection fed to compute first."""
+        return PendingNorm(partials, residual, self.weight, self.eps)
 
     def add_partials(self, partials: torch.Tensor,
                      residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.fused_moe import SparseMoeBlock, expert_weight_target
-from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.layernorm import PendingNorm, RMSNorm
 from nanovllm.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -81,15 +81,26 @@ class DecoderAttention(nn.Module):
                               rotary_emb, config.rms_norm_eps if spec.qk_norm else None,
                               spec.sliding_windows[layer_idx])
 
-    def attend(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Attention over the tokens of hidden_states: o_proj's input, [tokens, q_size]."""
+    def attend(self, positions: torch.Tensor, hidden_states: torch.Tensor | PendingNorm,
+               residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention over the tokens: o_proj's input [tokens, q_size], the residual);
+        hidden_states: the normed residual, or the PendingNorm qkv_proj's GEMV computes first
+        (the residual is then the sum it stores)."""
+        if isinstance(hidden_states, PendingNorm):
+            qkv, residual = self.qkv_proj.norm_gemv_rows(hidden_states)
+            if self.attn.takes_new_token():  # q/k norm, RoPE and the K/V write in decode
+                return self.attn.decode_new_token(positions, qkv).flatten(1, -1), residual
+            return self._attend_qkv(positions, qkv), residual
         if self.attn.takes_projection() and (self.qkv_proj.runs_fused_decode(hidden_states)
                                              or self.attn.decodes_new_token(hidden_states,
                                                                             self.qkv_proj)):
             # qkv_proj, q/k norm, RoPE and the K/V write as one kernel
             o = self.attn.decode_projected(positions, hidden_states, self.qkv_proj)
-            return o.flatten(1, -1)
-        qkv = self.qkv_proj(hidden_states)
+            return o.flatten(1, -1), residual
+        return self._attend_qkv(positions, self.qkv_proj(hidden_states)), residual
+
+    def _attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Attention over qkv_proj's output [tokens, q + k + v]: [tokens, q_size]."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)      # (N, H, D)
         k = k.view(-1, self.num_kv_heads, self.head_dim)   # (N, Hkv, D)
@@ -140,13 +151,28 @@ def project_add_norm(proj: RowParallelLinear, x: torch.Tensor, residual: torch.T
     return norm(proj(x), residual)
 
 
+def project_add_next_norm(proj: RowParallelLinear, x: torch.Tensor, residual: torch.Tensor,
+                          next_norm: RMSNorm) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
+    """project_add_norm at a layer's end; for a lone decode token whose next qkv_proj (the one
+    next_norm feeds; the final norm feeds none) computes next_norm in its GEMV, (that
+    PendingNorm, residual): the next layer's attend sums and normalises them."""
+    if not next_norm.feeds or not proj.runs_fused_decode(x):
+        return project_add_norm(proj, x, residual, next_norm)
+    partials = proj.split_k_partials(x)
+    pending = next_norm.pending(partials, residual)
+    if next_norm.feeds[0].runs_norm_gemv_rows(pending):
+        return pending, residual
+    return next_norm.add_partials(partials, residual)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block that ends with the next layer's input_layernorm, or the final norm."""
 
     # Each residual add is fused into the RMSNorm after it, and each o_proj and down_proj into
     # that add (project_add_norm, where split-K partials meet the norm that sums them), so the
     # norm after a layer runs inside it: DecoderModel runs only the first layer's own. A lone
-    # token's post-attention norm runs inside gate_up_proj's GEMV (add_norm_gated).
+    # token's post-attention norm runs inside gate_up_proj's GEMV (add_norm_gated), and its
+    # next layer's input norm inside that layer's qkv_proj GEMV (project_add_next_norm).
 
     def __init__(self, config: PretrainedConfig, spec: DecoderSpec, rotary_emb: RotaryEmbedding,
                  layer_idx: int):
@@ -169,16 +195,19 @@ class DecoderLayer(nn.Module):
         if isinstance(self.mlp, DecoderMLP):
             self.post_attention_layernorm.feeds = (self.mlp.gate_up_proj,)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                residual: torch.Tensor, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(next_norm(h), h), h = residual + attention + MLP; hidden_states: normed residual."""
-        o = self.self_attn.attend(positions, hidden_states)
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor | PendingNorm,
+                residual: torch.Tensor, next_norm: RMSNorm
+                ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
+        """(next_norm(h), h), h = residual + attention + MLP; hidden_states: normed residual.
+        Between layers a lone token's pair may be (PendingNorm, the residual before its add),
+        which qkv_proj's GEMV computes (project_add_next_norm); the final norm's never is."""
+        o, residual = self.self_attn.attend(positions, hidden_states, residual)
         o_proj, norm = self.self_attn.o_proj, self.post_attention_layernorm
         if isinstance(self.mlp, SparseMoeBlock):
             hidden_states, residual = project_add_norm(o_proj, o, residual, norm)
             return next_norm(self.mlp(hidden_states), residual)
         gated, residual = self.mlp.add_norm_gated(o_proj, o, residual, norm)
-        return project_add_norm(self.mlp.down_proj, gated, residual, next_norm)
+        return project_add_next_norm(self.mlp.down_proj, gated, residual, next_norm)
 
 
 class DecoderModel(nn.Module):

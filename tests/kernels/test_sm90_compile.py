@@ -1,6 +1,7 @@
 """The one-token decode kernels compile for sm_90 (Triton to PTX, ptxas to a cubin), without a
 GPU: what the interpreter cannot show (layouts of tl.join, tl.permute, tl.reshape, a [1, D]
-tl.trans, a 16-key tile through tl.dot, a runtime branch holding the softmax state)."""
+tl.trans, a 16-key tile through tl.dot, a runtime branch holding the softmax state; 64 KB of
+weight rows held in registers by 8 warps)."""
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ def cubin(kernel, consts, types, **options):
     src = ASTSource(fn=kernel, signature=sig,
                     constexprs={(names.index(n),): v for n, v in consts.items()})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=4, launch_pdl=True, **options))
+                       options=dict(launch_pdl=True, **{"num_warps": 4, **options}))
     return len(k.asm["cubin"]) > 0
 
 ints = dict.fromkeys(["stride_qb", "stride_qh", "stride_bt", "stride_ob", "stride_oh",
@@ -44,8 +45,11 @@ for fp8 in (False, True):
         BLOCK_N=16 if fp8 else 8, K_P2=1024, W_SCALE=fp8, HAS_BIAS=False, PARTIALS=4,
         USE_PDL=True), {**types, "w_ptr": weight}))
     print("rows", fp8, cubin(_gemv_rows_kernel, dict(
-        BLOCK_N=8, K_P2=1024, W_SCALE=fp8, HAS_BIAS=True, USE_PDL=True),
+        BLOCK_N=8, K_P2=1024, W_SCALE=fp8, HAS_BIAS=True, PARTIALS=0, USE_PDL=True),
         {**types, "w_ptr": weight, "x_ptr": "*bf16"}))
+    print("norm rows", fp8, cubin(_gemv_rows_kernel, dict(  # Qwen3-0.6B's qkv_proj
+        BLOCK_N=64 if fp8 else 32, K_P2=1024, W_SCALE=fp8, HAS_BIAS=False, PARTIALS=6,
+        USE_PDL=True), {**types, "w_ptr": weight}, num_warps=8))
 print("qk", cubin(_qk_norm_rope_kernel, dict(
     NUM_Q_HEADS=16, NUM_KV_HEADS=8, Q_HEADS_P2=16, KV_HEADS_P2=8, HEAD_DIM=128, STORE_KV=True,
     NORM=True, FP8=False, USE_PDL=True), types))
@@ -59,6 +63,7 @@ def test_one_token_kernels_compile_for_sm90() -> None:
     out = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split("\n")[:7] == [
-        "decode False True", "gate_up False True", "rows False True",
-        "decode True True", "gate_up True True", "rows True True", "qk True"], out.stdout
+    assert out.stdout.split("\n")[:9] == [
+        "decode False True", "gate_up False True", "rows False True", "norm rows False True",
+        "decode True True", "gate_up True True", "rows True True", "norm rows True True",
+        "qk True"], out.stdout
