@@ -15,8 +15,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.fused = False
         self.weight = nn.Parameter(torch.ones(hidden_size))
-        # (the projection this norm feeds,) when its LoRA shrink may be computed here, in the
-        # fused kernel (kernels.linear.lora); a tuple, so that it stays registered where it is
+        # (the projection this norm feeds,): a decode step may compute its LoRA shrink here, in
+        # the fused kernel (kernels.linear.lora), and a lone token's GEMV of it this norm
+        # instead (pending; models.decoder); a tuple, so that it stays registered where it is
         self.feeds: tuple[nn.Module, ...] = ()
 
     def rms_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,7 +60,7 @@ class RMSNorm(nn.Module):
         return out
 
     def pending(self, partials: torch.Tensor, residual: torch.Tensor) -> PendingNorm:
-        """add_partials(partials, residual) left for the projection fed to compute first."""
+        """add_partials(partials, residual) left for the projection fed (feeds) to compute."""
         return PendingNorm(partials, residual, self.weight, self.eps)
 
     def add_partials(self, partials: torch.Tensor,

@@ -175,22 +175,18 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         return gate_up_silu(x, self.weight, self.bias, lora=self.lora_slots(),
                             ahead=self.take_lora_ahead(x), **self.fused_scales())
 
-    def runs_norm_gate_up(self, partials: torch.Tensor, residual: torch.Tensor,
-                          norm: nn.Module) -> bool:
+    def runs_norm_gate_up(self, norm: PendingNorm) -> bool:
         """Whether norm_gate_up_silu runs this step: fused, one token, no LoRA, and a GEMV
         that takes norm's sum of partials and residual (kernels.linear.gemv_gate_up)."""
         from nanovllm.kernels.linear.gemv_gate_up import runs_norm_gate_up_gemv
-        pending = PendingNorm(partials, residual, norm.weight, norm.eps)
-        return self.runs_fused_decode(residual) and self.lora_slots() is None \
-            and runs_norm_gate_up_gemv(pending, self.weight, **self.fused_scales())
+        return self.runs_fused_decode(norm.residual) and self.lora_slots() is None \
+            and runs_norm_gate_up_gemv(norm, self.weight, **self.fused_scales())
 
-    def norm_gate_up_silu(self, partials: torch.Tensor, residual: torch.Tensor,
-                          norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up_silu(h), the sum) for (h, the sum) = norm.add_partials(partials, residual),
-        the norm computed inside the GEMV, for steps runs_norm_gate_up takes."""
+    def norm_gate_up_silu(self, norm: PendingNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up_silu(h), the sum) for (h, the sum) = norm's add + RMSNorm, the norm
+        computed inside the GEMV, for steps runs_norm_gate_up takes."""
         from nanovllm.kernels.linear.gemv_gate_up import norm_gate_up_silu_gemv
-        pending = PendingNorm(partials, residual, norm.weight, norm.eps)
-        return norm_gate_up_silu_gemv(pending, self.weight, self.bias,
+        return norm_gate_up_silu_gemv(norm, self.weight, self.bias,
                                       self.fused_scales().get("w_scale"))
 
     def shard(self, shard_id: int) -> tuple[Rows, Cols]:

@@ -7,6 +7,7 @@ sliding windows, the RoPE variant and which layers are sparse mixtures of expert
 Kernels are chosen in layers.backends and bound to the layers; the decoder only asks a layer
 whether this step runs its fused decode kernel (runs_fused_decode) and then calls it by name.
 """
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -83,17 +84,17 @@ class DecoderAttention(nn.Module):
 
     def attend(self, positions: torch.Tensor, hidden_states: torch.Tensor | PendingNorm,
                residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(attention over the tokens: o_proj's input [tokens, q_size], the residual);
-        hidden_states: the normed residual, or the PendingNorm qkv_proj's GEMV computes first
-        (the residual is then the sum it stores)."""
+        """(attention over the tokens: o_proj's input [tokens, q_size], the residual)."""
+        # hidden_states: the normed residual, or a PendingNorm whose add + RMSNorm qkv_proj's
+        # GEMV computes first, storing the sum: the residual from here on
         if isinstance(hidden_states, PendingNorm):
             qkv, residual = self.qkv_proj.norm_gemv_rows(hidden_states)
-            if self.attn.takes_new_token():  # q/k norm, RoPE and the K/V write in decode
+            if self.attn.can_decode_new_token():  # q/k norm, RoPE and the K/V write in decode
                 return self.attn.decode_new_token(positions, qkv).flatten(1, -1), residual
             return self._attend_qkv(positions, qkv), residual
         if self.attn.takes_projection() and (self.qkv_proj.runs_fused_decode(hidden_states)
-                                             or self.attn.decodes_new_token(hidden_states,
-                                                                            self.qkv_proj)):
+                                             or self.attn.runs_decode_new_token(
+                                                 hidden_states, self.qkv_proj)):
             # qkv_proj, q/k norm, RoPE and the K/V write as one kernel
             o = self.attn.decode_projected(positions, hidden_states, self.qkv_proj)
             return o.flatten(1, -1), residual
@@ -131,38 +132,26 @@ class DecoderMLP(nn.Module):
     def add_norm_gated(self, proj: RowParallelLinear, x: torch.Tensor, residual: torch.Tensor,
                        norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(gated(norm(proj(x) + residual)), proj(x) + residual)."""
-        if not proj.runs_fused_decode(x):
-            hidden_states, residual = norm(proj(x), residual)
-            return self.gated(hidden_states), residual
-        partials = proj.split_k_partials(x)
-        # A lone token's gate_up GEMV may normalise the partials itself: no launch of the norm
-        if self.gate_up_proj.runs_norm_gate_up(partials, residual, norm):
-            return self.gate_up_proj.norm_gate_up_silu(partials, residual, norm)
-        hidden_states, residual = norm.add_partials(partials, residual)
+        # A lone token's gate_up GEMV may normalise proj's partials itself: no launch of the norm
+        hidden_states, residual = project_add_norm(proj, x, residual, norm,
+                                                   self.gate_up_proj.runs_norm_gate_up)
+        if isinstance(hidden_states, PendingNorm):
+            return self.gate_up_proj.norm_gate_up_silu(hidden_states)
         return self.gated(hidden_states), residual
 
 
 def project_add_norm(proj: RowParallelLinear, x: torch.Tensor, residual: torch.Tensor,
-                     norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(proj(x) + residual), proj(x) + residual)."""
-    # In the decode steps bound to split-K, norm sums proj's partials: no launch of its own
-    if proj.runs_fused_decode(x):
-        return norm.add_partials(proj.split_k_partials(x), residual)
-    return norm(proj(x), residual)
-
-
-def project_add_next_norm(proj: RowParallelLinear, x: torch.Tensor, residual: torch.Tensor,
-                          next_norm: RMSNorm) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
-    """project_add_norm at a layer's end; for a lone decode token whose next qkv_proj (the one
-    next_norm feeds; the final norm feeds none) computes next_norm in its GEMV, (that
-    PendingNorm, residual): the next layer's attend sums and normalises them."""
-    if not next_norm.feeds or not proj.runs_fused_decode(x):
-        return project_add_norm(proj, x, residual, next_norm)
-    partials = proj.split_k_partials(x)
-    pending = next_norm.pending(partials, residual)
-    if next_norm.feeds[0].runs_norm_gemv_rows(pending):
+                     norm: RMSNorm, computes_norm: Callable[[PendingNorm], bool] | None = None
+                     ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
+    """(norm(proj(x) + residual), proj(x) + residual); the first a PendingNorm if computes_norm."""
+    # In the decode steps bound to split-K, norm sums proj's partials (no launch of its own),
+    # or the projection norm feeds does, where computes_norm takes their PendingNorm
+    if not proj.runs_fused_decode(x):
+        return norm(proj(x), residual)
+    pending = norm.pending(proj.split_k_partials(x), residual)
+    if computes_norm is not None and computes_norm(pending):
         return pending, residual
-    return next_norm.add_partials(partials, residual)
+    return norm.add_partials(pending.partials, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -172,7 +161,7 @@ class DecoderLayer(nn.Module):
     # that add (project_add_norm, where split-K partials meet the norm that sums them), so the
     # norm after a layer runs inside it: DecoderModel runs only the first layer's own. A lone
     # token's post-attention norm runs inside gate_up_proj's GEMV (add_norm_gated), and its
-    # next layer's input norm inside that layer's qkv_proj GEMV (project_add_next_norm).
+    # next layer's input norm inside that layer's qkv_proj GEMV (a PendingNorm handed on).
 
     def __init__(self, config: PretrainedConfig, spec: DecoderSpec, rotary_emb: RotaryEmbedding,
                  layer_idx: int):
@@ -190,7 +179,8 @@ class DecoderLayer(nn.Module):
             self.mlp = DecoderMLP(config, spec, prefix)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        # the projections these norms feed, whose LoRA shrink a decode step may compute with them
+        # the projections these norms feed: a decode step may compute their LoRA shrink with
+        # the norm, and a lone token's qkv_proj GEMV the input norm itself (forward)
         self.input_layernorm.feeds = (self.self_attn.qkv_proj,)
         if isinstance(self.mlp, DecoderMLP):
             self.post_attention_layernorm.feeds = (self.mlp.gate_up_proj,)
@@ -198,16 +188,18 @@ class DecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor | PendingNorm,
                 residual: torch.Tensor, next_norm: RMSNorm
                 ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
-        """(next_norm(h), h), h = residual + attention + MLP; hidden_states: normed residual.
-        Between layers a lone token's pair may be (PendingNorm, the residual before its add),
-        which qkv_proj's GEMV computes (project_add_next_norm); the final norm's never is."""
+        """(next_norm(h), h), h = residual + attention + MLP; hidden_states: normed residual."""
+        # After a dense MLP a lone token's pair may be (PendingNorm, the residual before its
+        # add), for the next layer's qkv_proj GEMV to compute (attend); never the final norm's,
+        # which feeds no projection
         o, residual = self.self_attn.attend(positions, hidden_states, residual)
         o_proj, norm = self.self_attn.o_proj, self.post_attention_layernorm
         if isinstance(self.mlp, SparseMoeBlock):
             hidden_states, residual = project_add_norm(o_proj, o, residual, norm)
             return next_norm(self.mlp(hidden_states), residual)
         gated, residual = self.mlp.add_norm_gated(o_proj, o, residual, norm)
-        return project_add_next_norm(self.mlp.down_proj, gated, residual, next_norm)
+        next_qkv = next_norm.feeds[0].runs_norm_gemv_rows if next_norm.feeds else None
+        return project_add_norm(self.mlp.down_proj, gated, residual, next_norm, next_qkv)
 
 
 class DecoderModel(nn.Module):

@@ -48,7 +48,7 @@ for fp8 in (False, True):
         BLOCK_N=8, K_P2=1024, W_SCALE=fp8, HAS_BIAS=True, PARTIALS=0, USE_PDL=True),
         {**types, "w_ptr": weight, "x_ptr": "*bf16"}))
     print("norm rows", fp8, cubin(_gemv_rows_kernel, dict(  # Qwen3-0.6B's qkv_proj
-        BLOCK_N=64 if fp8 else 32, K_P2=1024, W_SCALE=fp8, HAS_BIAS=False, PARTIALS=6,
+        BLOCK_N=32, K_P2=1024, W_SCALE=fp8, HAS_BIAS=False, PARTIALS=6,
         USE_PDL=True), {**types, "w_ptr": weight}, num_warps=8))
 print("qk", cubin(_qk_norm_rope_kernel, dict(
     NUM_Q_HEADS=16, NUM_KV_HEADS=8, Q_HEADS_P2=16, KV_HEADS_P2=8, HEAD_DIM=128, STORE_KV=True,

@@ -84,7 +84,7 @@ def spy_gemv(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         monkeypatch.setattr(module, name, call)
     spy(split_k, "gemv_partials")
     spy(fused_linear, "gate_up_silu_gemv")  # kernels.linear.fused's name for it
-    spy(fused_linear, "gemv_rows")  # qkv_rope_store's (backends without decodes_new_token)
+    spy(fused_linear, "gemv_rows")  # qkv_rope_store's (backends without can_decode_new_token)
     spy(gemv, "gemv_rows")  # LinearBase.gemv_rows: Triton's decode takes the raw q, k, v
     spy(gemv_gate_up, "norm_gate_up_silu_gemv")
     spy(gemv, "norm_gemv_rows")  # QKVParallelLinear.norm_gemv_rows: the input norm inside
@@ -176,16 +176,25 @@ def test_lone_token_decodes_its_new_token_at_any_qkv_limit(checkpoint: str,
     assert calls.count("gemv_rows") + calls.count("norm_gemv_rows") == 5 * 2
 
 
+# case -> (family, config fields, the layers whose qkv_proj GEMV takes their input norm): three
+# Qwen3 layers whose down_proj leaves 2 partials (K 1,024), norms inside layers 1 and 2; three
+# Qwen3-MoE layers, sparse, dense (mlp_only_layers), sparse: the sparse layer 0 hands its
+# successor a tensor, the dense layer 1 a PendingNorm to the sparse layer 2
+INPUT_NORM_CASES = {"qwen3": ("Qwen3", dict(intermediate_size=1024, num_hidden_layers=3), 2),
+                    "moe": ("Qwen3Moe", dict(MOE, num_hidden_layers=3, mlp_only_layers=[1]), 1)}
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_lone_token_input_norm_inside_qkv_gemv(backend: str, tmp_path,
+@pytest.mark.parametrize("case", list(INPUT_NORM_CASES))
+def test_lone_token_input_norm_inside_qkv_gemv(case: str, backend: str, tmp_path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """Three Qwen3 layers whose down_proj leaves 2 partials (K 1,024): a lone token's layers 1
-    and 2 take their input norm inside qkv_proj's GEMV, the last layer ends in the final norm
-    as before. The greedy tokens equal the path with that fusion off, and on CPU (the norm
-    kernel interpreted too) their logprobs bit for bit; the unfused path's tokens too. Triton's
-    decode takes the GEMV's q, k, v raw (new_token); torch's, after the q/k norm and RoPE."""
-    path = build_checkpoint(str(tmp_path), family="Qwen3",
-                            **{**SHAPE, "intermediate_size": 1024, "num_hidden_layers": 3})
+    """A lone token's layers after a dense MLP take their input norm inside qkv_proj's GEMV
+    (INPUT_NORM_CASES), the last layer ends in the final norm as before. The greedy tokens
+    equal the path with that fusion off, and on CPU (the norm kernel interpreted too) their
+    logprobs bit for bit; the unfused path's tokens too. Triton's decode takes the GEMV's q, k,
+    v raw (new_token); torch's, after the q/k norm and RoPE."""
+    family, fields, normed = INPUT_NORM_CASES[case]
+    path = build_checkpoint(str(tmp_path), family=family, **{**SHAPE, **fields})
     llm = LLM(path, device=DEVICE, attention_backend=backend, dtype="float16",
               enforce_eager=True, num_kvcache_blocks=8, max_num_seqs=4, max_model_len=512)
     prompt = [[(11 * j) % 300 + 1 for j in range(19)]]
@@ -202,8 +211,8 @@ def test_lone_token_input_norm_inside_qkv_gemv(backend: str, tmp_path,
         off = calls[len(on):]
     finally:
         llm.shutdown()
-    # 5 decode steps: layer 0's qkv_proj from the model's own norm, layers 1 and 2 with theirs
-    assert on.count("norm_gemv_rows") == 5 * 2 and on.count("gemv_rows") == 5
+    # 5 decode steps: layer 0's qkv_proj from the model's own norm, the others' as the case says
+    assert on.count("norm_gemv_rows") == 5 * normed and on.count("gemv_rows") == 5 * (3 - normed)
     assert off.count("norm_gemv_rows") == 0 and off.count("gemv_rows") == 5 * 3
     assert got["token_ids"] == want["token_ids"] == unfused["token_ids"]
     assert len(got["logprobs"]) == len(got["token_ids"])

@@ -35,9 +35,10 @@ from nanovllm.kernels.pdl import launch_options, wait_then_release
 
 SLICE_BYTES = 16 * 1024  # weight bytes a partials program holds (the probe's best, 16-32 KB)
 WHOLE_ROWS_BYTES = SLICE_BYTES  # whole weight rows a gemv_rows program holds (all of K)
-# ... and one of norm_gemv_rows, with 8 warps: every program reads all the partials, so fewer
-# programs (Qwen3-0.6B's qkv_proj: 128, not 512) for cheap_enough to hold
-NORM_ROWS_BYTES = 64 * 1024
+# ... and the weight elements one of norm_gemv_rows holds, with 8 warps (64 KB of 16-bit
+# weights, 32 KB of FP8 codes: the same rows at the same K): every program reads all the
+# partials, so fewer programs (Qwen3-0.6B's qkv_proj: 128, not 512) for cheap_enough to hold
+NORM_ROWS_ELEMENTS = 32 * 1024
 ROW_BYTES = 2048  # the widest K slice of one row a partials program takes
 K_MAJOR_ROWS = 16  # output columns of a k-major program: one 32-byte sector of each weight
 # row, so a program takes 512 K rows (16-bit) and the norm after sums half the partials of 32
@@ -87,9 +88,9 @@ def rms_weight(w_ptr, ks, K, PARTIALS: tl.constexpr):
 @triton.jit
 def gemv_input(x_ptr, res_ptr, res_out_ptr, norm_w, ks, K, eps, dtype: tl.constexpr,
                PARTIALS: tl.constexpr):
-    """float32 x [1, K_P2]: x itself, or with PARTIALS RMSNorm(the sum of x's PARTIALS split-K
-    partials + the residual), as add_partials_rms_norm gives it; program 0 then also stores
-    the sum (the next residual)."""
+    """float32 x [1, K_P2]: x, or with PARTIALS add_partials_rms_norm's of x's partials."""
+    # x's PARTIALS split-K partials summed + the residual, normalised as add_partials_rms_norm
+    # does; program 0 also stores the sum (the next residual)
     mask = ks < K
     if PARTIALS:
         h = load_row(x_ptr, res_ptr, 0, ks, mask, 0, 0, K, dtype, True, PARTIALS)
@@ -209,11 +210,12 @@ def gemv_partials(x: torch.Tensor, weight: torch.Tensor,
     return part
 
 
-def _rows_per_program(n: int, k: int, elem_bytes: int,
-                      program_bytes: int = WHOLE_ROWS_BYTES) -> int | None:
-    """Weight rows per gemv_rows program: program_bytes of all of K; None if one row is wider
-    than that, or the rows do not divide n."""
-    block_n = program_bytes // (triton.next_power_of_2(k) * elem_bytes)
+def _rows_per_program(weight: torch.Tensor, norm: PendingNorm | None = None) -> int | None:
+    """Weight rows per whole-row program, all of K: WHOLE_ROWS_BYTES, or with norm
+    NORM_ROWS_ELEMENTS; None if one row is wider than that, or the rows do not divide N."""
+    n, k = weight.shape
+    elements = WHOLE_ROWS_BYTES // weight.element_size() if norm is None else NORM_ROWS_ELEMENTS
+    block_n = elements // triton.next_power_of_2(k)
     return block_n if block_n >= 1 and n % block_n == 0 else None
 
 
@@ -222,7 +224,24 @@ def runs_gemv_rows(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor 
     """Whether gemv_rows takes this step: weight [N, K] contiguous, a row within
     WHOLE_ROWS_BYTES."""
     return weight_ok(x, weight, w_scale, w_block) and weight.is_contiguous() \
-        and _rows_per_program(*weight.shape, weight.element_size()) is not None
+        and _rows_per_program(weight) is not None
+
+
+def launch_whole_rows(kernel, sizes: tuple, out_cols: int, block_n: int, num_warps: int,
+                      x: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
+                      w_scale: torch.Tensor | None, norm: PendingNorm | None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out [1, out_cols], norm's sum or None) of a whole-row kernel on x or norm's normed sum."""
+    # the kernel takes _gemv_rows_kernel's parameters, `sizes` between out_ptr and stride_w
+    src, norm_args, res_out, partials = prologue_args(x, norm)
+    like = x if norm is None else norm.residual
+    out = torch.empty(1, out_cols, dtype=like.dtype, device=like.device)
+    kernel[(out_cols // block_n,)](
+        weight, src, weight if w_scale is None else w_scale, weight if bias is None else bias,
+        out, *sizes, weight.stride(0), *norm_args, BLOCK_N=block_n,
+        K_P2=triton.next_power_of_2(weight.shape[1]), W_SCALE=w_scale is not None,
+        HAS_BIAS=bias is not None, PARTIALS=partials, num_warps=num_warps, **launch_options())
+    return out, res_out
 
 
 def _rows_launch(x: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -230,17 +249,8 @@ def _rows_launch(x: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tenso
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(x @ weight.T (+ bias), or of norm's normed sum; that sum, the next residual, or None)."""
     n, k = weight.shape
-    program_bytes = WHOLE_ROWS_BYTES if norm is None else NORM_ROWS_BYTES
-    block_n = _rows_per_program(n, k, weight.element_size(), program_bytes)
-    src, norm_args, res_out, partials = prologue_args(x, norm)
-    like = x if norm is None else norm.residual
-    out = torch.empty(1, n, dtype=like.dtype, device=like.device)
-    _gemv_rows_kernel[(n // block_n,)](
-        weight, src, weight if w_scale is None else w_scale, weight if bias is None else bias,
-        out, k, weight.stride(0), *norm_args, BLOCK_N=block_n,
-        K_P2=triton.next_power_of_2(k), W_SCALE=w_scale is not None, HAS_BIAS=bias is not None,
-        PARTIALS=partials, num_warps=4 if norm is None else 8, **launch_options())
-    return out, res_out
+    return launch_whole_rows(_gemv_rows_kernel, (k,), n, _rows_per_program(weight, norm),
+                             4 if norm is None else 8, x, weight, bias, w_scale, norm)
 
 
 def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -251,16 +261,15 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def runs_norm_gemv_rows(norm: PendingNorm, weight: torch.Tensor,
                         w_scale: torch.Tensor | None = None, w_block=None) -> bool:
-    """Whether norm_gemv_rows takes this step: runs_gemv_rows's for the residual, with rows of
-    NORM_ROWS_BYTES a program, partials it takes, and their reads cheap_enough."""
-    n, k = weight.shape
-    block_n = _rows_per_program(n, k, weight.element_size(), NORM_ROWS_BYTES)
+    """Whether norm_gemv_rows takes this step (as runs_gemv_rows, the reads cheap_enough)."""
+    # rows of NORM_ROWS_ELEMENTS a program, partials the kernel takes (takes_norm)
+    block_n = _rows_per_program(weight, norm)
     return weight_ok(norm.residual, weight, w_scale, w_block) and weight.is_contiguous() \
-        and block_n is not None and takes_norm(norm) and cheap_enough(norm, n // block_n, weight)
+        and block_n is not None and takes_norm(norm) \
+        and cheap_enough(norm, weight.shape[0] // block_n, weight)
 
 
 def norm_gemv_rows(norm: PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None,
                    w_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gemv_rows(h), the sum) for (h, the sum) = add_partials_rms_norm(*norm), the norm
-    computed in every program of the GEMV, as that kernel computes it."""
+    """(gemv_rows(h), the sum) for (h, the sum) = add_partials_rms_norm(*norm), in one kernel."""
     return _rows_launch(None, weight, bias, w_scale, norm)

@@ -9,18 +9,14 @@ import triton.language as tl
 
 from nanovllm.kernels.linear.gemv import (
     gemv_input,
+    launch_whole_rows,
     rms_weight,
     row_values,
     rows_slice,
     weight_ok,
 )
-from nanovllm.kernels.linear.norm_prologue import (
-    PendingNorm,
-    cheap_enough,
-    prologue_args,
-    takes_norm,
-)
-from nanovllm.kernels.pdl import launch_options, wait_then_release
+from nanovllm.kernels.linear.norm_prologue import PendingNorm, cheap_enough, takes_norm
+from nanovllm.kernels.pdl import wait_then_release
 
 PAIR_BYTES = 32 * 1024  # gate + up bytes a SiLU program holds (all of K)
 
@@ -92,16 +88,9 @@ def _gate_up_launch(x: torch.Tensor | None, weight: torch.Tensor, bias: torch.Te
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(silu(gate) * up of x, or of norm's normed sum; that sum, the next residual, or None)."""
     inter, k = weight.shape[0] // 2, weight.shape[1]
-    block_n = _pair_rows(inter, k, weight.element_size())
-    src, norm_args, res_out, partials = prologue_args(x, norm)
-    like = x if norm is None else norm.residual
-    out = torch.empty(1, inter, dtype=like.dtype, device=like.device)
-    _gate_up_silu_kernel[(inter // block_n,)](
-        weight, src, weight if w_scale is None else w_scale, weight if bias is None else bias,
-        out, k, inter, weight.stride(0), *norm_args, BLOCK_N=block_n,
-        K_P2=triton.next_power_of_2(k), W_SCALE=w_scale is not None, HAS_BIAS=bias is not None,
-        PARTIALS=partials, num_warps=4, **launch_options())
-    return out, res_out
+    return launch_whole_rows(_gate_up_silu_kernel, (k, inter), inter,
+                             _pair_rows(inter, k, weight.element_size()), 4, x, weight, bias,
+                             w_scale, norm)
 
 
 def gate_up_silu_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
