@@ -55,10 +55,10 @@ class Attention(nn.Module):
     def decode_projected(self, positions: torch.Tensor, x: torch.Tensor,
                          qkv_proj: nn.Module) -> torch.Tensor:
         """Decode attention of x's tokens, qkv_proj through the K/V write as one kernel (a lone
-        token: qkv_proj's GEMV, then the decode kernel does the rest: _decode_new_token)."""
+        token: qkv_proj's GEMV, then the decode kernel does the rest: decode_new_token)."""
         from nanovllm.kernels.linear.fused import qkv_rope_store
-        if self.decodes_new_token(x, qkv_proj):
-            return self._decode_new_token(positions, qkv_proj.gemv_rows(x))
+        if self.runs_decode_new_token(x, qkv_proj):
+            return self.decode_new_token(positions, qkv_proj.gemv_rows(x))
         ctx, norm, kv_scales = get_context(), self.q_norm is not None, (self.k_scale, self.v_scale)
         q = qkv_rope_store(x, qkv_proj.weight, qkv_proj.bias, self.num_heads, self.num_kv_heads,
                            positions, self.q_norm.weight if norm else None,
@@ -70,13 +70,18 @@ class Attention(nn.Module):
         return self.backend.decode(q, self.k_cache, self.v_cache, ctx, self.scale,
                                    self.sliding_window, kv_scales)
 
-    def decodes_new_token(self, x: torch.Tensor, qkv_proj: nn.Module) -> bool:
-        """Whether x's step runs _decode_new_token: a lone token whose qkv_proj is a GEMV, on a
-        backend whose decode takes the raw q, k, v (at any limit measured for qkv_proj's fused
-        kernel: that kernel does not run, and this path has one launch fewer)."""
-        return self.backend.decodes_new_token and qkv_proj.runs_gemv_rows(x)
+    def can_decode_new_token(self) -> bool:
+        """Whether decode_new_token can run: takes_projection's, and a backend whose decode
+        takes the raw q, k, v."""
+        return self.takes_projection() and self.backend.can_decode_new_token
 
-    def _decode_new_token(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+    def runs_decode_new_token(self, x: torch.Tensor, qkv_proj: nn.Module) -> bool:
+        """Whether x's step runs decode_new_token: a layer that can_decode_new_token, and a lone
+        token whose qkv_proj is a GEMV (at any limit measured for qkv_proj's fused kernel: that
+        kernel does not run, and this path has one launch fewer)."""
+        return self.can_decode_new_token() and qkv_proj.runs_gemv_rows(x)
+
+    def decode_new_token(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """Decode attention over qkv_proj's raw output [tokens, q + k + v], whose q/k norm,
         RoPE and K/V write the decode kernel does (kernels.attention.new_token)."""
         from nanovllm.kernels.attention.new_token import NewToken

@@ -93,7 +93,7 @@ class TorchBackend:
     # starts its programs in batch order, so long sequences start first and short ones fill in
     # behind; free for torch, whose CPU tests then run the row order the Triton kernels get.
     longest_first = True
-    decodes_new_token = False  # decode takes a NewToken (TritonBackend)
+    can_decode_new_token = False  # decode takes a NewToken (TritonBackend)
 
     def __init__(self, fast_path: FastPath = FastPath()) -> None:
         from nanovllm.kernels.attention import reference as attention
@@ -154,7 +154,7 @@ class TritonBackend(TorchBackend):
 
     name = "triton"
     cuda_graphs = True
-    decodes_new_token = True  # a lone token's q/k norm, RoPE and K/V write inside decode
+    can_decode_new_token = True  # a lone token's q/k norm, RoPE and K/V write inside decode
 
     def __init__(self, fast_path: FastPath = FastPath()) -> None:
         from nanovllm.kernels.attention import decode, prefill, store_kvcache

@@ -4,6 +4,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.kernels.linear.norm_prologue import PendingNorm
 from nanovllm.layers.lora_slots import LoRASlots
 from nanovllm.layers.quantization.fp8 import Cols, Fp8Format, Rows, load_shard
 from nanovllm.utils.context import get_context
@@ -87,14 +88,17 @@ class LinearBase(LoRASlots, nn.Module):
             and x.shape[0] <= self.fused_decode_max_tokens
 
     def runs_gemv_rows(self, x: torch.Tensor) -> bool:
-        """Whether gemv_rows takes x: one token of a decode step writing the cache, on a layer
-        bound to the fused kernels (at any measured limit: one token runs a GEMV either way),
-        no LoRA, a weight the whole-row GEMV takes (kernels.linear.gemv)."""
+        """Whether gemv_rows takes x: a step _takes_gemv_rows, a weight the whole-row GEMV
+        takes (kernels.linear.gemv)."""
         from nanovllm.kernels.linear.gemv import runs_gemv_rows
+        return self._takes_gemv_rows(x) and runs_gemv_rows(x, self.weight, **self.fused_scales())
+
+    def _takes_gemv_rows(self, x: torch.Tensor) -> bool:
+        """Whether x is one token of a decode step writing the cache, on a layer bound to the
+        fused kernels (at any measured limit: one token runs a GEMV either way), no LoRA."""
         ctx = get_context()
         return x.shape[0] == 1 and self.fused_decode and not ctx.is_prefill \
-            and ctx.slot_mapping is not None and self.lora_slots() is None \
-            and runs_gemv_rows(x, self.weight, **self.fused_scales())
+            and ctx.slot_mapping is not None and self.lora_slots() is None
 
     def gemv_rows(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T (+ bias), [1, out], as whole-row GEMVs, for a step runs_gemv_rows takes."""
@@ -171,22 +175,18 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         return gate_up_silu(x, self.weight, self.bias, lora=self.lora_slots(),
                             ahead=self.take_lora_ahead(x), **self.fused_scales())
 
-    def runs_norm_gate_up(self, partials: torch.Tensor, residual: torch.Tensor,
-                          norm: nn.Module) -> bool:
+    def runs_norm_gate_up(self, norm: PendingNorm) -> bool:
         """Whether norm_gate_up_silu runs this step: fused, one token, no LoRA, and a GEMV
         that takes norm's sum of partials and residual (kernels.linear.gemv_gate_up)."""
-        from nanovllm.kernels.linear.gemv_gate_up import PendingNorm, runs_norm_gate_up_gemv
-        pending = PendingNorm(partials, residual, norm.weight, norm.eps)
-        return self.runs_fused_decode(residual) and self.lora_slots() is None \
-            and runs_norm_gate_up_gemv(pending, self.weight, **self.fused_scales())
+        from nanovllm.kernels.linear.gemv_gate_up import runs_norm_gate_up_gemv
+        return self.runs_fused_decode(norm.residual) and self.lora_slots() is None \
+            and runs_norm_gate_up_gemv(norm, self.weight, **self.fused_scales())
 
-    def norm_gate_up_silu(self, partials: torch.Tensor, residual: torch.Tensor,
-                          norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up_silu(h), the sum) for (h, the sum) = norm.add_partials(partials, residual),
-        the norm computed inside the GEMV, for steps runs_norm_gate_up takes."""
-        from nanovllm.kernels.linear.gemv_gate_up import PendingNorm, norm_gate_up_silu_gemv
-        pending = PendingNorm(partials, residual, norm.weight, norm.eps)
-        return norm_gate_up_silu_gemv(pending, self.weight, self.bias,
+    def norm_gate_up_silu(self, norm: PendingNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up_silu(h), the sum) for (h, the sum) = norm's add + RMSNorm, the norm
+        computed inside the GEMV, for steps runs_norm_gate_up takes."""
+        from nanovllm.kernels.linear.gemv_gate_up import norm_gate_up_silu_gemv
+        return norm_gate_up_silu_gemv(norm, self.weight, self.bias,
                                       self.fused_scales().get("w_scale"))
 
     def shard(self, shard_id: int) -> tuple[Rows, Cols]:
@@ -217,6 +217,19 @@ class QKVParallelLinear(ColumnParallelLinear):
         weight = self.weight
         return weight.is_contiguous() and self.lora_fits_fused() \
             and fits_qkv(weight.shape[1], self.head_dim, *self.fused_format())
+
+    def runs_norm_gemv_rows(self, norm: PendingNorm) -> bool:
+        """Whether norm_gemv_rows runs this step: a step _takes_gemv_rows for norm's residual,
+        and a GEMV that takes norm and the weight (kernels.linear.gemv.runs_norm_gemv_rows)."""
+        from nanovllm.kernels.linear.gemv import runs_norm_gemv_rows
+        return self._takes_gemv_rows(norm.residual) \
+            and runs_norm_gemv_rows(norm, self.weight, **self.fused_scales())
+
+    def norm_gemv_rows(self, norm: PendingNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gemv_rows(h), the sum) for (h, the sum) = norm's add + RMSNorm, the norm computed
+        inside the GEMV, for steps runs_norm_gemv_rows takes."""
+        from nanovllm.kernels.linear.gemv import norm_gemv_rows
+        return norm_gemv_rows(norm, self.weight, self.bias, self.fused_scales().get("w_scale"))
 
     def shard(self, shard_id: str) -> tuple[Rows, Cols]:
         q_size, kv_size, _ = self.local_output_sizes(0)

@@ -1,5 +1,6 @@
 """One-token GEMV kernels (kernels.linear.gemv) vs float32 torch (TRITON_INTERPRET on CPU):
-16-bit weights in both layouts, FP8 codes per channel, gate_up with SiLU-and-mul, whole rows."""
+16-bit weights in both layouts, FP8 codes per channel, gate_up with SiLU-and-mul, whole rows;
+gate_up and whole rows with the add + RMSNorm before them (kernels.linear.norm_prologue)."""
 
 import os
 
@@ -11,6 +12,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from nanovllm.kernels.attention.kv_quant import FP8_DTYPE  # noqa: E402
 from nanovllm.kernels.fused_ops import add_partials_rms_norm  # noqa: E402
 from nanovllm.kernels.linear import fused as fused_linear  # noqa: E402
 from nanovllm.kernels.linear.fp8_gemm import fp8_linear  # noqa: E402
@@ -18,18 +20,21 @@ from nanovllm.kernels.linear.fp8_reference import dequantize_groups, quantize_gr
 from nanovllm.kernels.linear.fused import gate_up_silu  # noqa: E402
 from nanovllm.kernels.linear.gemv import (  # noqa: E402
     _partials_tiles,
+    _rows_per_program,
     gemv_partials,
     gemv_rows,
+    norm_gemv_rows,
     runs_gemv,
     runs_gemv_rows,
+    runs_norm_gemv_rows,
 )
 from nanovllm.kernels.linear.gemv_gate_up import (  # noqa: E402
-    PendingNorm,
     gate_up_silu_gemv,
     norm_gate_up_silu_gemv,
     runs_gate_up_gemv,
     runs_norm_gate_up_gemv,
 )
+from nanovllm.kernels.linear.norm_prologue import PendingNorm  # noqa: E402
 from nanovllm.kernels.linear.split_k import split_k_linear  # noqa: E402
 from nanovllm.layers.activation import SiluAndMul  # noqa: E402
 
@@ -146,6 +151,68 @@ def test_norm_in_gate_up_only_where_its_reads_are_cheap() -> None:
         partials = torch.zeros(splits, 1, 4096, device=DEVICE)
         return runs_norm_gate_up_gemv(PendingNorm(partials, residual, norm_weight, 1e-5), weight)
     assert runs(1) and not runs(2) and not runs(16)  # 2 rows x 2 bytes: one 4-byte partial
+
+
+def _pending(splits: int, hidden: int, dtype: torch.dtype) -> PendingNorm:
+    norm_weight = (torch.rand(hidden, device=DEVICE) + 0.5).to(dtype)
+    return PendingNorm(torch.randn(splits, 1, hidden, device=DEVICE) * 3, _x(hidden, dtype),
+                       norm_weight, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", ["row-major", "fp8"])
+@pytest.mark.parametrize("rows,cols,bias", [(128, 1000, True), (512, 256, False)])
+@pytest.mark.parametrize("splits", range(1, 7))
+def test_norm_gemv_rows(dtype, fmt, rows, cols, bias, splits) -> None:
+    """Equals add_partials_rms_norm then gemv_rows (bit for bit under the interpreter; on a GPU
+    the two kernels may sum the squares in other orders), the residual exactly."""
+    torch.manual_seed(rows + splits)
+    weight, scales, _ = _weight(rows, cols, fmt, dtype)
+    b = torch.randn(rows, device=DEVICE).to(dtype) if bias else None
+    norm = _pending(splits, cols, dtype)
+    # FP8 codes at K 1,000 take 4 partials at most: their programs hold as many rows as 16-bit
+    # ones, half the bytes (test_norm_in_whole_rows_only_where_its_reads_are_cheap)
+    refused = fmt == "fp8" and cols == 1000 and splits > 4
+    assert runs_norm_gemv_rows(norm, weight, scales) != refused
+    if refused:
+        return
+    normed, want_res = add_partials_rms_norm(*norm)
+    want = gemv_rows(normed, weight, b, scales)
+    got, got_res = norm_gemv_rows(norm, weight, b, scales)
+    assert got.shape == (1, rows) and got.dtype == dtype and torch.equal(got_res, want_res)
+    if DEVICE == "cpu":
+        assert torch.equal(got, want)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=1e-2)
+    other, _ = norm_gemv_rows(norm._replace(weight=norm.weight.flip(0).contiguous()), weight,
+                              b, scales)
+    assert not torch.allclose(other, want, atol=2e-2, rtol=1e-2)  # the norm weight is used
+
+
+def test_norm_in_whole_rows_only_where_its_reads_are_cheap() -> None:
+    """Qwen3-0.6B's qkv_proj takes down_proj's 6 partials (128 programs of 32 rows read 3 of
+    its 8 MB), at most 8; FP8 per channel, the same rows (elements, not bytes: NORM_ROWS_ELEMENTS)
+    and down_proj's 3 partials (1.5 of 4 MB), at most 4. Llama-3.1-8B bf16's (28 of 4,096) are
+    refused: 768 programs would read seven times its weight. Only 16-bit tokens of one row and
+    float32 partials are taken."""
+    weight = torch.zeros(4096, 1024, dtype=torch.bfloat16, device=DEVICE)
+    assert runs_norm_gemv_rows(_pending(6, 1024, torch.bfloat16), weight)
+    assert runs_norm_gemv_rows(_pending(8, 1024, torch.bfloat16), weight)
+    assert not runs_norm_gemv_rows(_pending(9, 1024, torch.bfloat16), weight)
+    codes, scales = weight.to(FP8_DTYPE), torch.ones(4096, 1, device=DEVICE)
+    assert _partials_tiles(1024, 3072, 1, False) == (16, 1024)  # FP8 down_proj: 3 partials
+    assert _rows_per_program(codes, _pending(3, 1024, torch.bfloat16)) == 32
+    assert runs_norm_gemv_rows(_pending(3, 1024, torch.bfloat16), codes, scales)
+    assert runs_norm_gemv_rows(_pending(4, 1024, torch.bfloat16), codes, scales)
+    assert not runs_norm_gemv_rows(_pending(5, 1024, torch.bfloat16), codes, scales)
+    llama = torch.zeros(6144, 4096, dtype=torch.bfloat16, device=DEVICE)
+    assert not runs_norm_gemv_rows(_pending(28, 4096, torch.bfloat16), llama)
+    norm = _pending(6, 1024, torch.bfloat16)
+    assert not runs_norm_gemv_rows(_pending(6, 1024, torch.float32), weight.float())
+    assert not runs_norm_gemv_rows(norm._replace(partials=norm.partials.half()), weight)
+    assert not runs_norm_gemv_rows(norm._replace(weight=norm.weight.float()), weight)
+    two = norm._replace(partials=norm.partials.expand(6, 2, 1024).contiguous(),
+                        residual=norm.residual.expand(2, 1024).contiguous())
+    assert not runs_norm_gemv_rows(two, weight)
 
 
 def test_takes_one_token_of_supported_formats() -> None:

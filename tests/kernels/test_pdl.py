@@ -40,7 +40,7 @@ def _pdl_kernels() -> list:
 # step writes (kernels.pdl): weights, scales, biases and the step's inputs.
 PRE_WAIT_HELPERS = {
     "prefetch_tile", "_prefetch_weight",  # an L2 hint on weight tiles
-    "_weight_slice", "rows_slice", "_pair_slices", "row_values", "_norm_weight",  # GEMVs
+    "_weight_slice", "rows_slice", "_pair_slices", "row_values", "rms_weight",  # GEMVs
     "_token_inputs",  # qk_norm_rope: positions, slots, cos/sin rows, norm weights
     "_split_bounds", "_chunk_pages", "cached_end",  # decode: context lengths, block tables
     "new_token_inputs",  # decode's new token: as _token_inputs

@@ -1,7 +1,8 @@
 """The one-token decode kernels compile for sm_90 (Triton to PTX, ptxas to a cubin), without a
 GPU: what the interpreter cannot show (layouts of tl.join, tl.permute, tl.reshape, a [1, D]
-tl.trans, a 16-key tile through tl.dot, a runtime branch holding the softmax state), and
-ptxas fits each in registers (no spills: local memory in a kernel run once per token)."""
+tl.trans, a 16-key tile through tl.dot, a runtime branch holding the softmax state; 32 K weight
+elements held in registers by 8 warps), and ptxas fits each in registers (no spills: local
+memory in a kernel run once per token)."""
 import os
 import subprocess
 import sys
@@ -29,7 +30,7 @@ def cubin(kernel, consts, types, **options):
     src = ASTSource(fn=kernel, signature=sig, attrs=attrs,
                     constexprs={(names.index(n),): v for n, v in consts.items()})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=4, launch_pdl=True, **options))
+                       options=dict(launch_pdl=True, **{"num_warps": 4, **options}))
     # ptxas's allocation as the cubin records it (a cached compile runs no ptxas): spilled
     # registers would take a stack frame in local memory
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -62,8 +63,11 @@ for fp8 in (False, True):
         BLOCK_N=16 if fp8 else 8, K_P2=1024, W_SCALE=fp8, HAS_BIAS=False, PARTIALS=4,
         USE_PDL=True), {**types, "w_ptr": weight}))
     print("rows", fp8, *cubin(_gemv_rows_kernel, dict(
-        BLOCK_N=8, K_P2=1024, W_SCALE=fp8, HAS_BIAS=True, USE_PDL=True),
+        BLOCK_N=8, K_P2=1024, W_SCALE=fp8, HAS_BIAS=True, PARTIALS=0, USE_PDL=True),
         {**types, "w_ptr": weight, "x_ptr": "*bf16"}))
+    print("norm rows", fp8, *cubin(_gemv_rows_kernel, dict(  # Qwen3-0.6B's qkv_proj
+        BLOCK_N=32, K_P2=1024, W_SCALE=fp8, HAS_BIAS=False, PARTIALS=6,
+        USE_PDL=True), {**types, "w_ptr": weight}, num_warps=8))
 print("qk", *cubin(_qk_norm_rope_kernel, dict(
     NUM_Q_HEADS=16, NUM_KV_HEADS=8, Q_HEADS_P2=16, KV_HEADS_P2=8, HEAD_DIM=128, STORE_KV=True,
     NORM=True, FP8=False, USE_PDL=True), types))
@@ -80,6 +84,7 @@ def test_one_token_kernels_compile_for_sm90() -> None:
     lines = [line.rsplit(" ", 3) for line in out.stdout.splitlines()]
     assert [name for name, *_ in lines] == [
         "decode False False", "decode False True", "gate_up False", "rows False",
-        "decode True False", "decode True True", "gate_up True", "rows True", "qk"], out.stdout
+        "norm rows False", "decode True False", "decode True True", "gate_up True",
+        "rows True", "norm rows True", "qk"], out.stdout
     for name, regs, stack, local in lines:
         assert 0 < int(regs) <= 255 and stack == local == "0", (name, out.stdout)

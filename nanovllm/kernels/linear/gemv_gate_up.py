@@ -1,17 +1,22 @@
 """One-token gate_up_proj with SiLU-and-mul on CUDA cores (kernels.linear.gemv's approach: each
 program loads its gate and up rows, all of K, before its PDL wait), optionally with the add +
 RMSNorm before it computed in every program from o_proj's split-K partials, so that the norm
-needs no launch of its own.
+needs no launch of its own (kernels.linear.norm_prologue).
 """
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.fused_ops import load_row, rms_scaled
-from nanovllm.kernels.linear.gemv import MAX_PARTIALS, row_values, rows_slice, weight_ok
-from nanovllm.kernels.pdl import launch_options, wait_then_release
+from nanovllm.kernels.linear.gemv import (
+    gemv_input,
+    launch_whole_rows,
+    rms_weight,
+    row_values,
+    rows_slice,
+    weight_ok,
+)
+from nanovllm.kernels.linear.norm_prologue import PendingNorm, cheap_enough, takes_norm
+from nanovllm.kernels.pdl import wait_then_release
 
 PAIR_BYTES = 32 * 1024  # gate + up bytes a SiLU program holds (all of K)
 
@@ -34,33 +39,6 @@ def _pair_slices(w_ptr, cols, ks, K, inter, stride_w):
 
 
 @triton.jit
-def _norm_weight(w_ptr, ks, K, PARTIALS: tl.constexpr):
-    """float32 RMSNorm weight w[ks] (zeros past K) when PARTIALS, else zeros (never used)."""
-    if PARTIALS:
-        w = tl.load(w_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-    else:
-        w = tl.zeros(ks.shape, tl.float32)
-    return w
-
-
-@triton.jit
-def _gemv_input(x_ptr, res_ptr, res_out_ptr, norm_w, ks, K, eps, dtype: tl.constexpr,
-                PARTIALS: tl.constexpr):
-    """float32 x [1, K_P2]: x itself, or with PARTIALS RMSNorm(the sum of x's PARTIALS split-K
-    partials + the residual), as add_partials_rms_norm gives it; program 0 then also stores
-    the sum (the next residual)."""
-    mask = ks < K
-    if PARTIALS:
-        h = load_row(x_ptr, res_ptr, 0, ks, mask, 0, 0, K, dtype, True, PARTIALS)
-        if tl.program_id(0) == 0:
-            tl.store(res_out_ptr + ks, h.to(dtype), mask=mask)
-        x, _ = rms_scaled(h, norm_w, eps, K, dtype)
-    else:
-        x = tl.load(x_ptr + ks, mask=mask, other=0.0)
-    return x.to(tl.float32)[None, :]
-
-
-@triton.jit
 def _gate_up_silu_kernel(w_ptr, x_ptr, s_ptr, bias_ptr, out_ptr, K, inter, stride_w, res_ptr,
                          norm_w_ptr, res_out_ptr, eps, BLOCK_N: tl.constexpr,
                          K_P2: tl.constexpr, W_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -68,7 +46,7 @@ def _gate_up_silu_kernel(w_ptr, x_ptr, s_ptr, bias_ptr, out_ptr, K, inter, strid
     """Grid (inter / BLOCK_N,): silu(gate) * up for BLOCK_N columns of one token, all of K in
     one program (gate rows W[:inter], up rows W[inter:]), rounded as the unfused path. With
     PARTIALS, x is the RMSNorm of o_proj's partials plus the residual, normalised by every
-    program for itself: the norm's own launch and its wait go (_gemv_input)."""
+    program for itself: the norm's own launch and its wait go (gemv_input)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, K_P2)
     g, u = _pair_slices(w_ptr, cols, ks, K, inter, stride_w)
@@ -76,10 +54,10 @@ def _gate_up_silu_kernel(w_ptr, x_ptr, s_ptr, bias_ptr, out_ptr, K, inter, strid
     u_scale = row_values(s_ptr, inter + cols, W_SCALE)
     g_bias = row_values(bias_ptr, cols, HAS_BIAS)
     u_bias = row_values(bias_ptr, inter + cols, HAS_BIAS)
-    norm_w = _norm_weight(norm_w_ptr, ks, K, PARTIALS)
+    norm_w = rms_weight(norm_w_ptr, ks, K, PARTIALS)
     wait_then_release(USE_PDL)
     dtype = out_ptr.dtype.element_ty
-    x = _gemv_input(x_ptr, res_ptr, res_out_ptr, norm_w, ks, K, eps, dtype, PARTIALS)
+    x = gemv_input(x_ptr, res_ptr, res_out_ptr, norm_w, ks, K, eps, dtype, PARTIALS)
     gate = tl.sum(g.to(tl.float32) * x, 1)
     up = tl.sum(u.to(tl.float32) * x, 1)
     if W_SCALE:
@@ -105,33 +83,14 @@ def runs_gate_up_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tens
         and _pair_rows(weight.shape[0] // 2, weight.shape[1], weight.element_size()) is not None
 
 
-class PendingNorm(NamedTuple):
-    """The add + RMSNorm a gate_up GEMV computes first: x = RMSNorm(sum of `partials`
-    [S, 1, K] + residual) with the norm's weight and eps."""
-
-    partials: torch.Tensor
-    residual: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-
-
 def _gate_up_launch(x: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
                     w_scale: torch.Tensor | None, norm: PendingNorm | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(silu(gate) * up of x, or of norm's normed sum; that sum, the next residual, or None)."""
     inter, k = weight.shape[0] // 2, weight.shape[1]
-    block_n = _pair_rows(inter, k, weight.element_size())
-    like = x if norm is None else norm.residual
-    out = torch.empty(1, inter, dtype=like.dtype, device=like.device)
-    res_out = None if norm is None else torch.empty_like(like)
-    src, residual, norm_weight, eps = (x, x, x, 0.0) if norm is None else norm
-    _gate_up_silu_kernel[(inter // block_n,)](
-        weight, src, weight if w_scale is None else w_scale, weight if bias is None else bias,
-        out, k, inter, weight.stride(0), residual, norm_weight,
-        residual if res_out is None else res_out, eps, BLOCK_N=block_n,
-        K_P2=triton.next_power_of_2(k), W_SCALE=w_scale is not None, HAS_BIAS=bias is not None,
-        PARTIALS=0 if norm is None else src.shape[0], num_warps=4, **launch_options())
-    return out, res_out
+    return launch_whole_rows(_gate_up_silu_kernel, (k, inter), inter,
+                             _pair_rows(inter, k, weight.element_size()), 4, x, weight, bias,
+                             w_scale, norm)
 
 
 def gate_up_silu_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -142,24 +101,13 @@ def gate_up_silu_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 def runs_norm_gate_up_gemv(norm: PendingNorm, weight: torch.Tensor,
                            w_scale: torch.Tensor | None = None, w_block=None) -> bool:
-    """Whether norm_gate_up_silu_gemv takes this step: runs_gate_up_gemv's, float32 partials,
-    and all programs' reads of them within half the weight's bytes (_cheap_enough)."""
-    partials, residual, norm_weight, _ = norm
-    return runs_gate_up_gemv(residual, weight, w_scale, w_block) \
-        and partials.dtype == torch.float32 and partials.is_contiguous() \
-        and partials.shape[1:] == residual.shape and partials.shape[0] <= MAX_PARTIALS \
-        and norm_weight.shape == residual.shape[1:] and norm_weight.dtype == residual.dtype \
-        and norm_weight.is_contiguous() and _cheap_enough(partials.shape[0], weight)
-
-
-def _cheap_enough(splits: int, weight: torch.Tensor) -> bool:
-    """Whether every program reading all `splits` float32 partials of K costs at most half the
-    weight's own bytes: they come from L2, the weight from HBM (Qwen3-0.6B at 4 partials: half;
-    Llama-3.1-8B bf16's o_proj leaves 16, eight times its gate_up weight). A first bound from
-    bytes, to be replaced by the measured one."""
-    inter, k = weight.shape[0] // 2, weight.shape[1]
-    block_n = _pair_rows(inter, k, weight.element_size())
-    return splits * 4 <= block_n * weight.element_size()
+    """Whether norm_gate_up_silu_gemv takes this step: runs_gate_up_gemv's for the residual,
+    partials it takes, and their reads cheap_enough."""
+    if not (runs_gate_up_gemv(norm.residual, weight, w_scale, w_block) and takes_norm(norm)):
+        return False
+    inter = weight.shape[0] // 2
+    programs = inter // _pair_rows(inter, weight.shape[1], weight.element_size())
+    return cheap_enough(norm, programs, weight)
 
 
 def norm_gate_up_silu_gemv(norm: PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None,
