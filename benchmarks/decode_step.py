@@ -43,8 +43,9 @@ PHASES = (("step", 0, "engine", "_step"),
           ("sampler launch", 3, "runner", "sampler"),
           ("commit", 1, "engine", "_commit"),
           ("wait for the ids", 2, "ids", "tolist"))
-# GPU kernel name -> phase, first match wins (--profile)
-KERNEL_PHASES = (("qkv + q/k norm + RoPE + cache write", r"qkv|qk_norm|store_kvcache"),
+# GPU kernel name -> phase, first match wins (--profile). A lone token's qkv_proj GEMV
+# (_gemv_rows_kernel) may also run its layer's input add + RMSNorm (norm_gemv_rows): qkv's.
+KERNEL_PHASES = (("qkv + q/k norm + RoPE + cache write", r"qkv|qk_norm|store_kvcache|gemv_rows"),
                  ("attention", r"decode_split|decode_reduce|flash|fwd_kernel"),
                  ("gate_up + SiLU", r"gate_up|silu"),
                  ("o_proj, down_proj (split K)", r"split_k|gemv_partials"),

@@ -70,3 +70,4 @@ def test_kernel_names_map_to_their_phases():
     assert phase_of("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n").startswith("FP8 GEMMs")
     assert phase_of("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_TNN") == "LM head, other GEMMs"
     assert phase_of("_rms_norm_kernel") == "add + RMSNorm"
+    assert phase_of("_gemv_rows_kernel").startswith("qkv")  # with the input norm or without

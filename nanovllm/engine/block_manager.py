@@ -116,6 +116,7 @@ class BlockManager:
 
     def deallocate(self, seq: Sequence) -> None:
         """Drop a sequence's references; blocks reaching zero return to the free list."""
+        # Freed blocks serve later steps only, never recycled inside one (kernels.pdl's reads).
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -169,6 +170,7 @@ class BlockManager:
     def hash_blocks(self, seq: Sequence) -> None:
         """Hash the full blocks below num_cached_tokens that have no hash yet."""
         # Launched steps have written them; chunk ends need not be block ends.
+        # Shared only once written: decode reads older rows before its PDL wait (kernels.pdl).
         table = seq.block_table
         end = min(seq.num_cached_tokens // self.block_size, len(table))
         if end == 0 or self.blocks[table[end - 1]].hash != -1:

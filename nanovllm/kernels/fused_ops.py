@@ -9,7 +9,7 @@ from nanovllm.kernels.pdl import launch_options, wait_then_release
 
 
 @triton.jit
-def _load_row(x_ptr, res_ptr, row, cols, mask, stride_x, stride_res, stride_split, dtype,
+def load_row(x_ptr, res_ptr, row, cols, mask, stride_x, stride_res, stride_split, dtype,
               ADD: tl.constexpr, PARTIALS: tl.constexpr):
     """float32 x[row, cols] (+ the residual's), as the norm normalises it: split-K partials
     summed in order and rounded as the GEMM's own output would be; the sum with the residual
@@ -25,6 +25,16 @@ def _load_row(x_ptr, res_ptr, row, cols, mask, stride_x, stride_res, stride_spli
     if ADD:
         x += tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
     return x
+
+
+@triton.jit
+def rms_scaled(x, w, eps, H, dtype: tl.constexpr):
+    """(RMSNorm of the float32 row x with weight w, in dtype; its rstd), as rms_forward:
+    round to the input dtype, then multiply by the weight in that dtype. For bf16/fp16 the
+    float32 product of two such values is exact, so rounding it once equals their own
+    multiply (for float32 the casts are no-ops). Padded lanes of x must be 0."""
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
+    return ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype), rstd
 
 
 @triton.jit(do_not_specialize=["stride_split", "M"])  # tokens x hidden: changes every step
@@ -48,25 +58,21 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
         mask = cols < H  # H need not be a power of two; padded lanes load 0 and add nothing
         # The weight is loaded before the residual store: no load may pass a store the
         # compiler cannot prove apart from it, and it would then cost one more round trip.
-        x = _load_row(x_ptr, res_ptr, row, cols, mask, stride_x, stride_res, stride_split,
+        x = load_row(x_ptr, res_ptr, row, cols, mask, stride_x, stride_res, stride_split,
                       dtype, ADD, PARTIALS)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if ADD:  # add_rms_forward: the sum is rounded for the residual, normalised unrounded
             tl.store(res_out_ptr + row * H + cols, x.to(dtype), mask=mask)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
+        y, rstd = rms_scaled(x, w, eps, H, dtype)
         if LORA_SR:
             tl.store(rstd_ptr + row, rstd)
-        # As rms_forward: round to the input dtype, then multiply by the weight in that dtype.
-        # For bf16/fp16 the float32 product of two such values is exact, so rounding it once
-        # equals their own multiply (for float32 the casts are no-ops).
-        y = (x * rstd).to(dtype).to(tl.float32) * w
-        tl.store(out_ptr + row * H + cols, y.to(dtype), mask=mask)
+        tl.store(out_ptr + row * H + cols, y, mask=mask)
     elif LORA_SR:
         slot = tl.load(slots_ptr + row)
         if slot >= 0:  # a row without an adapter: the projection reads none of its chunks
             cols = (chunk - 1) * CHUNK + tl.arange(0, CHUNK)
             mask = cols < H
-            x = _load_row(x_ptr, res_ptr, row, cols, mask, stride_x, stride_res,
+            x = load_row(x_ptr, res_ptr, row, cols, mask, stride_x, stride_res,
                           stride_split, dtype, ADD, PARTIALS)
             w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
             part = shrink_chunk(x, w, a_ptr, slot, cols, mask, H, LORA_SR, SR_PAD, NUM_SLOTS,

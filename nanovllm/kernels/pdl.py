@@ -5,9 +5,18 @@ PDL kernel be scheduled in turn. A kernel boundary then costs no launch and no r
 the wait's release; CUDA graphs keep the relation as a programmatic edge. It pays only
 between two such kernels: cuBLAS GEMMs never release their dependents early
 (docs/benchmarks.md). A MoE layer's kernels as PDL launches took the Qwen3-30B-A3B batch-1
-step from 4,236 to 4,146 us (H200, alternated x2, 2026-12-04). Before its wait, a decode
-projection's program may ask L2 for its first weight tiles (prefetch_tile): no kernel writes a
-weight, so they stream while the kernel before still runs (its gain: docs/benchmarks.md)."""
+step from 4,236 to 4,146 us (H200, alternated x2, 2026-12-04).
+
+Before its wait a program may read only what no kernel of a step writes, so that it overlaps
+the kernel before: weights, scales and biases, the step's inputs (positions, slots, context
+lengths, block tables), which the host copies before the step's first kernel (the GPU-side
+carry writes input_ids only: runner.step_inputs), and in a decode step the KV cache's rows
+before each sequence's new position. That holds while a decode step writes only its new
+positions' rows, a block is hashed (shared) only once the step writing it was launched, and no
+kernel copies or recycles cache blocks inside a step (engine.block_manager). A decode
+projection's program thus asks L2 for its first weight tiles (prefetch_tile) or loads its
+weight slice (the one-token GEMVs), and decode with the new token loads its first K/V tile
+(kernels.attention.decode); tests/kernels/test_pdl.py lists the helpers allowed there."""
 import functools
 
 import torch
@@ -36,8 +45,9 @@ def prefetches(block_t: int) -> bool:
 @triton.jit
 def wait_then_release(USE_PDL: tl.constexpr):
     """Block until the previous kernel has finished and its writes are visible, then let the
-    next PDL kernel start. Every program calls it first and unconditionally: a kernel's
-    completion then implies its predecessors' (a chain of PDL kernels stays ordered)."""
+    next PDL kernel start. Every program calls it unconditionally, before any read of what a
+    kernel writes and before any store: a kernel's completion then implies its predecessors'
+    (a chain of PDL kernels stays ordered)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

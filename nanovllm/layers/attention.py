@@ -54,8 +54,11 @@ class Attention(nn.Module):
 
     def decode_projected(self, positions: torch.Tensor, x: torch.Tensor,
                          qkv_proj: nn.Module) -> torch.Tensor:
-        """Decode attention of x's tokens, qkv_proj through the K/V write as one kernel."""
+        """Decode attention of x's tokens, qkv_proj through the K/V write as one kernel (a lone
+        token: qkv_proj's GEMV, then the decode kernel does the rest: decode_new_token)."""
         from nanovllm.kernels.linear.fused import qkv_rope_store
+        if self.runs_decode_new_token(x, qkv_proj):
+            return self.decode_new_token(positions, qkv_proj.gemv_rows(x))
         ctx, norm, kv_scales = get_context(), self.q_norm is not None, (self.k_scale, self.v_scale)
         q = qkv_rope_store(x, qkv_proj.weight, qkv_proj.bias, self.num_heads, self.num_kv_heads,
                            positions, self.q_norm.weight if norm else None,
@@ -66,6 +69,30 @@ class Attention(nn.Module):
                            **qkv_proj.fused_scales())
         return self.backend.decode(q, self.k_cache, self.v_cache, ctx, self.scale,
                                    self.sliding_window, kv_scales)
+
+    def can_decode_new_token(self) -> bool:
+        """Whether decode_new_token can run: takes_projection's, and a backend whose decode
+        takes the raw q, k, v."""
+        return self.takes_projection() and self.backend.can_decode_new_token
+
+    def runs_decode_new_token(self, x: torch.Tensor, qkv_proj: nn.Module) -> bool:
+        """Whether x's step runs decode_new_token: a layer that can_decode_new_token, and a lone
+        token whose qkv_proj is a GEMV (at any limit measured for qkv_proj's fused kernel: that
+        kernel does not run, and this path has one launch fewer)."""
+        return self.can_decode_new_token() and qkv_proj.runs_gemv_rows(x)
+
+    def decode_new_token(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Decode attention over qkv_proj's raw output [tokens, q + k + v], whose q/k norm,
+        RoPE and K/V write the decode kernel does (kernels.attention.new_token)."""
+        from nanovllm.kernels.attention.new_token import NewToken
+        ctx, norm = get_context(), self.q_norm is not None
+        q, k, v = qkv.view(qkv.shape[0], -1, self.head_dim).split(
+            [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        new = NewToken(k, v, positions, ctx.slot_mapping, self.rotary_emb.cos_sin_cache,
+                       self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
+                       self.q_norm.eps if norm else 0.0)
+        return self.backend.decode(q, self.k_cache, self.v_cache, ctx, self.scale,
+                                   self.sliding_window, (self.k_scale, self.v_scale), new)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:

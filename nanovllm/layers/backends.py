@@ -93,6 +93,7 @@ class TorchBackend:
     # starts its programs in batch order, so long sequences start first and short ones fill in
     # behind; free for torch, whose CPU tests then run the row order the Triton kernels get.
     longest_first = True
+    can_decode_new_token = False  # decode takes a NewToken (TritonBackend)
 
     def __init__(self, fast_path: FastPath = FastPath()) -> None:
         from nanovllm.kernels.attention import reference as attention
@@ -153,6 +154,7 @@ class TritonBackend(TorchBackend):
 
     name = "triton"
     cuda_graphs = True
+    can_decode_new_token = True  # a lone token's q/k norm, RoPE and K/V write inside decode
 
     def __init__(self, fast_path: FastPath = FastPath()) -> None:
         from nanovllm.kernels.attention import decode, prefill, store_kvcache
@@ -168,6 +170,15 @@ class TritonBackend(TorchBackend):
         self.store_kvcache = store_kvcache.store_kvcache
         self._prefill = prefill.prefill_attention_triton  # same signatures
         self._decode = decode.decode_attention_triton
+
+    def decode(self, q, k_cache, v_cache, ctx: Context, scale: float,
+               sliding_window: int | None, kv_scales: tuple[float, float] = (1.0, 1.0),
+               new_token=None) -> torch.Tensor:
+        """Decode attention; with new_token (kernels.attention.new_token.NewToken) q, k and v
+        are qkv_proj's output, normalised, rotated and written to the cache inside."""
+        return self._decode(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables, scale,
+                            sliding_window=sliding_window, k_scale=kv_scales[0],
+                            v_scale=kv_scales[1], new_token=new_token)
 
 
 class FlashAttnBackend(TorchBackend):
@@ -279,6 +290,7 @@ def bind_backend(model: nn.Module, backend: TorchBackend,
             limit = _fused_decode_max_tokens(module)
             if fused_limits is not None:
                 limit = fused_limits.get(layer_class(module), limit)
+            module.fused_decode = fits
             module.fused_decode_max_tokens = limit if fits else 0
             module.lora_shrink = backend.lora_shrink if lora else None
             module.lora_expand = backend.lora_expand if lora else None

@@ -2,6 +2,9 @@
 import torch
 from torch import nn
 
+# the add + RMSNorm a one-token GEMV computes first, handed between decoder layers (no Triton)
+from nanovllm.kernels.linear.norm_prologue import PendingNorm
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, in float32; with a residual, (normed, x + residual). `fused` (bound
@@ -12,8 +15,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.fused = False
         self.weight = nn.Parameter(torch.ones(hidden_size))
-        # (the projection this norm feeds,) when its LoRA shrink may be computed here, in the
-        # fused kernel (kernels.linear.lora); a tuple, so that it stays registered where it is
+        # (the projection this norm feeds,): a decode step may compute its LoRA shrink here, in
+        # the fused kernel (kernels.linear.lora), and a lone token's GEMV of it this norm
+        # instead (pending; models.decoder); a tuple, so that it stays registered where it is
         self.feeds: tuple[nn.Module, ...] = ()
 
     def rms_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -54,6 +58,10 @@ class RMSNorm(nn.Module):
             self.feeds[0].hand_lora_ahead(out if isinstance(out, torch.Tensor) else out[0],
                                           ahead)
         return out
+
+    def pending(self, partials: torch.Tensor, residual: torch.Tensor) -> PendingNorm:
+        """add_partials(partials, residual) left for the projection fed (feeds) to compute."""
+        return PendingNorm(partials, residual, self.weight, self.eps)
 
     def add_partials(self, partials: torch.Tensor,
                      residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,6 +4,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.kernels.linear.norm_prologue import PendingNorm
+from nanovllm.layers.lora_slots import LoRASlots
 from nanovllm.layers.quantization.fp8 import Cols, Fp8Format, Rows, load_shard
 from nanovllm.utils.context import get_context
 from nanovllm.utils.loader import check_shape
@@ -21,7 +23,7 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
-class LinearBase(nn.Module):
+class LinearBase(LoRASlots, nn.Module):
     """y = x W^T (+ b); tp_dim is the weight dimension split across ranks (None: replicated).
     W has nn.Linear's shape [output, input]; with k_major it is stored [input, output] and seen
     through a transposed view (loaders and F.linear are unchanged). With a weight format `quant`
@@ -51,66 +53,9 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         for param in self.parameters(recurse=False):
             param.weight_loader = self.weight_loader
+        self.fused_decode = False  # bind_backend's: bound to the fused decode kernels
         self.fused_decode_max_tokens = 0  # bind_backend's: largest step of the fused kernel
-        # LoRA (add_lora_slots): every slot's A and B (layouts: kernels/linear/lora_reference.py),
-        # and the shrink and expand ops bind_backend chose
-        self.register_buffer("lora_a", None, persistent=False)
-        self.register_buffer("lora_b", None, persistent=False)
-        self.lora_shrink = self.lora_expand = None
-        # (the normed input, its shrink) computed by the RMSNorm before (lora_ahead_buffers)
-        self.lora_ahead: tuple | None = None
-
-    def lora_slice_sizes(self) -> tuple[int, ...]:
-        """This rank's output features of each fused projection (one unless packed)."""
-        return tuple(self.local_output_sizes(self.weight.shape[0]))
-
-    def add_lora_slots(self, max_loras: int, max_rank: int) -> None:
-        """Zeroed A [slices, max_loras, max_rank, in] and B [out, max_loras, max_rank];
-        buffers, so sleep and wake_up move them."""
-        out_features, in_features = self.weight.shape
-        slices = len(self.lora_slice_sizes())
-        self.lora_a = torch.zeros(slices, max_loras, max_rank, in_features,
-                                  dtype=self.weight.dtype, device=self.weight.device)
-        self.lora_b = torch.zeros(out_features, max_loras, max_rank, dtype=self.weight.dtype,
-                                  device=self.weight.device)
-
-    def lora_slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(A, B, each row's slot) for the step's kernels; None when no row of the step runs
-        through an adapter (kernels.linear.lora.LoRASlots)."""
-        if self.lora_shrink is None:  # no slots: every projection of a model without LoRA
-            return None
-        slots = get_context().lora_slots
-        return None if slots is None else (self.lora_a, self.lora_b, slots)
-
-    def lora_ahead_buffers(self, num_tokens: int) -> tuple | None:
-        """LoRAAhead buffers for the RMSNorm before to fill with this projection's shrink, when
-        a step of num_tokens runs its fused kernel with one (kernels.linear.lora), else None."""
-        if self.lora_shrink is None or not self.fused_decode_max_tokens:
-            return None
-        from nanovllm.kernels.linear.lora import AHEAD_MAX_TOKENS, lora_ahead_buffers
-        ctx = get_context()
-        if ctx.lora_slots is None or ctx.is_prefill or ctx.slot_mapping is None \
-                or num_tokens > min(self.fused_decode_max_tokens, AHEAD_MAX_TOKENS):
-            return None
-        return lora_ahead_buffers(self.lora_a, ctx.lora_slots)
-
-    def hand_lora_ahead(self, normed: torch.Tensor, ahead: tuple) -> None:
-        """Keep the shrink the RMSNorm before computed of normed, for take_lora_ahead."""
-        self.lora_ahead = (normed, ahead)
-
-    def take_lora_ahead(self, x: torch.Tensor) -> tuple | None:
-        """The shrink the RMSNorm before computed of x (LoRAAhead), once; else None."""
-        pending, self.lora_ahead = self.lora_ahead, None
-        return pending[1] if pending is not None and pending[0] is x else None
-
-    def apply_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y plus this step's adapter deltas (in place; rows without an adapter unchanged)."""
-        self.lora_ahead = None  # a shrink computed ahead serves the fused kernels only
-        lora = self.lora_slots()
-        if lora is not None:
-            shrunk = self.lora_shrink(x, self.lora_a, lora[2])
-            self.lora_expand(y, shrunk, self.lora_b, self.lora_slice_sizes())
-        return y
+        self.init_lora_slots()
 
     def local_output_sizes(self, output_size: int) -> list[int]:
         """This rank's output rows of each fused projection (one: not fused)."""
@@ -119,11 +64,6 @@ class LinearBase(nn.Module):
     def fits_fused_decode(self) -> bool:
         """Whether this layer's fused decode kernel takes its shapes (none here: no kernel)."""
         return False
-
-    def lora_fits_fused(self) -> bool:
-        """Whether the fused decode kernels take this layer's LoRA slots (or it has none)."""
-        from nanovllm.kernels.linear.lora import fits_lora
-        return self.lora_b is None or fits_lora(*self.lora_b.shape[1:])
 
     def fused_format(self) -> tuple[torch.dtype, torch.dtype, tuple[int, int] | None]:
         """(activation dtype, weight dtype, FP8 scale block) as kernels.linear.fused's fits_*
@@ -146,6 +86,24 @@ class LinearBase(nn.Module):
         ctx = get_context()
         return not ctx.is_prefill and ctx.slot_mapping is not None \
             and x.shape[0] <= self.fused_decode_max_tokens
+
+    def runs_gemv_rows(self, x: torch.Tensor) -> bool:
+        """Whether gemv_rows takes x: a step _takes_gemv_rows, a weight the whole-row GEMV
+        takes (kernels.linear.gemv)."""
+        from nanovllm.kernels.linear.gemv import runs_gemv_rows
+        return self._takes_gemv_rows(x) and runs_gemv_rows(x, self.weight, **self.fused_scales())
+
+    def _takes_gemv_rows(self, x: torch.Tensor) -> bool:
+        """Whether x is one token of a decode step writing the cache, on a layer bound to the
+        fused kernels (at any measured limit: one token runs a GEMV either way), no LoRA."""
+        ctx = get_context()
+        return x.shape[0] == 1 and self.fused_decode and not ctx.is_prefill \
+            and ctx.slot_mapping is not None and self.lora_slots() is None
+
+    def gemv_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T (+ bias), [1, out], as whole-row GEMVs, for a step runs_gemv_rows takes."""
+        from nanovllm.kernels.linear.gemv import gemv_rows
+        return gemv_rows(x, self.weight, self.bias, self.fused_scales().get("w_scale"))
 
     def shard(self, *shard_id) -> tuple[Rows, Cols]:
         """Where this rank's part of a checkpoint tensor lies and lands (load_shard's ranges)."""
@@ -217,6 +175,20 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         return gate_up_silu(x, self.weight, self.bias, lora=self.lora_slots(),
                             ahead=self.take_lora_ahead(x), **self.fused_scales())
 
+    def runs_norm_gate_up(self, norm: PendingNorm) -> bool:
+        """Whether norm_gate_up_silu runs this step: fused, one token, no LoRA, and a GEMV
+        that takes norm's sum of partials and residual (kernels.linear.gemv_gate_up)."""
+        from nanovllm.kernels.linear.gemv_gate_up import runs_norm_gate_up_gemv
+        return self.runs_fused_decode(norm.residual) and self.lora_slots() is None \
+            and runs_norm_gate_up_gemv(norm, self.weight, **self.fused_scales())
+
+    def norm_gate_up_silu(self, norm: PendingNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up_silu(h), the sum) for (h, the sum) = norm's add + RMSNorm, the norm
+        computed inside the GEMV, for steps runs_norm_gate_up takes."""
+        from nanovllm.kernels.linear.gemv_gate_up import norm_gate_up_silu_gemv
+        return norm_gate_up_silu_gemv(norm, self.weight, self.bias,
+                                      self.fused_scales().get("w_scale"))
+
     def shard(self, shard_id: int) -> tuple[Rows, Cols]:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
@@ -245,6 +217,19 @@ class QKVParallelLinear(ColumnParallelLinear):
         weight = self.weight
         return weight.is_contiguous() and self.lora_fits_fused() \
             and fits_qkv(weight.shape[1], self.head_dim, *self.fused_format())
+
+    def runs_norm_gemv_rows(self, norm: PendingNorm) -> bool:
+        """Whether norm_gemv_rows runs this step: a step _takes_gemv_rows for norm's residual,
+        and a GEMV that takes norm and the weight (kernels.linear.gemv.runs_norm_gemv_rows)."""
+        from nanovllm.kernels.linear.gemv import runs_norm_gemv_rows
+        return self._takes_gemv_rows(norm.residual) \
+            and runs_norm_gemv_rows(norm, self.weight, **self.fused_scales())
+
+    def norm_gemv_rows(self, norm: PendingNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gemv_rows(h), the sum) for (h, the sum) = norm's add + RMSNorm, the norm computed
+        inside the GEMV, for steps runs_norm_gemv_rows takes."""
+        from nanovllm.kernels.linear.gemv import norm_gemv_rows
+        return norm_gemv_rows(norm, self.weight, self.bias, self.fused_scales().get("w_scale"))
 
     def shard(self, shard_id: str) -> tuple[Rows, Cols]:
         q_size, kv_size, _ = self.local_output_sizes(0)

@@ -7,6 +7,7 @@ sliding windows, the RoPE variant and which layers are sparse mixtures of expert
 Kernels are chosen in layers.backends and bound to the layers; the decoder only asks a layer
 whether this step runs its fused decode kernel (runs_fused_decode) and then calls it by name.
 """
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.fused_moe import SparseMoeBlock, expert_weight_target
-from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.layernorm import PendingNorm, RMSNorm
 from nanovllm.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -81,13 +82,26 @@ class DecoderAttention(nn.Module):
                               rotary_emb, config.rms_norm_eps if spec.qk_norm else None,
                               spec.sliding_windows[layer_idx])
 
-    def attend(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Attention over the tokens of hidden_states: o_proj's input, [tokens, q_size]."""
-        if self.qkv_proj.runs_fused_decode(hidden_states) and self.attn.takes_projection():
+    def attend(self, positions: torch.Tensor, hidden_states: torch.Tensor | PendingNorm,
+               residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention over the tokens: o_proj's input [tokens, q_size], the residual)."""
+        # hidden_states: the normed residual, or a PendingNorm whose add + RMSNorm qkv_proj's
+        # GEMV computes first, storing the sum: the residual from here on
+        if isinstance(hidden_states, PendingNorm):
+            qkv, residual = self.qkv_proj.norm_gemv_rows(hidden_states)
+            if self.attn.can_decode_new_token():  # q/k norm, RoPE and the K/V write in decode
+                return self.attn.decode_new_token(positions, qkv).flatten(1, -1), residual
+            return self._attend_qkv(positions, qkv), residual
+        if self.attn.takes_projection() and (self.qkv_proj.runs_fused_decode(hidden_states)
+                                             or self.attn.runs_decode_new_token(
+                                                 hidden_states, self.qkv_proj)):
             # qkv_proj, q/k norm, RoPE and the K/V write as one kernel
             o = self.attn.decode_projected(positions, hidden_states, self.qkv_proj)
-            return o.flatten(1, -1)
-        qkv = self.qkv_proj(hidden_states)
+            return o.flatten(1, -1), residual
+        return self._attend_qkv(positions, self.qkv_proj(hidden_states)), residual
+
+    def _attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Attention over qkv_proj's output [tokens, q + k + v]: [tokens, q_size]."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)      # (N, H, D)
         k = k.view(-1, self.num_kv_heads, self.head_dim)   # (N, Hkv, D)
@@ -115,14 +129,29 @@ class DecoderMLP(nn.Module):
             return self.gate_up_proj.gate_up_silu(x)  # SiLU-and-mul in the GEMM's epilogue
         return self.act_fn(self.gate_up_proj(x))
 
+    def add_norm_gated(self, proj: RowParallelLinear, x: torch.Tensor, residual: torch.Tensor,
+                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gated(norm(proj(x) + residual)), proj(x) + residual)."""
+        # A lone token's gate_up GEMV may normalise proj's partials itself: no launch of the norm
+        hidden_states, residual = project_add_norm(proj, x, residual, norm,
+                                                   self.gate_up_proj.runs_norm_gate_up)
+        if isinstance(hidden_states, PendingNorm):
+            return self.gate_up_proj.norm_gate_up_silu(hidden_states)
+        return self.gated(hidden_states), residual
+
 
 def project_add_norm(proj: RowParallelLinear, x: torch.Tensor, residual: torch.Tensor,
-                     norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(proj(x) + residual), proj(x) + residual)."""
-    # In the decode steps bound to split-K, norm sums proj's partials: no launch of its own
-    if proj.runs_fused_decode(x):
-        return norm.add_partials(proj.split_k_partials(x), residual)
-    return norm(proj(x), residual)
+                     norm: RMSNorm, computes_norm: Callable[[PendingNorm], bool] | None = None
+                     ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
+    """(norm(proj(x) + residual), proj(x) + residual); the first a PendingNorm if computes_norm."""
+    # In the decode steps bound to split-K, norm sums proj's partials (no launch of its own),
+    # or the projection norm feeds does, where computes_norm takes their PendingNorm
+    if not proj.runs_fused_decode(x):
+        return norm(proj(x), residual)
+    pending = norm.pending(proj.split_k_partials(x), residual)
+    if computes_norm is not None and computes_norm(pending):
+        return pending, residual
+    return norm.add_partials(pending.partials, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -130,7 +159,9 @@ class DecoderLayer(nn.Module):
 
     # Each residual add is fused into the RMSNorm after it, and each o_proj and down_proj into
     # that add (project_add_norm, where split-K partials meet the norm that sums them), so the
-    # norm after a layer runs inside it: DecoderModel runs only the first layer's own.
+    # norm after a layer runs inside it: DecoderModel runs only the first layer's own. A lone
+    # token's post-attention norm runs inside gate_up_proj's GEMV (add_norm_gated), and its
+    # next layer's input norm inside that layer's qkv_proj GEMV (a PendingNorm handed on).
 
     def __init__(self, config: PretrainedConfig, spec: DecoderSpec, rotary_emb: RotaryEmbedding,
                  layer_idx: int):
@@ -148,21 +179,27 @@ class DecoderLayer(nn.Module):
             self.mlp = DecoderMLP(config, spec, prefix)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        # the projections these norms feed, whose LoRA shrink a decode step may compute with them
+        # the projections these norms feed: a decode step may compute their LoRA shrink with
+        # the norm, and a lone token's qkv_proj GEMV the input norm itself (forward)
         self.input_layernorm.feeds = (self.self_attn.qkv_proj,)
         if isinstance(self.mlp, DecoderMLP):
             self.post_attention_layernorm.feeds = (self.mlp.gate_up_proj,)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                residual: torch.Tensor, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor | PendingNorm,
+                residual: torch.Tensor, next_norm: RMSNorm
+                ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
         """(next_norm(h), h), h = residual + attention + MLP; hidden_states: normed residual."""
-        o = self.self_attn.attend(positions, hidden_states)
-        hidden_states, residual = project_add_norm(self.self_attn.o_proj, o, residual,
-                                                   self.post_attention_layernorm)
+        # After a dense MLP a lone token's pair may be (PendingNorm, the residual before its
+        # add), for the next layer's qkv_proj GEMV to compute (attend); never the final norm's,
+        # which feeds no projection
+        o, residual = self.self_attn.attend(positions, hidden_states, residual)
+        o_proj, norm = self.self_attn.o_proj, self.post_attention_layernorm
         if isinstance(self.mlp, SparseMoeBlock):
+            hidden_states, residual = project_add_norm(o_proj, o, residual, norm)
             return next_norm(self.mlp(hidden_states), residual)
-        return project_add_norm(self.mlp.down_proj, self.mlp.gated(hidden_states), residual,
-                                next_norm)
+        gated, residual = self.mlp.add_norm_gated(o_proj, o, residual, norm)
+        next_qkv = next_norm.feeds[0].runs_norm_gemv_rows if next_norm.feeds else None
+        return project_add_norm(self.mlp.down_proj, gated, residual, next_norm, next_qkv)
 
 
 class DecoderModel(nn.Module):

@@ -96,10 +96,11 @@ class DecodeInputs:
     Layout for `rows` sequences (the batch padded up to a CUDA-graph size) and `width` blocks:
         [input_ids | positions | slot_mapping | context_lens | source_rows | lora | block_tables]
     block_tables is rows x width; lora (with LoRA enabled only) is each row's adapter slot.
-    source_rows[i]: the row of the previous step's sampled ids
-    holding sequence i's input id, or -1 (input_ids[i] holds it). Padding rows have slot -1
-    and context length 0. The first five sections take a multiple of 4 entries each, so every
-    section is 16-byte aligned: Triton specialises kernels on pointer alignment."""
+    source_rows[i]: the row of the previous step's sampled ids holding sequence i's input id,
+    or -1 (input_ids[i] holds it); that carry writes input_ids only, so kernels may read the
+    other sections before their PDL wait (kernels.pdl). Padding rows have slot -1 and context
+    length 0. The first five sections take a multiple of 4 entries each, so every section is
+    16-byte aligned: Triton specialises kernels on pointer alignment."""
 
     def __init__(self, max_rows: int, max_width: int, block_size: int, pin: bool,
                  max_loras: int = 0):

@@ -88,7 +88,7 @@ def test_fits_fp8_weights() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block", BLOCKS)
-@pytest.mark.parametrize("num_tokens,bias", [(3, False), (37, True)])
+@pytest.mark.parametrize("num_tokens,bias", [(1, True), (3, False), (37, True)])  # 1: a GEMV
 def test_qkv_rope_store_fp8(dtype: torch.dtype, block, num_tokens: int, bias: bool) -> None:
     """q equals the dequantized qkv_proj (float32, rounded as its output) -> q norm -> RoPE; k
     and v land in their cache slots likewise."""

@@ -36,23 +36,39 @@ def _pdl_kernels() -> list:
     return found
 
 
+# Helpers a kernel may call before its wait, each reviewed to read only what no kernel of a
+# step writes (kernels.pdl): weights, scales, biases and the step's inputs.
+PRE_WAIT_HELPERS = {
+    "prefetch_tile", "_prefetch_weight",  # an L2 hint on weight tiles
+    "_weight_slice", "rows_slice", "_pair_slices", "row_values", "rms_weight",  # GEMVs
+    "_token_inputs",  # qk_norm_rope: positions, slots, cos/sin rows, norm weights
+    "_split_bounds", "_chunk_pages", "cached_end",  # decode: context lengths, block tables
+    "new_token_inputs",  # decode's new token: as _token_inputs
+    # decode's new token: the split's first cache tile, rows before the new position, which
+    # only earlier steps wrote (the kernel writes the new position's row after its wait)
+    "_first_tile",
+}
+
+
 def test_every_pdl_kernel_waits_first() -> None:
-    """A PDL kernel may start while the previous one still writes: no load, store or early
-    return may come before wait_then_release (and every program must reach it). Checked in
-    the kernel's own source: a helper called before the wait is reviewed, not scanned
-    (pdl.prefetch_tile, a hint on weights, and kernels.linear.gemv's loads of weights, scales
-    and biases: no kernel writes those)."""
+    """A PDL kernel may start while the previous one still writes: before wait_then_release
+    (which every program must reach) only index arithmetic and calls of PRE_WAIT_HELPERS; no
+    load, store, branch or early return of the kernel's own."""
     kernels = _pdl_kernels()
     names = {k.fn.__name__ for k in kernels}
     assert {"_rms_norm_kernel", "_silu_and_mul_kernel", "_decode_split_kernel",
-            "_decode_reduce_kernel", "_qkv_rope_store_kernel", "_gate_up_silu_kernel",
-            "_split_k_kernel", "_gemv_partials_kernel"} <= names
+            "decode_reduce_kernel", "_qkv_rope_store_kernel", "_gate_up_silu_kernel",
+            "_split_k_kernel", "_gemv_partials_kernel", "_gemv_rows_kernel",
+            "_qk_norm_rope_kernel"} <= names
     for kernel in kernels:
         body = inspect.getsource(kernel.fn).split('"""')[-1]  # after the docstring
         head, sep, _ = body.partition("wait_then_release(USE_PDL)")
         assert sep, f"{kernel.fn.__name__} never waits"
         assert not re.search(r"tl\.(load|store|atomic)|return|\bif\b|\bfor\b", head), \
             f"{kernel.fn.__name__} does work before its wait: {head!r}"
+        calls = set(re.findall(r"(?<![\w.])(\w+)\(", head))  # not tl.*: the language's
+        unknown = calls - PRE_WAIT_HELPERS
+        assert not unknown, f"{kernel.fn.__name__} calls {unknown} before its wait"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only on CPU here")

@@ -15,7 +15,7 @@ from torch import nn  # noqa: E402
 from benchmarks.random_checkpoints import build_checkpoint  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.kernels.linear import fused as fused_linear  # noqa: E402
-from nanovllm.kernels.linear import split_k  # noqa: E402
+from nanovllm.kernels.linear import gemv, gemv_gate_up, split_k  # noqa: E402
 from nanovllm.layers.backends import (  # noqa: E402
     FUSED_GATE_UP_MAX_TOKENS,
     FUSED_QKV_MAX_TOKENS,
@@ -83,7 +83,11 @@ def spy_gemv(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             return fn(*args, **kwargs)
         monkeypatch.setattr(module, name, call)
     spy(split_k, "gemv_partials")
-    spy(fused_linear, "gate_up_silu_gemv")
+    spy(fused_linear, "gate_up_silu_gemv")  # kernels.linear.fused's name for it
+    spy(fused_linear, "gemv_rows")  # qkv_rope_store's (backends without can_decode_new_token)
+    spy(gemv, "gemv_rows")  # LinearBase.gemv_rows: Triton's decode takes the raw q, k, v
+    spy(gemv_gate_up, "norm_gate_up_silu_gemv")
+    spy(gemv, "norm_gemv_rows")  # QKVParallelLinear.norm_gemv_rows: the input norm inside
     return calls
 
 
@@ -92,11 +96,12 @@ def _projections(model: nn.Module) -> list:
     return [m for m in model.modules() if type(m) in LIMITS]
 
 
-def _rebind(llm: LLM, fused_projections: bool) -> None:
+def _rebind(llm: LLM, fused_projections: bool, **fast_path_fields) -> None:
     """Bind the model again, to a backend of its kind with the fused projections on or off (on
     CPU the engine binds them off: they run here interpreted, for this test only)."""
     backend = llm.model_runner.backend
-    fast_path = replace(backend.fast_path, fused_projections=fused_projections)
+    fast_path = replace(backend.fast_path, fused_projections=fused_projections,
+                        **fast_path_fields)
     bind_backend(llm.model_runner.model, type(backend)(fast_path))
 
 
@@ -118,11 +123,11 @@ def test_fused_decode_same_tokens(checkpoint: str, monkeypatch: pytest.MonkeyPat
         _rebind(llm, False)
         assert not any(m.fused_decode_max_tokens for m in projections)
         want = [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
-        calls = spy_fused_kernels(monkeypatch)
+        fused_calls = spy_fused_kernels(monkeypatch)
         _rebind(llm, True)
         assert all(m.fused_decode_max_tokens == LIMITS[type(m)] for m in projections)
         got = [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
-        calls = list(calls)  # the three sequences' steps
+        calls = list(fused_calls)  # the three sequences' steps
         # a lone sequence: its projections run kernels.linear.gemv (no LoRA here)
         gemv_calls = spy_gemv(monkeypatch)
         got_one = llm.generate(prompts[1:2], params, use_tqdm=False)[0]["token_ids"]
@@ -132,11 +137,87 @@ def test_fused_decode_same_tokens(checkpoint: str, monkeypatch: pytest.MonkeyPat
         llm.shutdown()
     assert got == want and got_one == want_one
     assert gemv_calls.count("gemv_partials") == 5 * (2 + mlps)  # o_proj, down_proj
-    assert gemv_calls.count("gate_up_silu_gemv") == 5 * mlps
+    # gate_up_proj with the norm before it (o_proj's partials summed in its programs)
+    assert gemv_calls.count("norm_gate_up_silu_gemv") == 5 * mlps
+    assert gemv_calls.count("gate_up_silu_gemv") == 0
+    # qkv_proj: 5 steps, 2 layers; layer 1's with its input norm after a dense layer 0
+    chained = 5 if mlps else 0
+    assert gemv_calls.count("norm_gemv_rows") == chained
+    assert gemv_calls.count("gemv_rows") == 5 * 2 - chained
+    # ... its q/k norm, RoPE and K/V write inside the Triton decode kernel (new_token)
+    assert "qkv_rope_store" not in fused_calls[len(calls):]
     # 5 decode steps of the 3 sequences (one batch), 2 layers, each kernel (split-K: o and down)
     assert calls.count("qkv_rope_store") == 5 * 2
     assert calls.count("gate_up_silu") == 5 * mlps
     assert calls.count("split_k_linear") == 5 * (2 + mlps)
+
+
+def test_lone_token_decodes_its_new_token_at_any_qkv_limit(checkpoint: str,
+                                                           monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """A lone token takes qkv_proj's GEMV into the decode kernel even where start-up measured
+    qkv_proj's fused kernel slower at every size (limit 0): that kernel does not run there."""
+    llm = LLM(checkpoint, device=DEVICE, attention_backend="triton", dtype="float16",
+              enforce_eager=True, num_kvcache_blocks=8, max_num_seqs=4, max_model_len=512)
+    try:
+        prompt = [[(5 * j) % 300 + 1 for j in range(23)]]
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        _rebind(llm, False)
+        want = llm.generate(prompt, params, use_tqdm=False)[0]["token_ids"]
+        _rebind(llm, True)
+        for module in _projections(llm.model_runner.model):
+            if isinstance(module, QKVParallelLinear):
+                module.fused_decode_max_tokens = 0
+        calls = spy_gemv(monkeypatch)
+        got = llm.generate(prompt, params, use_tqdm=False)[0]["token_ids"]
+    finally:
+        llm.shutdown()
+    assert got == want  # 5 steps, 2 layers; layer 1's qkv_proj with its input norm if dense
+    assert calls.count("gemv_rows") + calls.count("norm_gemv_rows") == 5 * 2
+
+
+# case -> (family, config fields, the layers whose qkv_proj GEMV takes their input norm): three
+# Qwen3 layers whose down_proj leaves 2 partials (K 1,024), norms inside layers 1 and 2; three
+# Qwen3-MoE layers, sparse, dense (mlp_only_layers), sparse: the sparse layer 0 hands its
+# successor a tensor, the dense layer 1 a PendingNorm to the sparse layer 2
+INPUT_NORM_CASES = {"qwen3": ("Qwen3", dict(intermediate_size=1024, num_hidden_layers=3), 2),
+                    "moe": ("Qwen3Moe", dict(MOE, num_hidden_layers=3, mlp_only_layers=[1]), 1)}
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("case", list(INPUT_NORM_CASES))
+def test_lone_token_input_norm_inside_qkv_gemv(case: str, backend: str, tmp_path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lone token's layers after a dense MLP take their input norm inside qkv_proj's GEMV
+    (INPUT_NORM_CASES), the last layer ends in the final norm as before. The greedy tokens
+    equal the path with that fusion off, and on CPU (the norm kernel interpreted too) their
+    logprobs bit for bit; the unfused path's tokens too. Triton's decode takes the GEMV's q, k,
+    v raw (new_token); torch's, after the q/k norm and RoPE."""
+    family, fields, normed = INPUT_NORM_CASES[case]
+    path = build_checkpoint(str(tmp_path), family=family, **{**SHAPE, **fields})
+    llm = LLM(path, device=DEVICE, attention_backend=backend, dtype="float16",
+              enforce_eager=True, num_kvcache_blocks=8, max_num_seqs=4, max_model_len=512)
+    prompt = [[(11 * j) % 300 + 1 for j in range(19)]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    try:
+        _rebind(llm, False)
+        unfused = llm.generate(prompt, params, use_tqdm=False)[0]
+        _rebind(llm, True, fused_ops=True)
+        calls = spy_gemv(monkeypatch)
+        got = llm.generate(prompt, params, use_tqdm=False)[0]
+        on = list(calls)
+        monkeypatch.setattr(QKVParallelLinear, "runs_norm_gemv_rows", lambda *_: False)
+        want = llm.generate(prompt, params, use_tqdm=False)[0]
+        off = calls[len(on):]
+    finally:
+        llm.shutdown()
+    # 5 decode steps: layer 0's qkv_proj from the model's own norm, the others' as the case says
+    assert on.count("norm_gemv_rows") == 5 * normed and on.count("gemv_rows") == 5 * (3 - normed)
+    assert off.count("norm_gemv_rows") == 0 and off.count("gemv_rows") == 5 * 3
+    assert got["token_ids"] == want["token_ids"] == unfused["token_ids"]
+    assert len(got["logprobs"]) == len(got["token_ids"])
+    if DEVICE == "cpu":
+        assert got["logprobs"] == want["logprobs"]
 
 
 def test_fits_fused_decode_rules(checkpoints) -> None:

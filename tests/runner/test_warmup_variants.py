@@ -8,6 +8,7 @@ is forced on (on CPU the engine binds none), float16 so that the fused projectio
 
 The warm-up's steps under a compile-only pass (kernels.compile_ahead: no kernel runs, outputs
 stay garbage) must finish and launch the variants their real run does."""
+import ast
 import inspect
 import os
 
@@ -24,6 +25,7 @@ from triton.runtime.jit import KernelParam, create_function_from_signature  # no
 from benchmarks.random_checkpoints import build_checkpoint  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.kernels.compile_ahead import launches_compile_only  # noqa: E402
+from nanovllm.kernels.linear.gemv import _gemv_rows_kernel  # noqa: E402
 from nanovllm.layers import backends  # noqa: E402
 from nanovllm.layers.backends import FastPath  # noqa: E402
 from nanovllm.runner import warmup  # noqa: E402
@@ -31,9 +33,10 @@ from nanovllm.runner import warmup  # noqa: E402
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(),
     reason="records interpreted launches; on CUDA benchmarks.cold_compiles counts compiles")
-# head_dim 128: the fused projections' half heads are whole 64-row MMA tiles
+# head_dim 128: the fused projections' half heads are whole 64-row MMA tiles; two layers: a
+# lone token's layer 1 takes its input norm inside qkv_proj's GEMV (norm_gemv_rows)
 SHAPE = dict(hidden_size=128, head_dim=128, num_attention_heads=2, num_key_value_heads=1,
-             intermediate_size=256, vocab_size=512, num_hidden_layers=1)
+             intermediate_size=256, vocab_size=512, num_hidden_layers=2)
 
 
 class VariantRecorder:
@@ -59,6 +62,13 @@ class VariantRecorder:
     def record(self, fn: InterpretedFunction, args: tuple, kwargs: dict) -> None:
         _, specialization, options = self._binder(fn)(*args, **kwargs)
         self.keys.append((fn.fn.__name__, repr(specialization), repr(sorted(options.items()))))
+
+
+def norm_rows(keys: list[tuple]) -> list[tuple]:
+    """The keys of whole-row GEMVs that compute the add + RMSNorm before them (PARTIALS)."""
+    partials = list(inspect.signature(_gemv_rows_kernel.fn).parameters).index("PARTIALS")
+    return [key for key in keys if key[0] == "_gemv_rows_kernel"
+            and ast.literal_eval(key[1])[partials][1]]
 
 
 @pytest.fixture
@@ -98,11 +108,13 @@ def _workload(llm: LLM) -> None:
 def test_moe_workload_launches_only_warmed_variants(recorder: VariantRecorder,
                                                     tmp_path) -> None:
     """A Qwen3-MoE model: the router's top-k and the experts' grouping, in one program up to
-    ONE_PROGRAM_SLOTS slots and in three kernels beyond (lowered here so that both run)."""
+    ONE_PROGRAM_SLOTS slots and in three kernels beyond (lowered here so that both run); its
+    layer 0 dense (mlp_only_layers), so a lone token's sparse layer 1 takes its input norm
+    inside qkv_proj's GEMV."""
     from nanovllm.kernels.moe import fused_moe
     checkpoint = build_checkpoint(str(tmp_path / "moe"), family="Qwen3Moe", num_experts=8,
                                   num_experts_per_tok=2, moe_intermediate_size=64,
-                                  norm_topk_prob=True, **SHAPE)
+                                  norm_topk_prob=True, mlp_only_layers=[0], **SHAPE)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(fused_moe, "ONE_PROGRAM_SLOTS", 4)
         llm = LLM(checkpoint, device="cpu", attention_backend="triton", dtype="float16",
@@ -120,6 +132,7 @@ def test_moe_workload_launches_only_warmed_variants(recorder: VariantRecorder,
     kernels = {key[0] for key in launched}
     assert {"_topk_softmax_kernel", "_align_one_program_kernel", "_count_kernel",
             "_scatter_kernel", "_gate_up_silu_kernel", "_down_kernel"} <= kernels
+    assert norm_rows(launched)
     cold = sorted(set(launched) - warmed)
     assert not cold, "variants the warm-up never compiled:\n" + "\n".join(map(str, cold))
 
@@ -146,6 +159,7 @@ def test_workload_launches_only_warmed_variants(recorder: VariantRecorder, tmp_p
     assert {"_prefill_kernel", "_decode_split_kernel", "_qk_norm_rope_kernel", "_rms_norm_kernel",
             "_qkv_rope_store_kernel", "_gate_up_silu_kernel", "_split_k_kernel",
             "_race_kernel"} <= kernels
+    assert norm_rows(launched)  # a lone token's layer 1: qkv_proj's GEMV with its input norm
     cold = sorted(set(launched) - warmed)
     assert not cold, "variants the warm-up never compiled:\n" + "\n".join(map(str, cold))
 
@@ -175,6 +189,7 @@ def test_compile_only_pass_reaches_the_warm_up_variants(recorder: VariantRecorde
     assert {"_prefill_kernel", "_decode_split_kernel", "_qkv_rope_store_kernel",
             "_race_kernel"} | ({"_shrink_kernel"} if lora else set()) <= kernels
     assert set(compiled) == set(ran)
+    assert norm_rows(compiled)  # a lone token's layer 1 (in a step without adapters)
 
 
 def test_lora_workload_launches_only_warmed_variants(recorder: VariantRecorder,

@@ -1,13 +1,23 @@
 """Triton split-KV (flash-decoding) decode over the paged cache: each (sequence, KV head, split)
 program attends its slice of the context for the query heads of that KV head, and a reduce
-kernel merges the splits' softmax partials. An FP8 cache is read as in prefill.py.
-Page ids are read a chunk at a time into registers, so the K/V tile loads can be pipelined.
+kernel merges the splits' softmax partials (decode_reduce.py). An FP8 cache is read as in
+prefill.py. Page ids are read a chunk at a time into registers, so the K/V tile loads can be
+pipelined.
 """
 import torch
 import triton
 import triton.language as tl
 
 from nanovllm.kernels.attention import prefill  # dot_precision looked up per call (tests patch)
+from nanovllm.kernels.attention.decode_reduce import decode_reduce_kernel, store_split
+from nanovllm.kernels.attention.new_token import (
+    NewToken,
+    cached_end,
+    new_token_args,
+    new_token_inputs,
+    new_token_steps,
+    query_tile,
+)
 from nanovllm.kernels.attention.prefill import LOG2E, check_shapes, softmax_step
 from nanovllm.kernels.attention.reference import check_sliding_window
 from nanovllm.kernels.pdl import launch_options, wait_then_release
@@ -17,10 +27,35 @@ _TARGET_PROGRAMS = 512  # enough programs to fill an H100/H200 a few times over
 _MAX_SPLITS = 64
 # An FP8 cache's launch, measured on the H200: 128-key tiles, and a third stage, which keeps two
 # K/V tiles in flight (half the bytes per tile of bf16, whose launch gains nothing from it).
+# Not with the new token (batch 1): a split is a few tiles there, the first held from before
+# the wait, and the third stage buys nothing but shared memory (73,728 bytes, not 40,960).
 _FP8_BLOCK_N, _FP8_NUM_WARPS, _FP8_NUM_STAGES = 128, 4, 3
 # Block-table entries held in registers at a time: fixed (one compiled variant), small at any
 # context length, and 16-64 key tiles per chunk, so the tile pipeline refills only rarely.
 _PAGES_PER_CHUNK = 16
+
+
+@triton.jit
+def _cache_tile(k_cache_ptr, v_cache_ptr, pages, page0, start_n, hi_n, lo, kv_head, dtype,
+                NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                BLOCK_N: tl.constexpr, PAGES_PER_CHUNK: tl.constexpr, SLIDING: tl.constexpr):
+    """k_t [D, N], v [N, D] of keys start_n..+BLOCK_N as `dtype`, visible below hi_n (from lo)."""
+    # The page id comes from registers, not memory: a load here would make each tile's K/V
+    # addresses wait on it, and Triton then keeps one K/V tile in flight at any num_stages.
+    page = tl.sum(tl.where(tl.arange(0, PAGES_PER_CHUNK) == start_n // BLOCK_SIZE - page0,
+                           pages, 0))
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = page.to(tl.int64) * BLOCK_SIZE + start_n % BLOCK_SIZE + offs_n
+    visible = start_n + offs_n < hi_n
+    if SLIDING:
+        visible &= start_n + offs_n >= lo
+    cache_offs = rows * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+    k_t = tl.load(k_cache_ptr + cache_offs[None, :] + offs_d[:, None], mask=visible[None, :],
+                  other=0.0).to(dtype)
+    v = tl.load(v_cache_ptr + cache_offs[:, None] + offs_d[None, :], mask=visible[:, None],
+                other=0.0).to(dtype)
+    return k_t, v, visible
 
 
 @triton.jit
@@ -30,27 +65,62 @@ def _attend_chunk(q, k_cache_ptr, v_cache_ptr, pages, page0, lo_n, hi_n, lo, kv_
                   PRECISION: tl.constexpr, SLIDING: tl.constexpr):
     """Online softmax over the key tiles lo_n..hi_n, whose page ids `pages` (from page0) are held
     in registers; lo_n is a tile boundary and tiles never cross pages."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_p = tl.arange(0, PAGES_PER_CHUNK)
     # Hoisted out of the loop, the tile-invariant address math would stay live across both loops:
     # sm_90 then needs ~45 more registers, one program per SM fewer (FP8: 2 instead of 3).
     for start_n in tl.range(lo_n, hi_n, BLOCK_N, disable_licm=True):
-        # The page id comes from registers, not memory: a load here would make each tile's K/V
-        # addresses wait on it, and Triton then keeps one K/V tile in flight at any num_stages.
-        page = tl.sum(tl.where(offs_p == start_n // BLOCK_SIZE - page0, pages, 0))
-        rows = page.to(tl.int64) * BLOCK_SIZE + start_n % BLOCK_SIZE + offs_n
-        visible = start_n + offs_n < hi_n
-        if SLIDING:  # only the first tile holds keys before lo; each tile keeps >= 1 visible
-            visible &= start_n + offs_n >= lo
-        cache_offs = rows * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
-        k_t = tl.load(k_cache_ptr + cache_offs[None, :] + offs_d[:, None],
-                      mask=visible[None, :], other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + cache_offs[:, None] + offs_d[None, :],
-                    mask=visible[:, None], other=0.0).to(q.dtype)
+        # Only a split's first tile holds keys before lo, and each keeps >= 1 visible (with a
+        # new token the first tile comes before this loop: new_token.new_token_steps)
+        k_t, v, visible = _cache_tile(k_cache_ptr, v_cache_ptr, pages, page0, start_n, hi_n, lo,
+                                      kv_head, q.dtype, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                                      BLOCK_N, PAGES_PER_CHUNK, SLIDING)
         m_i, l_i, acc = softmax_step(q, k_t, v, visible[None, :], m_i, l_i, acc, qk_scale,
                                       PRECISION)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _first_tile(k_cache_ptr, v_cache_ptr, pages, start, end, ctx, lo, kv_head,
+                NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                BLOCK_N: tl.constexpr, PAGES_PER_CHUNK: tl.constexpr, SLIDING: tl.constexpr,
+                NEW_KV: tl.constexpr):
+    """NEW_KV: the split's first cache tile (codes), read before the PDL wait; else None."""
+    if NEW_KV:
+        # Only rows before the new position (cached_end), which earlier steps wrote; an empty
+        # split's keys are all hidden. Without NEW_KV the loop reads the tile.
+        tile = _cache_tile(k_cache_ptr, v_cache_ptr, pages, start // BLOCK_SIZE, start,
+                           cached_end(end, ctx, NEW_KV), lo, kv_head,
+                           k_cache_ptr.dtype.element_ty, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                           BLOCK_N, PAGES_PER_CHUNK, SLIDING)
+    else:
+        tile = None
+    return tile
+
+
+@triton.jit
+def _chunk_pages(block_tables_ptr, seq, stride_bt, page0, end_page,
+                 PAGES_PER_CHUNK: tl.constexpr):
+    """Page ids page0..+PAGES_PER_CHUNK of seq's block table, 0 from end_page on."""
+    offs_p = tl.arange(0, PAGES_PER_CHUNK)
+    return tl.load(block_tables_ptr + seq * stride_bt + page0 + offs_p,
+                   mask=page0 + offs_p < end_page, other=0)
+
+
+@triton.jit
+def _split_bounds(context_lens_ptr, seq, split, num_splits, window, BLOCK_N: tl.constexpr,
+                  SLIDING: tl.constexpr):
+    """(lo, start, end, ctx) of one split: the query (position ctx - 1) sees keys lo..ctx-1,
+    spread evenly over all splits in whole key tiles (tiles never cross pages) from lo rounded
+    down to a tile. The context lengths are the step's inputs, which no kernel of the step
+    writes: read before the PDL wait."""
+    ctx = tl.load(context_lens_ptr + seq)
+    lo = 0
+    if SLIDING:
+        lo = tl.maximum(ctx - window, 0)
+    first = lo // BLOCK_N * BLOCK_N
+    split_len = (ctx - first + num_splits * BLOCK_N - 1) // (num_splits * BLOCK_N) * BLOCK_N
+    start = first + split * split_len
+    end = tl.minimum(start + split_len, ctx)
+    return lo, start, end, ctx
 
 
 # num_splits is a plain argument, not specialised: the split count depends on the batch size,
@@ -60,89 +130,63 @@ def _attend_chunk(q, k_cache_ptr, v_cache_ptr, pages, page0, lo_n, hi_n, lo, kv_
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, context_lens_ptr, block_tables_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_qb, stride_qh, stride_bt, stride_ob,
-    stride_oh, qk_scale, v_scale, num_splits, window,
+    stride_oh, qk_scale, v_scale, num_splits, window, k_new_ptr, v_new_ptr, stride_nb, pos_ptr,
+    slot_ptr, cs_ptr, stride_cs, qn_w_ptr, kn_w_ptr, eps, k_inv_scale, v_inv_scale,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGES_PER_CHUNK: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr, FP16_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, FP16_DOT: tl.constexpr, NEW_KV: tl.constexpr,
+    NORM: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """Grid (Hkv, B, splits): all GROUP query heads of one kv head over one slice of the keys."""
-    wait_then_release(USE_PDL)
+    """Grid (Hkv, B, splits): all GROUP query heads of one kv head over one slice of the keys.
+    With NEW_KV, q, k_new and v_new are qkv_proj's raw output: the kernel normalises and
+    rotates them and writes the new K/V itself (kernels.attention.new_token)."""
     # kv heads vary fastest: the programs running together read neighbouring bytes of each
     # cache row ([slot, kv head, dim]), which the H200 streams measurably faster.
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)
-    ctx = tl.load(context_lens_ptr + seq)
-    # The query (position ctx - 1) sees keys lo..ctx-1: spread them evenly over all splits, in
-    # whole key tiles (tiles never cross pages) from lo rounded down to a tile.
-    lo = 0
-    if SLIDING:
-        lo = tl.maximum(ctx - window, 0)
-    first = lo // BLOCK_N * BLOCK_N
-    split_len = (ctx - first + num_splits * BLOCK_N - 1) // (num_splits * BLOCK_N) * BLOCK_N
-    start = first + split * split_len
-    end = tl.minimum(start + split_len, ctx)
-    offs_g = tl.arange(0, GROUP_P2)
-    offs_d = tl.arange(0, HEAD_DIM)
-    heads = kv_head * GROUP + offs_g
-    g_mask = offs_g < GROUP
+    # The split's bounds and first block-table chunk: the step's inputs; with NEW_KV its first
+    # cache tile too, rows that only earlier steps wrote (kernels.pdl)
+    lo, start, end, ctx = _split_bounds(context_lens_ptr, seq, split, num_splits, window,
+                                        BLOCK_N, SLIDING)
+    end_cached = cached_end(end, ctx, NEW_KV)
+    end_page = tl.cdiv(end_cached, BLOCK_SIZE)
+    pages = _chunk_pages(block_tables_ptr, seq, stride_bt, start // BLOCK_SIZE, end_page,
+                         PAGES_PER_CHUNK)
+    tile = _first_tile(k_cache_ptr, v_cache_ptr, pages, start, end, ctx, lo, kv_head,
+                       NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PAGES_PER_CHUNK, SLIDING,
+                       NEW_KV)
+    cos, sin, slot, qw1, qw2, kw1, kw2 = new_token_inputs(
+        pos_ptr, slot_ptr, cs_ptr, stride_cs, qn_w_ptr, kn_w_ptr, seq, HEAD_DIM, NORM, NEW_KV)
+    wait_then_release(USE_PDL)
     # GQA packing: [GROUP_P2, D] queries (padded to >= 16 rows for tl.dot) share each K/V load.
-    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None], other=0.0)
+    q = query_tile(q_ptr, seq, stride_qb, stride_qh, kv_head, cos, sin, qw1, qw2, eps, GROUP,
+                   GROUP_P2, HEAD_DIM, NORM, NEW_KV)
     if FP16_DOT:  # an FP8 cache widens to fp16 in one instruction per pair, exactly
         q = q.to(tl.float16)
-    m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_P2], tl.float32)
-    acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
+    m_i, l_i, acc = new_token_steps(
+        q, tile, (start <= ctx - 1) & (ctx - 1 < end), k_new_ptr, v_new_ptr,
+        seq * stride_nb + kv_head * HEAD_DIM, k_cache_ptr, v_cache_ptr, slot, kv_head, cos, sin,
+        kw1, kw2, eps, k_inv_scale, v_inv_scale, qk_scale, GROUP_P2, NUM_KV_HEADS, HEAD_DIM,
+        PRECISION, NORM, FP8, NEW_KV)
     # The split's block-table entries come PAGES_PER_CHUNK at a time into registers, so the row
-    # held stays small at any context length; each chunk's tiles are one pipelined loop.
-    offs_p = tl.arange(0, PAGES_PER_CHUNK)
-    end_page = tl.cdiv(end, BLOCK_SIZE)
+    # held stays small at any context length; each chunk's tiles are one pipelined loop. The
+    # first chunk came before the wait; each pass asks for the next before its tiles (past
+    # the end: no bytes). With NEW_KV the first tile is done (new_token_steps).
     for page0 in range(start // BLOCK_SIZE, end_page, PAGES_PER_CHUNK):
-        pages = tl.load(block_tables_ptr + seq * stride_bt + page0 + offs_p,
-                        mask=page0 + offs_p < end_page, other=0)
+        next_pages = _chunk_pages(block_tables_ptr, seq, stride_bt, page0 + PAGES_PER_CHUNK,
+                                  end_page, PAGES_PER_CHUNK)
         m_i, l_i, acc = _attend_chunk(
-            q, k_cache_ptr, v_cache_ptr, pages, page0, tl.maximum(start, page0 * BLOCK_SIZE),
-            tl.minimum(end, (page0 + PAGES_PER_CHUNK) * BLOCK_SIZE), lo, kv_head, m_i, l_i, acc,
-            qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PAGES_PER_CHUNK, PRECISION,
-            SLIDING)
-    if SINGLE_SPLIT:  # context_len 0 (a padding row) keeps l = 0 and acc = 0: zeros out
-        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
-        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
-    else:  # partials [B, H, splits(, D)]; an empty split stores m=-inf, l=0, acc=0
-        part = ((seq * NUM_KV_HEADS + kv_head) * GROUP + offs_g) * num_splits + split
-        tl.store(part_m_ptr + part, m_i, mask=g_mask)
-        tl.store(part_l_ptr + part, l_i, mask=g_mask)
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc * v_scale,
-                 mask=g_mask[:, None])
-
-
-@triton.jit(do_not_specialize=["num_splits"])
-def _decode_reduce_kernel(
-    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ob, stride_oh, num_splits,
-    NUM_HEADS: tl.constexpr, SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """Grid (B, H): merge the per-split softmax partials of one query head."""
-    wait_then_release(USE_PDL)
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_P2)
-    offs_d = tl.arange(0, HEAD_DIM)
-    s_mask = splits < num_splits
-    part = (seq * NUM_HEADS + head) * num_splits + splits
-    m = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
-    l_sum = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-                  mask=s_mask[:, None], other=0.0)
-    m_max = tl.max(m, axis=0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # context_len 0: every split empty
-    w = tl.exp2(m - m_max)  # empty splits (m = -inf) get weight 0
-    denom = tl.sum(w * l_sum, axis=0)
-    o = tl.sum(w[:, None] * acc, axis=0) / tl.where(denom == 0.0, 1.0, denom)  # zeros if empty
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+            q, k_cache_ptr, v_cache_ptr, pages, page0,
+            tl.maximum(start + NEW_KV * BLOCK_N, page0 * BLOCK_SIZE),
+            tl.minimum(end_cached, (page0 + PAGES_PER_CHUNK) * BLOCK_SIZE), lo, kv_head, m_i,
+            l_i, acc, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PAGES_PER_CHUNK,
+            PRECISION, SLIDING)
+        pages = next_pages
+    store_split(m_i, l_i, acc, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, seq, kv_head,
+                split, num_splits, stride_ob, stride_oh, v_scale, GROUP, GROUP_P2,
+                NUM_KV_HEADS, HEAD_DIM, SINGLE_SPLIT)
 
 
 def _block_n(programs: int, head_dim: int, block_size: int, fp8: bool) -> int:
@@ -162,6 +206,14 @@ def _num_splits(batch: int, num_kv_heads: int, max_context: int) -> int:
     return max(1, min(by_length, by_occupancy, _MAX_SPLITS))
 
 
+def _graph_splits(batch: int, num_kv_heads: int, table_keys: int, window: int,
+                  block_n: int) -> int:
+    """_num_splits for the keys a block table of table_keys can hold (a CUDA graph's: its
+    widest), only the window's (from a tile boundary) with one."""
+    max_keys = min(table_keys, window + block_n - 1) if window else table_keys
+    return _num_splits(batch, num_kv_heads, max_keys)
+
+
 def decode_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -173,9 +225,11 @@ def decode_attention_triton(
     sliding_window: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    new_token: NewToken | None = None,
 ) -> torch.Tensor:
     """Flash-decoding: q [B, H, D] (one query per sequence) over its paged context (an FP8 cache
-    dequantized with k_scale, v_scale); 0 -> zeros."""
+    dequantized with k_scale, v_scale); 0 -> zeros. With new_token, q and its k and v are
+    qkv_proj's raw output: q/k norm, RoPE and the K/V write happen inside (new_token)."""
     window = check_sliding_window(sliding_window)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -186,10 +240,8 @@ def decode_attention_triton(
     fp8 = k_cache.element_size() == 1
     block_n = _block_n(batch * num_kv_heads, head_dim, block_size, fp8)
     if num_splits is None:
-        max_keys = block_tables.shape[1] * block_size
-        if window:  # only the window is read (from a tile boundary)
-            max_keys = min(max_keys, window + block_n - 1)
-        num_splits = _num_splits(batch, num_kv_heads, max_keys)
+        num_splits = _graph_splits(batch, num_kv_heads, block_tables.shape[1] * block_size,
+                                   window, block_n)
     assert 1 <= num_splits <= _MAX_SPLITS, f"num_splits={num_splits}: 1..{_MAX_SPLITS}"
     group = num_heads // num_kv_heads
     # fp32 scratch sized from shapes only (no data-dependent allocation under graph capture);
@@ -206,12 +258,14 @@ def decode_attention_triton(
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         PAGES_PER_CHUNK=_PAGES_PER_CHUNK, PRECISION=prefill.dot_precision(q.dtype),
         SLIDING=window > 0, SINGLE_SPLIT=num_splits == 1,
-        FP16_DOT=fp8 and q.dtype == torch.bfloat16,
-        num_warps=_FP8_NUM_WARPS if fp8 else 4, num_stages=_FP8_NUM_STAGES if fp8 else 2,
+        FP16_DOT=fp8 and q.dtype == torch.bfloat16, FP8=fp8,
+        **new_token_args(new_token, q, (k_scale, v_scale)),
+        num_warps=_FP8_NUM_WARPS if fp8 else 4,
+        num_stages=_FP8_NUM_STAGES if fp8 and new_token is None else 2,
         **launch_options(),
     )
     if num_splits > 1:
-        _decode_reduce_kernel[(batch, num_heads)](
+        decode_reduce_kernel[(batch, num_heads)](
             part_m, part_l, part_acc, out, out.stride(0), out.stride(1), num_splits,
             # the most splits, whatever this step's count: one compiled variant
             NUM_HEADS=num_heads, SPLITS_P2=_MAX_SPLITS,

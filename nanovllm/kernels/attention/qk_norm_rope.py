@@ -7,6 +7,7 @@ import triton.language as tl
 
 from nanovllm.kernels.attention.kv_quant import FP8_DTYPE
 from nanovllm.kernels.attention.store_kvcache import quantize_kv
+from nanovllm.kernels.pdl import launch_options, wait_then_release
 
 
 @triton.jit
@@ -31,6 +32,23 @@ def _load_weight(w_ptr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
         return tl.load(w_ptr + lo).to(tl.float32), tl.load(w_ptr + HALF + lo).to(tl.float32)
     else:
         return tl.zeros([1, HALF], tl.float32), tl.zeros([1, HALF], tl.float32)
+
+
+@triton.jit
+def _token_inputs(pos_ptr, slot_ptr, cache_ptr, stride_cache, q_w_ptr, k_w_ptr, tok,
+                  HEAD_DIM: tl.constexpr, NORM: tl.constexpr, STORE_KV: tl.constexpr):
+    """(cos, sin, slot, q and k norm weights' halves) of one token: the step's inputs and
+    weights, which no kernel of the step writes, so the kernel loads them before its PDL wait
+    (slot 0 without STORE_KV: unused)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    lo = tl.arange(0, HALF)[None, :]
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    slot = tl.load(slot_ptr + tok).to(tl.int64) if STORE_KV else tok * 0
+    qw1, qw2 = _load_weight(q_w_ptr, HEAD_DIM, NORM)
+    kw1, kw2 = _load_weight(k_w_ptr, HEAD_DIM, NORM)
+    cos = tl.load(cache_ptr + pos * stride_cache + lo)
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF + lo)
+    return cos, sin, slot, qw1, qw2, kw1, kw2
 
 
 @triton.jit
@@ -59,7 +77,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, p
                          NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                          Q_HEADS_P2: tl.constexpr, KV_HEADS_P2: tl.constexpr,
                          HEAD_DIM: tl.constexpr, STORE_KV: tl.constexpr, NORM: tl.constexpr,
-                         FP8: tl.constexpr):
+                         FP8: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (N,): normalise and rotate every q and k head of one token (one program per token,
     not per head: prefill launches ~16k programs, not ~400k); with STORE_KV also write the
     rotated k and the v to the token's cache slot."""
@@ -67,20 +85,18 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, p
     HALF: tl.constexpr = HEAD_DIM // 2
     lo = tl.arange(0, HALF)[None, :]
     dtype = q_out_ptr.dtype.element_ty
+    cos, sin, slot, qw1, qw2, kw1, kw2 = _token_inputs(
+        pos_ptr, slot_ptr, cache_ptr, stride_cache, q_w_ptr, k_w_ptr, tok, HEAD_DIM, NORM,
+        STORE_KV)
+    wait_then_release(USE_PDL)
     # Every load is issued before any store: the compiler cannot move a load above a store to
     # a pointer that might alias it, so each load after a store was one more memory round trip.
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
     q1, q2 = _load_heads(q_ptr + tok * stride_qn, stride_qh, NUM_Q_HEADS, Q_HEADS_P2, HEAD_DIM)
     k1, k2 = _load_heads(k_ptr + tok * stride_kn, stride_kh, NUM_KV_HEADS, KV_HEADS_P2,
                          HEAD_DIM)
     if STORE_KV:
-        slot = tl.load(slot_ptr + tok).to(tl.int64)
         v1, v2 = _load_heads(v_ptr + tok * stride_vn, stride_vh, NUM_KV_HEADS, KV_HEADS_P2,
                              HEAD_DIM)
-    qw1, qw2 = _load_weight(q_w_ptr, HEAD_DIM, NORM)
-    kw1, kw2 = _load_weight(k_w_ptr, HEAD_DIM, NORM)
-    cos = tl.load(cache_ptr + pos * stride_cache + lo)
-    sin = tl.load(cache_ptr + pos * stride_cache + HALF + lo)
     q1, q2 = _norm_rope(q1, q2, qw1, qw2, cos, sin, eps, dtype, HEAD_DIM, NORM, 1)
     k1, k2 = _norm_rope(k1, k2, kw1, kw2, cos, sin, eps, dtype, HEAD_DIM, NORM, 1)
     heads = tl.arange(0, Q_HEADS_P2)[:, None]
@@ -93,18 +109,42 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, p
     tl.store(dst, k1, mask=mask)
     tl.store(dst + HALF, k2, mask=mask)
     if STORE_KV:  # store_kvcache fused in: saves a launch per layer
-        # slot < 0 marks a padding row. The cache is contiguous [num_slots, Hkv, D]; int64, it
-        # can exceed 2^31 elements.
-        # one comparison, not mask & (slot >= 0): triton 3.9's interpreter makes that int32
-        mask = heads < tl.where(slot >= 0, NUM_KV_HEADS, 0)
-        offs = (slot * NUM_KV_HEADS + heads) * HEAD_DIM + lo
-        kv_dtype = k_cache_ptr.dtype.element_ty
-        tl.store(k_cache_ptr + offs, quantize_kv(k1, k_inv_scale, kv_dtype, FP8), mask=mask)
-        tl.store(k_cache_ptr + offs + HALF, quantize_kv(k2, k_inv_scale, kv_dtype, FP8),
-                 mask=mask)
-        tl.store(v_cache_ptr + offs, quantize_kv(v1, v_inv_scale, kv_dtype, FP8), mask=mask)
-        tl.store(v_cache_ptr + offs + HALF, quantize_kv(v2, v_inv_scale, kv_dtype, FP8),
-                 mask=mask)
+        store_kv_heads(k_cache_ptr, slot, heads, k1, k2, k_inv_scale, NUM_KV_HEADS, HEAD_DIM,
+                       FP8)
+        store_kv_heads(v_cache_ptr, slot, heads, v1, v2, v_inv_scale, NUM_KV_HEADS, HEAD_DIM,
+                       FP8)
+
+
+@triton.jit
+def store_kv_heads(cache_ptr, slot, heads, x1, x2, inv_scale, NUM_KV_HEADS: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, FP8: tl.constexpr):
+    """The halves [heads, D/2] of x as the cache holds them (returned; FP8: x / scale rounded),
+    stored to cache rows (slot, heads); heads from NUM_KV_HEADS and slot < 0 (a padding row)
+    are not stored. The cache is contiguous [num_slots, Hkv, D]: int64 offsets past 2^31."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    dtype = cache_ptr.dtype.element_ty
+    c1 = quantize_kv(x1, inv_scale, dtype, FP8)
+    c2 = quantize_kv(x2, inv_scale, dtype, FP8)
+    # one comparison, not mask & (slot >= 0): triton 3.9's interpreter makes that int32
+    mask = heads < tl.where(slot >= 0, NUM_KV_HEADS, 0)
+    dst = cache_ptr + (slot * NUM_KV_HEADS + heads) * HEAD_DIM + tl.arange(0, HALF)[None, :]
+    tl.store(dst, c1, mask=mask)
+    tl.store(dst + HALF, c2, mask=mask)
+    return c1, c2
+
+
+def check_rope_args(head_dim: int, dtype: torch.dtype, q_weight: torch.Tensor | None,
+                    k_weight: torch.Tensor | None, cos_sin_cache: torch.Tensor) -> None:
+    """What the kernels' norm and RoPE take: a power-of-two head_dim, both norm weights (or
+    neither) in the activation dtype, a float32 [positions, head_dim] cos/sin cache."""
+    assert head_dim >= 2 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
+    if q_weight is not None:
+        assert q_weight.dtype == k_weight.dtype == dtype, "weights in the activation dtype"
+        assert q_weight.is_contiguous() and k_weight.is_contiguous()
+    else:
+        assert k_weight is None
+    assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.shape[-1] == head_dim
+    assert cos_sin_cache.stride(-1) == 1
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
@@ -123,16 +163,11 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     num_kv_heads = k.shape[1]
     assert k.shape == (num_tokens, num_kv_heads, head_dim) and k.dtype == q.dtype
     assert q.stride(-1) == 1 and k.stride(-1) == 1, "head_dim must be contiguous"
-    assert head_dim >= 2 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
+    check_rope_args(head_dim, q.dtype, q_weight, k_weight, cos_sin_cache)
+    assert positions.shape == (num_tokens,)
     norm = q_weight is not None
-    if norm:
-        assert q_weight.dtype == k_weight.dtype == q.dtype, "weights in the activation dtype"
-        assert q_weight.is_contiguous() and k_weight.is_contiguous()
-    else:  # unused pointers
-        assert k_weight is None
+    if not norm:  # unused pointers
         q_weight = k_weight = cos_sin_cache
-    assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.shape[-1] == head_dim
-    assert cos_sin_cache.stride(-1) == 1 and positions.shape == (num_tokens,)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if kv_store is None:  # unused pointers: any tensor will do
@@ -153,5 +188,6 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
             NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
             Q_HEADS_P2=triton.next_power_of_2(num_q_heads),
             KV_HEADS_P2=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
-            STORE_KV=kv_store is not None, NORM=norm, FP8=k_cache.dtype == FP8_DTYPE)
+            STORE_KV=kv_store is not None, NORM=norm, FP8=k_cache.dtype == FP8_DTYPE,
+            **launch_options())
     return q_out, k_out

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.linear.fp8_reference import FP8_DTYPE, SCALE_EPS
+from nanovllm.kernels.linear.gemv import gemv_rows, runs_gemv_rows
 from nanovllm.kernels.linear.split_k import fits_split_k, split_k_linear, sum_partials
 from nanovllm.kernels.linear.w8a8_swap import fits_w8a8_swap, w8a8_swap
 
@@ -250,11 +251,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                block: tuple[int, int] | None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b) in x's dtype, as kernels.linear.fp8_reference.fp8_linear_torch (W8A8); x
     [..., K]. Up to DECODE_TOKENS tokens W8A16 (activations unquantized), where split-K takes
-    the shapes."""
+    the shapes; one token per channel as whole-row GEMVs (kernels.linear.gemv)."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
+    if runs_gemv_rows(x2, weight, weight_scale, block):  # one token: no partials to sum
+        return gemv_rows(x2, weight, bias, weight_scale).reshape(*x.shape[:-1], n)
     if _runs_split_k(x2, weight, block):
         part = split_k_linear(x2, weight, w_scale=weight_scale, w_block=block)
         return sum_partials(part, x.dtype, bias).reshape(*x.shape[:-1], n)

@@ -20,7 +20,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanovllm.kernels.attention.kv_quant import FP8_DTYPE
-from nanovllm.kernels.attention.qk_norm_rope import _norm_rope
+from nanovllm.kernels.attention.qk_norm_rope import _norm_rope, qk_norm_rope
 from nanovllm.kernels.attention.store_kvcache import quantize_kv
 from nanovllm.kernels.linear.fused_fp8 import (
     K_STEP,
@@ -35,7 +35,8 @@ from nanovllm.kernels.linear.fused_fp8 import (
     scaled_dot,
     weight_stages,
 )
-from nanovllm.kernels.linear.gemv import (
+from nanovllm.kernels.linear.gemv import gemv_rows, runs_gemv_rows
+from nanovllm.kernels.linear.gemv_gate_up import (
     gate_up_silu_gemv,
     runs_gate_up_gemv,
     silu_and_mul_rounded,
@@ -287,12 +288,19 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """q [M, Hq, D] = RoPE(norm(x @ Wq.T + bq)); k and v (k normed and rotated) go to their
     cache slots, as qkv_proj (with its LoRA delta) followed by qk_norm_rope with kv_store does.
     An FP8 weight comes with w_scale (per channel, or per w_block block:
-    kernels.linear.fused_fp8)."""
+    kernels.linear.fused_fp8). One token without LoRA runs kernels.linear.gemv's rows, then
+    qk_norm_rope: one program a head leaves most SMs idle there."""
     num_tokens, hidden = x.shape
     head_dim = weight.shape[0] // (num_q_heads + 2 * num_kv_heads)
     assert fits_qkv(hidden, head_dim, x.dtype, weight.dtype, w_block)
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.stride(-1) == 1
+    if lora is None and runs_gemv_rows(x, weight, w_scale, w_block):
+        q, k, v = gemv_rows(x, weight, bias, w_scale).view(
+            1, num_q_heads + 2 * num_kv_heads, head_dim).split(
+            [num_q_heads, num_kv_heads, num_kv_heads], dim=1)
+        return qk_norm_rope(q, k, positions, q_norm, k_norm, cos_sin_cache, eps,
+                            (v, k_cache, v_cache, slot_mapping), kv_scales)[0]
     q = torch.empty(num_tokens, num_q_heads, head_dim, dtype=x.dtype, device=x.device)
     heads = num_q_heads + 2 * num_kv_heads
     args = _weight_args(x, weight, w_scale, w_block, lora, ahead, heads)
@@ -313,7 +321,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  lora: LoRASlots | None = None, ahead: LoRAAhead | None = None) -> torch.Tensor:
     """silu(x @ Wg.T + bg) * (x @ Wu.T + bu), [M, I], for weight [2I, hidden] (gate rows
     first), as gate_up_proj (with its LoRA delta) followed by SiLU-and-mul; FP8 weights as in
-    qkv_rope_store. One token without LoRA runs kernels.linear.gemv's (faster there)."""
+    qkv_rope_store. One token without LoRA runs kernels.linear.gemv_gate_up's (faster there)."""
     if lora is None and runs_gate_up_gemv(x, weight, w_scale, w_block):
         return gate_up_silu_gemv(x, weight, bias, w_scale)
     num_tokens, hidden = x.shape

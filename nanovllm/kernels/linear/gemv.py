@@ -1,9 +1,10 @@
-"""One-token decode projections on CUDA cores (GEMV): split_k_linear's partials, and gate_up_proj
-with SiLU-and-mul, for a decode step of a single token.
+"""One-token decode projections on CUDA cores (GEMV): split_k_linear's partials and whole rows
+(qkv_proj, an FP8 linear's) for a decode step of a single token; gate_up_proj with
+SiLU-and-mul in kernels.linear.gemv_gate_up.
 
 A one-token step reads each weight once and multiplies it by one row, so the MMA's tiles buy
 nothing there; what bounds it is how early the weight's bytes arrive. Each program here loads
-its whole weight slice (16 or 32 KB) into registers *before* its PDL wait, while the kernel
+its whole weight slice (16 to 64 KB) into registers *before* its PDL wait, while the kernel
 before still runs (no kernel writes a weight), then waits for x and reduces. Chained over 32
 weights on the H200 (`python -m benchmarks.gemv_probe`, 2026-12-05), against the MMA kernels:
 Llama-3.1-8B FP8 gate_up + SiLU 28.2 against 34.1 us (bytes 27.5), down_proj 15.7 against
@@ -12,34 +13,40 @@ against 2.9. At 4 tokens a GEMV of this kind lost to the MMA kernels at every sh
 
 FP8 codes (per-channel scales only) convert to float32 in registers, as 16-bit weights do; the
 activations stay unquantized (W8A16, as kernels.linear.fused_fp8 argues).
+
+Whole rows may first compute the add + RMSNorm before them (kernels.linear.norm_prologue):
+norm_gemv_rows, for the next layer's qkv_proj after down_proj's partials.
 """
 import torch
 import triton
 import triton.language as tl
 
 from nanovllm.kernels.attention.kv_quant import FP8_DTYPE
+from nanovllm.kernels.fused_ops import load_row, rms_scaled
 from nanovllm.kernels.linear.fused_fp8 import fits_weight
+from nanovllm.kernels.linear.norm_prologue import (
+    MAX_PARTIALS,
+    PendingNorm,
+    cheap_enough,
+    prologue_args,
+    takes_norm,
+)
 from nanovllm.kernels.pdl import launch_options, wait_then_release
 
 SLICE_BYTES = 16 * 1024  # weight bytes a partials program holds (the probe's best, 16-32 KB)
-PAIR_BYTES = 32 * 1024  # gate + up bytes a SiLU program holds (all of K)
+WHOLE_ROWS_BYTES = SLICE_BYTES  # whole weight rows a gemv_rows program holds (all of K)
+# ... and the weight elements one of norm_gemv_rows holds, with 8 warps (64 KB of 16-bit
+# weights, 32 KB of FP8 codes: the same rows at the same K): every program reads all the
+# partials, so fewer programs (Qwen3-0.6B's qkv_proj: 128, not 512) for cheap_enough to hold
+NORM_ROWS_ELEMENTS = 32 * 1024
 ROW_BYTES = 2048  # the widest K slice of one row a partials program takes
-K_MAJOR_ROWS = 32  # output columns of a k-major program: 64-byte runs of each weight row
-MAX_PARTIALS = 64  # the most splits a GEMV leaves (the norm after sums them in one program)
+K_MAJOR_ROWS = 16  # output columns of a k-major program: one 32-byte sector of each weight
+# row, so a program takes 512 K rows (16-bit) and the norm after sums half the partials of 32
 
 
-@triton.jit
-def silu_and_mul_rounded(gate, up, dtype: tl.constexpr):
-    """silu(gate) * up in dtype, rounded as the unfused path: each projection, then silu in
-    float32, then the product (gate and up: float32 sums)."""
-    gate = gate.to(dtype).to(tl.float32)
-    up = up.to(dtype).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    return (silu * up).to(dtype)
-
-
-# Loads before the PDL wait, of what no kernel writes (weights, their scales, biases): the
-# kernels call only these before it (tests/kernels/test_pdl.py scans the kernels, not these).
+# Loads before the PDL wait, of what no kernel writes (weights, their scales, biases, norm
+# weights): the kernels call only these before it (tests/kernels/test_pdl.py scans the
+# kernels, not these).
 @triton.jit
 def _weight_slice(w_ptr, rows, ks, stride_w, K_MAJOR: tl.constexpr):
     """W[rows, ks] as stored: [ks, rows] of a k-major [K, N] weight, else [rows, ks]."""
@@ -51,22 +58,48 @@ def _weight_slice(w_ptr, rows, ks, stride_w, K_MAJOR: tl.constexpr):
 
 
 @triton.jit
-def _pair_slices(w_ptr, cols, ks, K, inter, stride_w):
-    """(W[cols, ks], W[inter + cols, ks]) of a gate_up weight, zeros past K."""
-    ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :]
-    gate = tl.load(ptrs, mask=ks[None, :] < K, other=0.0)
-    up = tl.load(ptrs + inter * stride_w, mask=ks[None, :] < K, other=0.0)
-    return gate, up
+def rows_slice(w_ptr, rows, ks, K, stride_w):
+    """W[rows, ks] of a [N, K] weight, zeros past K."""
+    return tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_w + ks[None, :],
+                   mask=ks[None, :] < K, other=0.0)
 
 
 @triton.jit
-def _row_values(ptr, rows, PRESENT: tl.constexpr):
+def row_values(ptr, rows, PRESENT: tl.constexpr):
     """float32 ptr[rows] (per-channel scales, a bias) when PRESENT, else zeros (never used)."""
     if PRESENT:
         values = tl.load(ptr + rows).to(tl.float32)
     else:
         values = tl.zeros(rows.shape, tl.float32)
     return values
+
+
+@triton.jit
+def rms_weight(w_ptr, ks, K, PARTIALS: tl.constexpr):
+    """float32 RMSNorm weight w[ks] (zeros past K) when PARTIALS, else zeros (never used)."""
+    if PARTIALS:
+        w = tl.load(w_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+    else:
+        w = tl.zeros(ks.shape, tl.float32)
+    return w
+
+
+# After the wait: the input row, normed there when the partials before come instead
+@triton.jit
+def gemv_input(x_ptr, res_ptr, res_out_ptr, norm_w, ks, K, eps, dtype: tl.constexpr,
+               PARTIALS: tl.constexpr):
+    """float32 x [1, K_P2]: x, or with PARTIALS add_partials_rms_norm's of x's partials."""
+    # x's PARTIALS split-K partials summed + the residual, normalised as add_partials_rms_norm
+    # does; program 0 also stores the sum (the next residual)
+    mask = ks < K
+    if PARTIALS:
+        h = load_row(x_ptr, res_ptr, 0, ks, mask, 0, 0, K, dtype, True, PARTIALS)
+        if tl.program_id(0) == 0:
+            tl.store(res_out_ptr + ks, h.to(dtype), mask=mask)
+        x, _ = rms_scaled(h, norm_w, eps, K, dtype)
+    else:
+        x = tl.load(x_ptr + ks, mask=mask, other=0.0)
+    return x.to(tl.float32)[None, :]
 
 
 @triton.jit
@@ -80,7 +113,7 @@ def _gemv_partials_kernel(w_ptr, x_ptr, s_ptr, part_ptr, N, stride_w, BLOCK_N: t
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = split * K_SPLIT + tl.arange(0, K_SPLIT)
     w = _weight_slice(w_ptr, rows, ks, stride_w, K_MAJOR)
-    scale = _row_values(s_ptr, rows, W_SCALE)
+    scale = row_values(s_ptr, rows, W_SCALE)
     wait_then_release(USE_PDL)
     x = tl.load(x_ptr + ks).to(tl.float32)
     if K_MAJOR:
@@ -93,37 +126,40 @@ def _gemv_partials_kernel(w_ptr, x_ptr, s_ptr, part_ptr, N, stride_w, BLOCK_N: t
 
 
 @triton.jit
-def _gate_up_silu_kernel(w_ptr, x_ptr, s_ptr, bias_ptr, out_ptr, K, inter, stride_w,
-                         BLOCK_N: tl.constexpr, K_P2: tl.constexpr, W_SCALE: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
-    """Grid (inter / BLOCK_N,): silu(gate) * up for BLOCK_N columns of one token, all of K in
-    one program (gate rows W[:inter], up rows W[inter:]), rounded as the unfused path."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _gemv_rows_kernel(w_ptr, x_ptr, s_ptr, bias_ptr, out_ptr, K, stride_w, res_ptr, norm_w_ptr,
+                      res_out_ptr, eps, BLOCK_N: tl.constexpr, K_P2: tl.constexpr,
+                      W_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIALS: tl.constexpr,
+                      USE_PDL: tl.constexpr):
+    """Grid (N / BLOCK_N,): out[rows] = x . W[rows, :] (* s[rows]) (+ b[rows]), all of K in one
+    program, rounded once: no partials, so no launch after it sums them. With PARTIALS, x is
+    the RMSNorm of the projection before's partials plus the residual, normalised by every
+    program for itself: the norm's own launch and its wait go (gemv_input)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, K_P2)
-    g, u = _pair_slices(w_ptr, cols, ks, K, inter, stride_w)
-    g_scale = _row_values(s_ptr, cols, W_SCALE)
-    u_scale = _row_values(s_ptr, inter + cols, W_SCALE)
-    g_bias = _row_values(bias_ptr, cols, HAS_BIAS)
-    u_bias = _row_values(bias_ptr, inter + cols, HAS_BIAS)
+    w = rows_slice(w_ptr, rows, ks, K, stride_w)
+    scale = row_values(s_ptr, rows, W_SCALE)
+    bias = row_values(bias_ptr, rows, HAS_BIAS)
+    norm_w = rms_weight(norm_w_ptr, ks, K, PARTIALS)
     wait_then_release(USE_PDL)
-    x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)[None, :]
-    gate = tl.sum(g.to(tl.float32) * x, 1)
-    up = tl.sum(u.to(tl.float32) * x, 1)
+    dtype = out_ptr.dtype.element_ty
+    x = gemv_input(x_ptr, res_ptr, res_out_ptr, norm_w, ks, K, eps, dtype, PARTIALS)
+    y = tl.sum(w.to(tl.float32) * x, 1)
     if W_SCALE:
-        gate *= g_scale
-        up *= u_scale
+        y *= scale
     if HAS_BIAS:
-        gate += g_bias
-        up += u_bias
-    tl.store(out_ptr + cols, silu_and_mul_rounded(gate, up, out_ptr.dtype.element_ty))
+        y += bias
+    tl.store(out_ptr + rows, y.to(dtype))
 
 
 def _partials_tiles(n: int, k: int, elem_bytes: int, k_major: bool) -> tuple[int, int] | None:
     """(BLOCK_N, K_SPLIT) filling SLICE_BYTES: for [N, K] weights the widest power-of-two K
     slice up to ROW_BYTES that divides K (few partials for the norm after to sum); k-major,
-    K_MAJOR_ROWS columns (whole 32-byte sectors). None when they do not divide the weight."""
+    K_MAJOR_ROWS columns (whole 32-byte sectors) of the widest K slice up to SLICE_BYTES that
+    divides K. None when they do not divide the weight."""
     if k_major:
         block_n, k_split = K_MAJOR_ROWS, SLICE_BYTES // (K_MAJOR_ROWS * elem_bytes)
+        while k % k_split and k_split > 16:
+            k_split //= 2
     else:
         k_split = ROW_BYTES // elem_bytes
         while k % k_split and k_split > 16:
@@ -134,14 +170,7 @@ def _partials_tiles(n: int, k: int, elem_bytes: int, k_major: bool) -> tuple[int
     return block_n, k_split
 
 
-def _pair_rows(inter: int, k: int, elem_bytes: int) -> int | None:
-    """Gate (and as many up) rows per SiLU program: PAIR_BYTES of all of K; None if one row pair
-    is wider than that, or the rows do not divide inter."""
-    block_n = PAIR_BYTES // (2 * triton.next_power_of_2(k) * elem_bytes)
-    return block_n if block_n >= 1 and inter % block_n == 0 else None
-
-
-def _weight_ok(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None,
+def weight_ok(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None,
                w_block) -> bool:
     """One token of 16-bit activations, K wide, and a weight fits_weight takes without block
     scales: FP8 codes come with one float32 scale per output channel ([N, 1])."""
@@ -160,7 +189,7 @@ def runs_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | Non
     [N, K], or k-major with weight.t() contiguous)."""
     n, k = weight.shape
     k_major = not weight.is_contiguous()
-    if not _weight_ok(x, weight, w_scale, w_block) or (k_major and not weight.t().is_contiguous()):
+    if not weight_ok(x, weight, w_scale, w_block) or (k_major and not weight.t().is_contiguous()):
         return False
     return _partials_tiles(n, k, weight.element_size(), k_major) is not None
 
@@ -181,22 +210,66 @@ def gemv_partials(x: torch.Tensor, weight: torch.Tensor,
     return part
 
 
-def runs_gate_up_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None = None,
-                      w_block=None) -> bool:
-    """Whether gate_up_silu_gemv takes this step (weight [2I, K] contiguous)."""
-    return _weight_ok(x, weight, w_scale, w_block) and weight.is_contiguous() \
-        and _pair_rows(weight.shape[0] // 2, weight.shape[1], weight.element_size()) is not None
+def _rows_per_program(weight: torch.Tensor, norm: PendingNorm | None = None) -> int | None:
+    """Weight rows per whole-row program, all of K: WHOLE_ROWS_BYTES, or with norm
+    NORM_ROWS_ELEMENTS; None if one row is wider than that, or the rows do not divide N."""
+    n, k = weight.shape
+    elements = WHOLE_ROWS_BYTES // weight.element_size() if norm is None else NORM_ROWS_ELEMENTS
+    block_n = elements // triton.next_power_of_2(k)
+    return block_n if block_n >= 1 and n % block_n == 0 else None
 
 
-def gate_up_silu_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      w_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(x @ Wg.T + bg) * (x @ Wu.T + bu), [1, I], as kernels.linear.fused.gate_up_silu."""
-    inter, k = weight.shape[0] // 2, weight.shape[1]
-    block_n = _pair_rows(inter, k, weight.element_size())
-    out = torch.empty(1, inter, dtype=x.dtype, device=x.device)
-    _gate_up_silu_kernel[(inter // block_n,)](
-        weight, x, weight if w_scale is None else w_scale, weight if bias is None else bias,
-        out, k, inter, weight.stride(0), BLOCK_N=block_n, K_P2=triton.next_power_of_2(k),
-        W_SCALE=w_scale is not None, HAS_BIAS=bias is not None, num_warps=4,
-        **launch_options())
-    return out
+def runs_gemv_rows(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None = None,
+                   w_block=None) -> bool:
+    """Whether gemv_rows takes this step: weight [N, K] contiguous, a row within
+    WHOLE_ROWS_BYTES."""
+    return weight_ok(x, weight, w_scale, w_block) and weight.is_contiguous() \
+        and _rows_per_program(weight) is not None
+
+
+def launch_whole_rows(kernel, sizes: tuple, out_cols: int, block_n: int, num_warps: int,
+                      x: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
+                      w_scale: torch.Tensor | None, norm: PendingNorm | None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out [1, out_cols], norm's sum or None) of a whole-row kernel on x or norm's normed sum."""
+    # the kernel takes _gemv_rows_kernel's parameters, `sizes` between out_ptr and stride_w
+    src, norm_args, res_out, partials = prologue_args(x, norm)
+    like = x if norm is None else norm.residual
+    out = torch.empty(1, out_cols, dtype=like.dtype, device=like.device)
+    kernel[(out_cols // block_n,)](
+        weight, src, weight if w_scale is None else w_scale, weight if bias is None else bias,
+        out, *sizes, weight.stride(0), *norm_args, BLOCK_N=block_n,
+        K_P2=triton.next_power_of_2(weight.shape[1]), W_SCALE=w_scale is not None,
+        HAS_BIAS=bias is not None, PARTIALS=partials, num_warps=num_warps, **launch_options())
+    return out, res_out
+
+
+def _rows_launch(x: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
+                 w_scale: torch.Tensor | None, norm: PendingNorm | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(x @ weight.T (+ bias), or of norm's normed sum; that sum, the next residual, or None)."""
+    n, k = weight.shape
+    return launch_whole_rows(_gemv_rows_kernel, (k,), n, _rows_per_program(weight, norm),
+                             4 if norm is None else 8, x, weight, bias, w_scale, norm)
+
+
+def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              w_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias), [1, N] in x's dtype, for one token (as runs_gemv_rows takes it)."""
+    return _rows_launch(x, weight, bias, w_scale)[0]
+
+
+def runs_norm_gemv_rows(norm: PendingNorm, weight: torch.Tensor,
+                        w_scale: torch.Tensor | None = None, w_block=None) -> bool:
+    """Whether norm_gemv_rows takes this step (as runs_gemv_rows, the reads cheap_enough)."""
+    # rows of NORM_ROWS_ELEMENTS a program, partials the kernel takes (takes_norm)
+    block_n = _rows_per_program(weight, norm)
+    return weight_ok(norm.residual, weight, w_scale, w_block) and weight.is_contiguous() \
+        and block_n is not None and takes_norm(norm) \
+        and cheap_enough(norm, weight.shape[0] // block_n, weight)
+
+
+def norm_gemv_rows(norm: PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None,
+                   w_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gemv_rows(h), the sum) for (h, the sum) = add_partials_rms_norm(*norm), in one kernel."""
+    return _rows_launch(None, weight, bias, w_scale, norm)

@@ -1,0 +1,53 @@
+"""Flash-decoding's split partials (kernels.attention.decode): their store, and their merge."""
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.pdl import wait_then_release
+
+
+@triton.jit
+def store_split(m_i, l_i, acc, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, seq, kv_head,
+                split, num_splits, stride_ob, stride_oh, v_scale, GROUP: tl.constexpr,
+                GROUP_P2: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                SINGLE_SPLIT: tl.constexpr):
+    """A split's GROUP heads: with one split the output, else partials [B, H, splits(, D)]."""
+    offs_g = tl.arange(0, GROUP_P2)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    if SINGLE_SPLIT:  # context_len 0 (a padding row) keeps l = 0 and acc = 0: zeros out
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
+        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:  # an empty split stores m=-inf, l=0, acc=0
+        part = ((seq * NUM_KV_HEADS + kv_head) * GROUP + offs_g) * num_splits + split
+        tl.store(part_m_ptr + part, m_i, mask=g_mask)
+        tl.store(part_l_ptr + part, l_i, mask=g_mask)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc * v_scale,
+                 mask=g_mask[:, None])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def decode_reduce_kernel(
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ob, stride_oh, num_splits,
+    NUM_HEADS: tl.constexpr, SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Grid (B, H): merge the per-split softmax partials of one query head."""
+    wait_then_release(USE_PDL)
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_P2)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = splits < num_splits
+    part = (seq * NUM_HEADS + head) * num_splits + splits
+    m = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
+    l_sum = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=s_mask[:, None], other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # context_len 0: every split empty
+    w = tl.exp2(m - m_max)  # empty splits (m = -inf) get weight 0
+    denom = tl.sum(w * l_sum, axis=0)
+    o = tl.sum(w[:, None] * acc, axis=0) / tl.where(denom == 0.0, 1.0, denom)  # zeros if empty
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
