@@ -102,27 +102,6 @@ def tiny_model(checkpoints) -> str:
     return checkpoints["untied_gqa2_d16"]
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _bf16_dots():
-    """The Triton 3.8 interpreter's tl.dot multiplies bf16 operands' bit patterns: widen first."""
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    dot = getattr(builder, "create_dot", None)
-    if not (os.environ.get("TRITON_INTERPRET") == "1" and dot and hasattr(builder, "cast_impl")):
-        yield  # on the GPU, or an interpreter without these hooks: left as it is
-        return
-
-    def create_dot(self, a, b, *args):  # float32 holds every bf16 exactly
-        a, b = (self.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x
-                for x in (a, b))
-        return dot(self, a, b, *args)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(builder, "create_dot", create_dot)
-        yield
-
-
 @pytest.fixture(autouse=True)
 def _fresh_context():
     """No test sees another test's forward context."""
