@@ -26,12 +26,8 @@ import glob  # noqa: E402
 import re  # noqa: E402
 from time import perf_counter  # noqa: E402
 
-from benchmarks import (
-    cli,  # noqa: E402
-    workloads,  # noqa: E402
-)
+from benchmarks import cli, workloads  # noqa: E402
 from benchmarks.runs import engine_kwargs, measure  # noqa: E402
-
 
 # bench.py flags this script never reads: refused rather than ignored.
 UNREAD = ("--scenario", "--json", "--plot", "--repeats", "--data-parallel-size", "--dp")
