@@ -26,11 +26,11 @@ import glob  # noqa: E402
 import re  # noqa: E402
 from time import perf_counter  # noqa: E402
 
-from benchmarks import (
-    cli,  # noqa: E402
-    workloads,  # noqa: E402
-)
+from benchmarks import cli, workloads  # noqa: E402
 from benchmarks.runs import engine_kwargs, measure  # noqa: E402
+
+# bench.py flags this script never reads: refused rather than ignored.
+UNREAD = ("--scenario", "--json", "--plot", "--repeats", "--data-parallel-size", "--dp")
 
 
 def _variants(cache: str) -> set[str]:
@@ -75,10 +75,16 @@ def _ab(rounds: int, argv: list[str]) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # the rest is bench.py's
+    p = argparse.ArgumentParser(add_help=False)  # the rest is bench.py's
     p.add_argument("--ab", type=int, nargs="?", const=1, default=0, metavar="ROUNDS")
     p.add_argument("--startup-only", action="store_true")  # a child of --ab
+    for flag in UNREAD:  # declared here to be refused, abbreviations too
+        p.add_argument(flag, nargs="?", default=None, const="")
     own, rest = p.parse_known_args()
+    given = [flag for flag in UNREAD if getattr(own, flag[2:].replace("-", "_")) is not None]
+    if given:
+        p.error(f"{given[0]} is bench.py's and would be ignored here: cold_compiles runs the "
+                "standard workload once cold and once warm, and prints its own lines")
     if own.ab:
         _ab(own.ab, rest)
         return
@@ -96,6 +102,8 @@ def main() -> None:
     t0 = perf_counter()
     llm = LLM(path, **engine_kwargs(args))
     startup_s = perf_counter() - t0
+    if args.no_pipeline:
+        llm._pipelined = False  # as bench.py's open_engine
     parts = ", ".join(f"{k} {v:.1f} s" for k, v in llm.model_runner.startup_s.items())
     print(f"LLM() on an empty Triton cache: {startup_s:.1f} s ({parts}); "
           f"{len(_variants(cache))} variants compiled; backend {llm.config.attention_backend}; "

@@ -50,6 +50,10 @@ def cold_compiles(tmp_path: Path) -> None:
                tmp_path=tmp_path)
     ok(proc, "round 1 parallel: LLM() on an empty Triton cache:",
        "round 1 serial: LLM() on an empty Triton cache:", "compile-ahead threads 0")
+    for flag in ("--json", "--rep"):  # bench.py flags it would ignore, abbreviated too
+        proc = run(sys.executable, "-m", "benchmarks.cold_compiles", "--tiny", flag, "2",
+                   tmp_path=tmp_path)
+        assert proc.returncode == 2 and "would be ignored here" in proc.stderr, proc.stderr
 
 
 def shapes(tmp_path: Path) -> None:
