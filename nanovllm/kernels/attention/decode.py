@@ -9,7 +9,12 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.attention import prefill  # dot_precision looked up per call (tests patch)
-from nanovllm.kernels.attention.decode_reduce import decode_reduce_kernel, store_split
+from nanovllm.kernels.attention.decode_reduce import (
+    MAX_SPLITS,
+    reduce_splits,
+    split_partials,
+    store_split,
+)
 from nanovllm.kernels.attention.new_token import (
     NewToken,
     cached_end,
@@ -24,7 +29,6 @@ from nanovllm.kernels.pdl import launch_options, wait_then_release
 
 _MIN_SPLIT_LEN = 256  # fewest keys worth a split of their own
 _TARGET_PROGRAMS = 512  # enough programs to fill an H100/H200 a few times over
-_MAX_SPLITS = 64
 # An FP8 cache's launch, measured on the H200: 128-key tiles, and a third stage, which keeps two
 # K/V tiles in flight (half the bytes per tile of bf16, whose launch gains nothing from it).
 # Not with the new token (batch 1): a split is a few tiles there, the first held from before
@@ -203,7 +207,7 @@ def _num_splits(batch: int, num_kv_heads: int, max_context: int) -> int:
     """Splits per (seq, kv head) from shapes only (CUDA-graph safe): long contexts get more."""
     by_length = triton.cdiv(max_context, _MIN_SPLIT_LEN)
     by_occupancy = triton.cdiv(_TARGET_PROGRAMS, batch * num_kv_heads)
-    return max(1, min(by_length, by_occupancy, _MAX_SPLITS))
+    return max(1, min(by_length, by_occupancy, MAX_SPLITS))
 
 
 def _graph_splits(batch: int, num_kv_heads: int, table_keys: int, window: int,
@@ -242,14 +246,10 @@ def decode_attention_triton(
     if num_splits is None:
         num_splits = _graph_splits(batch, num_kv_heads, block_tables.shape[1] * block_size,
                                    window, block_n)
-    assert 1 <= num_splits <= _MAX_SPLITS, f"num_splits={num_splits}: 1..{_MAX_SPLITS}"
+    assert 1 <= num_splits <= MAX_SPLITS, f"num_splits={num_splits}: 1..{MAX_SPLITS}"
     group = num_heads // num_kv_heads
-    # fp32 scratch sized from shapes only (no data-dependent allocation under graph capture);
     # with one split (large batches: programs enough) the kernel writes `out`, and no reduce runs.
-    part_m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
-    part_l = torch.empty_like(part_m)
-    part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32,
-                           device=q.device)
+    part_m, part_l, part_acc = split_partials(batch, num_heads, num_splits, head_dim, q.device)
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q, k_cache, v_cache, context_lens, block_tables, part_m, part_l, part_acc, out,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
@@ -265,10 +265,5 @@ def decode_attention_triton(
         **launch_options(),
     )
     if num_splits > 1:
-        decode_reduce_kernel[(batch, num_heads)](
-            part_m, part_l, part_acc, out, out.stride(0), out.stride(1), num_splits,
-            # the most splits, whatever this step's count: one compiled variant
-            NUM_HEADS=num_heads, SPLITS_P2=_MAX_SPLITS,
-            HEAD_DIM=head_dim, **launch_options(),
-        )
+        reduce_splits(part_m, part_l, part_acc, out)
     return out

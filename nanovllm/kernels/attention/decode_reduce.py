@@ -1,8 +1,11 @@
 """Flash-decoding's split partials (kernels.attention.decode): their store, and their merge."""
+import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.pdl import wait_then_release
+from nanovllm.kernels.pdl import launch_options, wait_then_release
+
+MAX_SPLITS = 64  # the most splits one decode launch takes
 
 
 @triton.jit
@@ -51,3 +54,24 @@ def decode_reduce_kernel(
     denom = tl.sum(w * l_sum, axis=0)
     o = tl.sum(w[:, None] * acc, axis=0) / tl.where(denom == 0.0, 1.0, denom)  # zeros if empty
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+def split_partials(batch: int, num_heads: int, num_splits: int, head_dim: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The splits' float32 (m, l, acc) scratch, sized from shapes only (no data-dependent
+    allocation under graph capture)."""
+    part_m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=device)
+    part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32,
+                           device=device)
+    return part_m, torch.empty_like(part_m), part_acc
+
+
+def reduce_splits(part_m: torch.Tensor, part_l: torch.Tensor, part_acc: torch.Tensor,
+                  out: torch.Tensor) -> None:
+    """Merge split_partials' softmax partials into out [B, H, D]."""
+    batch, num_heads, num_splits, head_dim = part_acc.shape
+    decode_reduce_kernel[(batch, num_heads)](
+        part_m, part_l, part_acc, out, out.stride(0), out.stride(1), num_splits,
+        # the most splits, whatever this step's count: one compiled variant
+        NUM_HEADS=num_heads, SPLITS_P2=MAX_SPLITS, HEAD_DIM=head_dim, **launch_options(),
+    )
