@@ -20,7 +20,7 @@ if "--tiny" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels import triton
 
 from benchmarks.moe_sweep import time_call  # noqa: E402
-from nanovllm.kernels.linear import fused, split_k  # noqa: E402
+from nanovllm.kernels.linear import fused, fused_gate_up, split_k  # noqa: E402
 from nanovllm.kernels.linear.fp8_reference import FP8_DTYPE  # noqa: E402
 
 BANDWIDTH = 4.27e12  # bytes/s, the H200's measured copy bandwidth
@@ -93,8 +93,8 @@ def probe(n: int, k: int, dtype: torch.dtype, op: str, layers: int, act: torch.d
         target = "nanovllm.kernels.linear.split_k.runs_gemv"
     elif op == "gate_up":
         def launch(i):
-            return fused.gate_up_silu(x, ws[i], None, w_scale=scale)
-        target = "nanovllm.kernels.linear.fused.runs_gate_up_gemv"
+            return fused_gate_up.gate_up_silu(x, ws[i], None, w_scale=scale)
+        target = "nanovllm.kernels.linear.fused_gate_up.runs_gate_up_gemv"
     else:
         launch = _qkv_launcher(ws, x, scale, n, kv_heads, device)
         target = "nanovllm.kernels.linear.fused.runs_gemv_rows"

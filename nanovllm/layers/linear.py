@@ -163,7 +163,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def fits_fused_decode(self) -> bool:
         """Whether gate_up_silu takes this layer: a gate and an up projection of one size."""
-        from nanovllm.kernels.linear.fused import fits_gate_up
+        from nanovllm.kernels.linear.fused_gate_up import fits_gate_up
         weight, sizes = self.weight, self.output_sizes
         return len(sizes) == 2 and sizes[0] == sizes[1] and weight.is_contiguous() \
             and self.lora_fits_fused() \
@@ -171,7 +171,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def gate_up_silu(self, x: torch.Tensor) -> torch.Tensor:
         """SiluAndMul()(self(x)) as one kernel, for the steps runs_fused_decode picks."""
-        from nanovllm.kernels.linear.fused import gate_up_silu
+        from nanovllm.kernels.linear.fused_gate_up import gate_up_silu
         return gate_up_silu(x, self.weight, self.bias, lora=self.lora_slots(),
                             ahead=self.take_lora_ahead(x), **self.fused_scales())
 

@@ -15,13 +15,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from nanovllm.kernels.attention.kv_quant import FP8_DTYPE  # noqa: E402
 from nanovllm.kernels.attention.store_kvcache import store_kvcache_torch  # noqa: E402
-from nanovllm.kernels.linear.fused import (  # noqa: E402
-    _launch,
-    fits_gate_up,
-    fits_qkv,
-    gate_up_silu,
-    qkv_rope_store,
-)
+from nanovllm.kernels.linear.fused import _launch, fits_qkv, qkv_rope_store  # noqa: E402
+from nanovllm.kernels.linear.fused_gate_up import fits_gate_up, gate_up_silu  # noqa: E402
 from nanovllm.kernels.linear.lora import LoRAAhead, LoRASlots  # noqa: E402
 from nanovllm.kernels.linear.split_k import (  # noqa: E402
     _num_splits,
@@ -208,7 +203,7 @@ _RESIDENT_SM90 = """
 import os, re, subprocess, tempfile, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from nanovllm.kernels.linear import fused
+from nanovllm.kernels.linear import fused, fused_gate_up
 from nanovllm.kernels.linear.lora import LoRAAhead, LoRASlots
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
@@ -231,7 +226,7 @@ off = dict(LORA_K=0, RANK=1, AHEAD=0, AHEAD_SR=0, a_desc=None, b_desc=None, lora
 for dtype, name, w_scale, with_lora in ((torch.bfloat16, "bf16", 0, None),
                                         (torch.float8_e4m3fn, "fp8e4nv", 1, None),
                                         (torch.bfloat16, "bf16-lora-ahead", 0, (lora, ahead))):
-    kernel = fused._gate_up_silu_kernel
+    kernel = fused_gate_up._gate_up_silu_kernel
     block_t, block_k, stages, warps = fused._launch(1, torch.empty(1, dtype=dtype),
                                                     *(with_lora or (None, None)), 224, 132)
     consts = dict(HAS_BIAS=False, BLOCK_T=block_t, BLOCK_K=block_k, STAGES=stages, USE_PDL=True,

@@ -14,12 +14,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from nanovllm.kernels.attention.kv_quant import FP8_DTYPE  # noqa: E402
 from nanovllm.kernels.linear.fp8_reference import dequantize_groups, quantize_groups  # noqa: E402
-from nanovllm.kernels.linear.fused import (  # noqa: E402
-    fits_gate_up,
-    fits_qkv,
-    gate_up_silu,
-    qkv_rope_store,
-)
+from nanovllm.kernels.linear.fused import fits_qkv, qkv_rope_store  # noqa: E402
+from nanovllm.kernels.linear.fused_gate_up import fits_gate_up, gate_up_silu  # noqa: E402
 from nanovllm.kernels.linear.split_k import fits_split_k, split_k_linear  # noqa: E402
 from nanovllm.layers.activation import SiluAndMul  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402

@@ -15,10 +15,8 @@ from nanovllm.kernels.fused_ops import (  # noqa: E402
     add_rms_norm,
     rms_norm,
 )
-from nanovllm.kernels.linear.fused import (  # noqa: E402
-    gate_up_silu,
-    qkv_rope_store,
-)
+from nanovllm.kernels.linear.fused import qkv_rope_store  # noqa: E402
+from nanovllm.kernels.linear.fused_gate_up import gate_up_silu  # noqa: E402
 from nanovllm.kernels.linear.lora import LoRASlots, fits_lora, lora_ahead_buffers  # noqa: E402
 from nanovllm.kernels.linear.lora_reference import lora_expand, lora_shrink_torch  # noqa: E402
 from nanovllm.kernels.linear.split_k import split_k_linear  # noqa: E402

@@ -17,7 +17,7 @@ from nanovllm.kernels.fused_ops import add_partials_rms_norm  # noqa: E402
 from nanovllm.kernels.linear import fused as fused_linear  # noqa: E402
 from nanovllm.kernels.linear.fp8_gemm import fp8_linear  # noqa: E402
 from nanovllm.kernels.linear.fp8_reference import dequantize_groups, quantize_groups  # noqa: E402
-from nanovllm.kernels.linear.fused import gate_up_silu  # noqa: E402
+from nanovllm.kernels.linear.fused_gate_up import gate_up_silu  # noqa: E402
 from nanovllm.kernels.linear.gemv import (  # noqa: E402
     _partials_tiles,
     _rows_per_program,

@@ -1,8 +1,8 @@
 """Decode projections that carry the kernel after them: qkv_proj with q/k norm + RoPE + the K/V
 cache write in its epilogue, gate_up_proj with SiLU-and-mul in its; o_proj and down_proj run
 split over K (kernels.linear.split_k) with the same tiles and helpers. Which decode steps run
-them start-up measures per shape (layers.fused_calibration); a lone token's gate_up_proj runs
-kernels.linear.gemv.
+them start-up measures per shape (layers.fused_calibration); gate_up's kernel is
+kernels.linear.fused_gate_up, on this module's pair GEMM.
 
 The GEMMs are swap-AB and TMA-fed: a batch of at most a few hundred tokens is too narrow for
 the MMA's 64-row side, so the weight's rows take it (out^T = W @ x^T) and the tokens the narrow
@@ -36,11 +36,6 @@ from nanovllm.kernels.linear.fused_fp8 import (
     weight_stages,
 )
 from nanovllm.kernels.linear.gemv import gemv_rows, runs_gemv_rows
-from nanovllm.kernels.linear.gemv_gate_up import (
-    gate_up_silu_gemv,
-    runs_gate_up_gemv,
-    silu_and_mul_rounded,
-)
 from nanovllm.kernels.linear.lora import (
     LoRAAhead,
     LoRASlots,
@@ -62,7 +57,7 @@ ROWS = TILE_ROWS  # weight rows per MMA tile: a half head, or a gate or up slice
 
 
 @triton.jit
-def _pair_gemm(w_desc, x_desc, row_a, row_b, tok0, K, s_ptr, stride_s, scale_rows, a_desc,
+def pair_gemm(w_desc, x_desc, row_a, row_b, tok0, K, s_ptr, stride_s, scale_rows, a_desc,
                b_desc, slots_ptr, ahead_ptr, rstd_ptr, M, slice_a, slice_b,
                BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                W_SCALE: tl.constexpr, LORA_K: tl.constexpr, RANK: tl.constexpr,
@@ -162,7 +157,7 @@ def _qkv_rope_store_kernel(w_desc, x_desc, bias_ptr, q_out_ptr, qn_w_ptr, kn_w_p
     lora_slice = tl.where(head < NUM_Q_HEADS, 0, tl.where(head < NUM_Q_HEADS + NUM_KV_HEADS,
                                                           1, 2))
     # [D/2, tokens]: neox RoPE pairs dim i with i + D/2, the two accumulators
-    x1, x2 = _pair_gemm(w_desc, x_desc, head * HEAD_DIM, head * HEAD_DIM + HALF, tok0, K,
+    x1, x2 = pair_gemm(w_desc, x_desc, head * HEAD_DIM, head * HEAD_DIM + HALF, tok0, K,
                         s_ptr, stride_s, scale_rows, a_desc, b_desc, lora_slots_ptr, ahead_ptr,
                         rstd_ptr, M, lora_slice, lora_slice, BLOCK_T, BLOCK_K, STAGES, W_SCALE,
                         LORA_K, RANK, False, AHEAD, AHEAD_SR)
@@ -191,54 +186,14 @@ def _qkv_rope_store_kernel(w_desc, x_desc, bias_ptr, q_out_ptr, qn_w_ptr, kn_w_p
         tl.store(v_dst + HALF, quantize_kv(x2, v_inv_scale, kv_dtype, FP8), mask=kv_ok)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _gate_up_silu_kernel(w_desc, x_desc, bias_ptr, out_ptr, M, K, inter, s_ptr, stride_s,
-                         scale_rows, a_desc, b_desc, lora_slots_ptr, ahead_ptr, rstd_ptr, w_ptr,
-                         HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                         STAGES: tl.constexpr, USE_PDL: tl.constexpr, W_SCALE: tl.constexpr,
-                         LORA_K: tl.constexpr, RANK: tl.constexpr, AHEAD: tl.constexpr,
-                         AHEAD_SR: tl.constexpr, ELEM_BYTES: tl.constexpr,
-                         PREFETCH: tl.constexpr):
-    """Grid (inter / 64, token tiles): silu(gate) * up for 64 columns of BLOCK_T tokens; gate
-    rows are W[:inter], up rows W[inter:]; PREFETCH as in the qkv kernel."""
-    col0 = tl.program_id(0) * 64  # ROWS
-    PREFETCH_BYTES: tl.constexpr = PREFETCH_STEPS * BLOCK_K * ELEM_BYTES
-    prefetch_tile(w_ptr, col0, 0, K, 2 * inter, K, 64, PREFETCH_BYTES, ELEM_BYTES,
-                  PREFETCH)  # the gate rows
-    prefetch_tile(w_ptr, inter + col0, 0, K, 2 * inter, K, 64, PREFETCH_BYTES, ELEM_BYTES,
-                  PREFETCH)  # the up rows
-    wait_then_release(USE_PDL)
-    tok0 = tl.program_id(1) * BLOCK_T
-    cols = col0 + tl.arange(0, 64)[:, None]
-    if HAS_BIAS:  # requested before the K loop, as in the qkv kernel
-        gate_bias = tl.load(bias_ptr + cols).to(tl.float32)
-        up_bias = tl.load(bias_ptr + inter + cols).to(tl.float32)
-    gate, up = _pair_gemm(w_desc, x_desc, col0, inter + col0, tok0, K, s_ptr, stride_s,
-                          scale_rows, a_desc, b_desc, lora_slots_ptr, ahead_ptr, rstd_ptr, M, 0,
-                          1, BLOCK_T, BLOCK_K, STAGES, W_SCALE, LORA_K, RANK, True, AHEAD,
-                          AHEAD_SR)
-    if HAS_BIAS:
-        gate += gate_bias
-        up += up_bias
-    toks = tok0 + tl.arange(0, BLOCK_T)[None, :]
-    tl.store(out_ptr + toks.to(tl.int64) * inter + cols,
-             silu_and_mul_rounded(gate, up, out_ptr.dtype.element_ty), mask=toks < M)
-
-
 # fits_*: dtype is the activations', weight_dtype (None: the same) and w_block as fits_weight's
+# (fits_gate_up: kernels.linear.fused_gate_up)
 def fits_qkv(hidden_size: int, head_dim: int, dtype: torch.dtype,
              weight_dtype: torch.dtype | None = None, w_block: Block = None) -> bool:
     """Whether qkv_rope_store takes these sizes: 16-bit activations, half heads of exactly one
     64-row MMA tile, rows of a 16-byte multiple (TMA)."""
     return fits_weight(dtype, weight_dtype or dtype, w_block) and head_dim == 2 * ROWS \
         and hidden_size % 64 == 0
-
-
-def fits_gate_up(hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                 weight_dtype: torch.dtype | None = None, w_block: Block = None) -> bool:
-    """Whether gate_up_silu takes these sizes (intermediate_size: this rank's)."""
-    return fits_weight(dtype, weight_dtype or dtype, w_block) \
-        and intermediate_size % ROWS == 0 and hidden_size % 64 == 0
 
 
 def _launch(num_tokens: int, weight: torch.Tensor, lora: LoRASlots | None,
@@ -260,7 +215,7 @@ def _launch(num_tokens: int, weight: torch.Tensor, lora: LoRASlots | None,
     return 16, K_STEP, resident_stages(stages, programs, sms, stage, b_tiles), 4
 
 
-def _weight_args(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None,
+def weight_args(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None,
                  w_block: Block, lora: LoRASlots | None, ahead: LoRAAhead | None,
                  programs: int) -> dict:
     """Both kernels' arguments for the GEMM part: weight and token tiles (TMA), scales, LoRA,
@@ -303,7 +258,7 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                             (v, k_cache, v_cache, slot_mapping), kv_scales)[0]
     q = torch.empty(num_tokens, num_q_heads, head_dim, dtype=x.dtype, device=x.device)
     heads = num_q_heads + 2 * num_kv_heads
-    args = _weight_args(x, weight, w_scale, w_block, lora, ahead, heads)
+    args = weight_args(x, weight, w_scale, w_block, lora, ahead, heads)
     norm = q_norm is not None
     _qkv_rope_store_kernel[(heads, triton.cdiv(num_tokens, args["BLOCK_T"]))](
         bias_ptr=bias if bias is not None else weight, q_out_ptr=q,
@@ -314,22 +269,3 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HAS_BIAS=bias is not None, NORM=norm, FP8=k_cache.dtype == FP8_DTYPE, **args)
     return q
-
-
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
-                 w_scale: torch.Tensor | None = None, w_block: Block = None,
-                 lora: LoRASlots | None = None, ahead: LoRAAhead | None = None) -> torch.Tensor:
-    """silu(x @ Wg.T + bg) * (x @ Wu.T + bu), [M, I], for weight [2I, hidden] (gate rows
-    first), as gate_up_proj (with its LoRA delta) followed by SiLU-and-mul; FP8 weights as in
-    qkv_rope_store. One token without LoRA runs kernels.linear.gemv_gate_up's (faster there)."""
-    if lora is None and runs_gate_up_gemv(x, weight, w_scale, w_block):
-        return gate_up_silu_gemv(x, weight, bias, w_scale)
-    num_tokens, hidden = x.shape
-    inter = weight.shape[0] // 2
-    assert fits_gate_up(hidden, inter, x.dtype, weight.dtype, w_block)
-    out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
-    args = _weight_args(x, weight, w_scale, w_block, lora, ahead, inter // ROWS)
-    _gate_up_silu_kernel[(inter // ROWS, triton.cdiv(num_tokens, args["BLOCK_T"]))](
-        bias_ptr=bias if bias is not None else weight, out_ptr=out, M=num_tokens, K=hidden,
-        inter=inter, HAS_BIAS=bias is not None, **args)
-    return out
