@@ -15,7 +15,7 @@ from torch import nn  # noqa: E402
 from benchmarks.random_checkpoints import build_checkpoint  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.kernels.linear import fused as fused_linear  # noqa: E402
-from nanovllm.kernels.linear import gemv, gemv_gate_up, split_k  # noqa: E402
+from nanovllm.kernels.linear import fused_gate_up, gemv, gemv_gate_up, split_k  # noqa: E402
 from nanovllm.layers.backends import (  # noqa: E402
     FUSED_GATE_UP_MAX_TOKENS,
     FUSED_QKV_MAX_TOKENS,
@@ -66,7 +66,8 @@ def spy_fused_kernels(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             return fn(*args, **kwargs)
         return call
     for name in ("qkv_rope_store", "gate_up_silu", "split_k_linear"):
-        module = split_k if name == "split_k_linear" else fused_linear
+        module = {"split_k_linear": split_k, "gate_up_silu": fused_gate_up}.get(name,
+                                                                                fused_linear)
         monkeypatch.setattr(module, name, spy(getattr(module, name)))
     return calls
 
@@ -83,7 +84,7 @@ def spy_gemv(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             return fn(*args, **kwargs)
         monkeypatch.setattr(module, name, call)
     spy(split_k, "gemv_partials")
-    spy(fused_linear, "gate_up_silu_gemv")  # kernels.linear.fused's name for it
+    spy(fused_gate_up, "gate_up_silu_gemv")  # kernels.linear.fused_gate_up's name for it
     spy(fused_linear, "gemv_rows")  # qkv_rope_store's (backends without can_decode_new_token)
     spy(gemv, "gemv_rows")  # LinearBase.gemv_rows: Triton's decode takes the raw q, k, v
     spy(gemv_gate_up, "norm_gate_up_silu_gemv")

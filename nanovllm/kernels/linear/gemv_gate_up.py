@@ -95,7 +95,7 @@ def _gate_up_launch(x: torch.Tensor | None, weight: torch.Tensor, bias: torch.Te
 
 def gate_up_silu_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       w_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(x @ Wg.T + bg) * (x @ Wu.T + bu), [1, I], as kernels.linear.fused_gate_up.gate_up_silu."""
+    """silu(x @ Wg.T + bg) * (x @ Wu.T + bu), [1, I], as fused_gate_up.gate_up_silu."""
     return _gate_up_launch(x, weight, bias, w_scale)[0]
 
 
