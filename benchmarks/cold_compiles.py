@@ -24,10 +24,9 @@ if not os.environ.get("TRITON_CACHE_DIR"):  # before anything imports triton
 
 import glob  # noqa: E402
 import re  # noqa: E402
-from time import perf_counter  # noqa: E402
 
 from benchmarks import cli, workloads  # noqa: E402
-from benchmarks.runs import engine_kwargs, measure  # noqa: E402
+from benchmarks.runs import measure, start_engine  # noqa: E402
 
 # bench.py flags this script never reads: refused rather than ignored.
 UNREAD = ("--scenario", "--json", "--plot", "--repeats", "--data-parallel-size", "--dp")
@@ -95,15 +94,10 @@ def main() -> None:
     args = cli.parse_args()
     args.random_weights = not (args.tiny or args.shape)  # a random 0.6B when no checkpoint
     path = cli.resolve_model(args)
-    from nanovllm import LLM
     size = cli.standard_size(args)
     prompts, params = workloads.standard(**size, max_id=workloads.max_token_id(path),
                                          seed=args.seed)
-    t0 = perf_counter()
-    llm = LLM(path, **engine_kwargs(args))
-    startup_s = perf_counter() - t0
-    if args.no_pipeline:
-        llm._pipelined = False  # as bench.py's open_engine
+    llm, startup_s = start_engine(path, args)
     parts = ", ".join(f"{k} {v:.1f} s" for k, v in llm.model_runner.startup_s.items())
     print(f"LLM() on an empty Triton cache: {startup_s:.1f} s ({parts}); "
           f"{len(_variants(cache))} variants compiled; backend {llm.config.attention_backend}; "

@@ -27,6 +27,17 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def start_engine(path: str, args: argparse.Namespace, **overrides) -> tuple:
+    """(LLM, seconds LLM() took), built from the command line's flags plus `overrides`."""
+    from nanovllm import LLM
+    t0 = perf_counter()
+    llm = LLM(path, **{**engine_kwargs(args), **overrides})
+    startup_s = perf_counter() - t0
+    if getattr(args, "no_pipeline", False):
+        llm._pipelined = False  # the engine's private switch, to measure what pipelining gives
+    return llm, startup_s
+
+
 @contextmanager
 def open_engine(path: str, args: argparse.Namespace, **overrides) -> Iterator[tuple]:
     """(LLM, seconds LLM() took), built from the command line's flags plus `overrides`, warmed
@@ -35,12 +46,8 @@ def open_engine(path: str, args: argparse.Namespace, **overrides) -> Iterator[tu
     Two engines at gpu_memory_utilization=0.9 cannot coexist, so scenarios open their
     baseline and variant one after the other; shutdown frees the KV pool and the graphs.
     """
-    from nanovllm import LLM, SamplingParams
-    t0 = perf_counter()
-    llm = LLM(path, **{**engine_kwargs(args), **overrides})
-    startup_s = perf_counter() - t0
-    if getattr(args, "no_pipeline", False):
-        llm._pipelined = False  # the engine's private switch, to measure what pipelining gives
+    from nanovllm import SamplingParams
+    llm, startup_s = start_engine(path, args, **overrides)
     try:
         llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # untimed warm-up
         yield llm, startup_s

@@ -55,10 +55,8 @@ class Attention(nn.Module):
     def decode_projected(self, positions: torch.Tensor, x: torch.Tensor,
                          qkv_proj: nn.Module) -> torch.Tensor:
         """Decode attention of x's tokens, qkv_proj through the K/V write as one kernel (a lone
-        token: qkv_proj's GEMV, then the decode kernel does the rest: decode_new_token)."""
+        token whose decode takes the raw q, k, v: the decoder runs decode_new_token instead)."""
         from nanovllm.kernels.linear.fused import qkv_rope_store
-        if self.runs_decode_new_token(x, qkv_proj):
-            return self.decode_new_token(positions, qkv_proj.gemv_rows(x))
         ctx, norm, kv_scales = get_context(), self.q_norm is not None, (self.k_scale, self.v_scale)
         q = qkv_rope_store(x, qkv_proj.weight, qkv_proj.bias, self.num_heads, self.num_kv_heads,
                            positions, self.q_norm.weight if norm else None,
@@ -92,7 +90,8 @@ class Attention(nn.Module):
                        self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
                        self.q_norm.eps if norm else 0.0)
         return self.backend.decode(q, self.k_cache, self.v_cache, ctx, self.scale,
-                                   self.sliding_window, (self.k_scale, self.v_scale), new)
+                                   self.sliding_window, (self.k_scale, self.v_scale),
+                                   new_token=new)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:

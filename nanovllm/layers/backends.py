@@ -142,11 +142,13 @@ class TorchBackend:
                              k_scale=kv_scales[0], v_scale=kv_scales[1])
 
     def decode(self, q, k_cache, v_cache, ctx: Context, scale: float,
-               sliding_window: int | None, kv_scales: tuple[float, float] = (1.0, 1.0)
-               ) -> torch.Tensor:
+               sliding_window: int | None, kv_scales: tuple[float, float] = (1.0, 1.0),
+               **kernel_kw) -> torch.Tensor:
+        """Decode attention; kernel_kw are the kernel's own (Triton's new_token: q, k and v as
+        qkv_proj's output, normalised, rotated and written to the cache inside)."""
         return self._decode(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables, scale,
                             sliding_window=sliding_window, k_scale=kv_scales[0],
-                            v_scale=kv_scales[1])
+                            v_scale=kv_scales[1], **kernel_kw)
 
 
 class TritonBackend(TorchBackend):
@@ -170,15 +172,6 @@ class TritonBackend(TorchBackend):
         self.store_kvcache = store_kvcache.store_kvcache
         self._prefill = prefill.prefill_attention_triton  # same signatures
         self._decode = decode.decode_attention_triton
-
-    def decode(self, q, k_cache, v_cache, ctx: Context, scale: float,
-               sliding_window: int | None, kv_scales: tuple[float, float] = (1.0, 1.0),
-               new_token=None) -> torch.Tensor:
-        """Decode attention; with new_token (kernels.attention.new_token.NewToken) q, k and v
-        are qkv_proj's output, normalised, rotated and written to the cache inside."""
-        return self._decode(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables, scale,
-                            sliding_window=sliding_window, k_scale=kv_scales[0],
-                            v_scale=kv_scales[1], new_token=new_token)
 
 
 class FlashAttnBackend(TorchBackend):

@@ -89,16 +89,17 @@ class DecoderAttention(nn.Module):
         # GEMV computes first, storing the sum: the residual from here on
         if isinstance(hidden_states, PendingNorm):
             qkv, residual = self.qkv_proj.norm_gemv_rows(hidden_states)
-            if self.attn.can_decode_new_token():  # q/k norm, RoPE and the K/V write in decode
-                return self.attn.decode_new_token(positions, qkv).flatten(1, -1), residual
-            return self._attend_qkv(positions, qkv), residual
-        if self.attn.takes_projection() and (self.qkv_proj.runs_fused_decode(hidden_states)
-                                             or self.attn.runs_decode_new_token(
-                                                 hidden_states, self.qkv_proj)):
+        elif self.attn.runs_decode_new_token(hidden_states, self.qkv_proj):
+            qkv = self.qkv_proj.gemv_rows(hidden_states)  # a lone token's GEMV
+        elif self.attn.takes_projection() and self.qkv_proj.runs_fused_decode(hidden_states):
             # qkv_proj, q/k norm, RoPE and the K/V write as one kernel
             o = self.attn.decode_projected(positions, hidden_states, self.qkv_proj)
             return o.flatten(1, -1), residual
-        return self._attend_qkv(positions, self.qkv_proj(hidden_states)), residual
+        else:
+            return self._attend_qkv(positions, self.qkv_proj(hidden_states)), residual
+        if self.attn.can_decode_new_token():  # q/k norm, RoPE and the K/V write in decode
+            return self.attn.decode_new_token(positions, qkv).flatten(1, -1), residual
+        return self._attend_qkv(positions, qkv), residual
 
     def _attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """Attention over qkv_proj's output [tokens, q + k + v]: [tokens, q_size]."""

@@ -71,13 +71,16 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def check_lora_modules(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """--lora-modules: needs --enable-lora; unique names, none the base model's; directories."""
+    from nanovllm.serve.openai.lora_modules import parse_lora_modules
     if not args.enable_lora:
         p.error("--lora-modules needs --enable-lora")
+    try:
+        parse_lora_modules(args.lora_modules)
+    except ValueError as e:
+        p.error(str(e))
     names = [spec.partition("=")[0] for spec in args.lora_modules]
     for spec, name in zip(args.lora_modules, names):
         path = spec.partition("=")[2]
-        if not (name and path):
-            p.error(f"--lora-modules {spec!r} is invalid: expected name=path")
         if names.count(name) > 1 or name == (args.served_model_name or args.model):
             p.error(f"--lora-modules {spec!r}: the name {name!r} is already served")
         if not os.path.isdir(os.path.expanduser(path)):

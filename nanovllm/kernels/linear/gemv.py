@@ -156,15 +156,10 @@ def _partials_tiles(n: int, k: int, elem_bytes: int, k_major: bool) -> tuple[int
     slice up to ROW_BYTES that divides K (few partials for the norm after to sum); k-major,
     K_MAJOR_ROWS columns (whole 32-byte sectors) of the widest K slice up to SLICE_BYTES that
     divides K. None when they do not divide the weight."""
-    if k_major:
-        block_n, k_split = K_MAJOR_ROWS, SLICE_BYTES // (K_MAJOR_ROWS * elem_bytes)
-        while k % k_split and k_split > 16:
-            k_split //= 2
-    else:
-        k_split = ROW_BYTES // elem_bytes
-        while k % k_split and k_split > 16:
-            k_split //= 2
-        block_n = SLICE_BYTES // (k_split * elem_bytes)
+    k_split = SLICE_BYTES // (K_MAJOR_ROWS * elem_bytes) if k_major else ROW_BYTES // elem_bytes
+    while k % k_split and k_split > 16:
+        k_split //= 2
+    block_n = K_MAJOR_ROWS if k_major else SLICE_BYTES // (k_split * elem_bytes)
     if k % k_split or block_n > 64 or n % block_n or k // k_split > MAX_PARTIALS:
         return None
     return block_n, k_split
