@@ -6,6 +6,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from nanovllm.kernels.attention.decode_reduce import PendingMerge
 from nanovllm.kernels.attention.kv_quant import FP8_MAX
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
@@ -79,9 +80,11 @@ class Attention(nn.Module):
         kernel does not run, and this path has one launch fewer)."""
         return self.can_decode_new_token() and qkv_proj.runs_gemv_rows(x)
 
-    def decode_new_token(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+    def decode_new_token(self, positions: torch.Tensor, qkv: torch.Tensor,
+                         defer_merge: bool = False) -> torch.Tensor | PendingMerge:
         """Decode attention over qkv_proj's raw output [tokens, q + k + v], whose q/k norm,
-        RoPE and K/V write the decode kernel does (kernels.attention.new_token)."""
+        RoPE and K/V write the decode kernel does (kernels.attention.new_token); defer_merge
+        (one token): its splits unmerged, a PendingMerge for o_proj's GEMV to merge."""
         from nanovllm.kernels.attention.new_token import NewToken
         ctx, norm = get_context(), self.q_norm is not None
         q, k, v = qkv.view(qkv.shape[0], -1, self.head_dim).split(
@@ -91,7 +94,7 @@ class Attention(nn.Module):
                        self.q_norm.eps if norm else 0.0)
         return self.backend.decode(q, self.k_cache, self.v_cache, ctx, self.scale,
                                    self.sliding_window, (self.k_scale, self.v_scale),
-                                   new_token=new)
+                                   new_token=new, defer_merge=defer_merge)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:

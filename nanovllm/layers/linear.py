@@ -4,6 +4,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.kernels.attention.decode_reduce import PendingMerge
 from nanovllm.kernels.linear.norm_prologue import PendingNorm
 from nanovllm.layers.lora_slots import LoRASlots
 from nanovllm.layers.quantization.fp8 import Cols, Fp8Format, Rows, load_shard
@@ -274,8 +275,20 @@ class RowParallelLinear(LinearBase):
             dist.all_reduce(y)
         return y
 
-    def split_k_partials(self, x: torch.Tensor) -> torch.Tensor:
-        """float32 [S, tokens, output] partials over K whose sum over S is x W^T."""
+    def runs_merge_gemv(self, head_dim: int) -> bool:
+        """Whether a lone token's split_k_partials takes its decode attention's PendingMerge
+        (heads of head_dim): a decode step bound to the fused kernels, no LoRA, a GEMV whose
+        programs take whole heads (kernels.linear.gemv.runs_merge_gemv)."""
+        from nanovllm.kernels.linear.gemv import runs_merge_gemv
+        ctx = get_context()
+        return self.fused_decode_max_tokens >= 1 and not ctx.is_prefill \
+            and ctx.slot_mapping is not None and self.lora_slots() is None \
+            and runs_merge_gemv(self.fused_format()[0], head_dim, self.weight,
+                                **self.fused_scales())
+
+    def split_k_partials(self, x: torch.Tensor | PendingMerge) -> torch.Tensor:
+        """float32 [S, tokens, output] partials over K whose sum over S is x W^T; x may be a
+        lone token's PendingMerge, for steps runs_merge_gemv takes."""
         # For the decode steps runs_fused_decode picks; RMSNorm.add_partials sums them. Split
         # over K: a decode step's few tokens and outputs alone give too few programs.
         from nanovllm.kernels.linear.split_k import split_k_linear

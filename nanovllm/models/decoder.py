@@ -15,7 +15,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanovllm.layers.activation import SiluAndMul
-from nanovllm.layers.attention import Attention
+from nanovllm.layers.attention import Attention, PendingMerge
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.fused_moe import SparseMoeBlock, expert_weight_target
 from nanovllm.layers.layernorm import PendingNorm, RMSNorm
@@ -83,8 +83,9 @@ class DecoderAttention(nn.Module):
                               spec.sliding_windows[layer_idx])
 
     def attend(self, positions: torch.Tensor, hidden_states: torch.Tensor | PendingNorm,
-               residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(attention over the tokens: o_proj's input [tokens, q_size], the residual)."""
+               residual: torch.Tensor) -> tuple[torch.Tensor | PendingMerge, torch.Tensor]:
+        """(attention over the tokens: o_proj's input [tokens, q_size], or a lone token's left
+        for o_proj's GEMV to merge; the residual)."""
         # hidden_states: the normed residual, or a PendingNorm whose add + RMSNorm qkv_proj's
         # GEMV computes first, storing the sum: the residual from here on
         if isinstance(hidden_states, PendingNorm):
@@ -98,7 +99,9 @@ class DecoderAttention(nn.Module):
         else:
             return self._attend_qkv(positions, self.qkv_proj(hidden_states)), residual
         if self.attn.can_decode_new_token():  # q/k norm, RoPE and the K/V write in decode
-            return self.attn.decode_new_token(positions, qkv).flatten(1, -1), residual
+            o = self.attn.decode_new_token(positions, qkv,
+                                           self.o_proj.runs_merge_gemv(self.head_dim))
+            return (o if isinstance(o, PendingMerge) else o.flatten(1, -1)), residual
         return self._attend_qkv(positions, qkv), residual
 
     def _attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
@@ -141,13 +144,15 @@ class DecoderMLP(nn.Module):
         return self.gated(hidden_states), residual
 
 
-def project_add_norm(proj: RowParallelLinear, x: torch.Tensor, residual: torch.Tensor,
-                     norm: RMSNorm, computes_norm: Callable[[PendingNorm], bool] | None = None
+def project_add_norm(proj: RowParallelLinear, x: torch.Tensor | PendingMerge,
+                     residual: torch.Tensor, norm: RMSNorm,
+                     computes_norm: Callable[[PendingNorm], bool] | None = None
                      ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
     """(norm(proj(x) + residual), proj(x) + residual); the first a PendingNorm if computes_norm."""
     # In the decode steps bound to split-K, norm sums proj's partials (no launch of its own),
-    # or the projection norm feeds does, where computes_norm takes their PendingNorm
-    if not proj.runs_fused_decode(x):
+    # or the projection norm feeds does, where computes_norm takes their PendingNorm; a
+    # PendingMerge is for proj's GEMV (attend asked it: runs_merge_gemv)
+    if not isinstance(x, PendingMerge) and not proj.runs_fused_decode(x):
         return norm(proj(x), residual)
     pending = norm.pending(proj.split_k_partials(x), residual)
     if computes_norm is not None and computes_norm(pending):

@@ -12,6 +12,11 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from nanovllm.kernels.attention.decode_reduce import (  # noqa: E402
+    PendingMerge,
+    reduce_splits,
+    split_partials,
+)
 from nanovllm.kernels.attention.kv_quant import FP8_DTYPE  # noqa: E402
 from nanovllm.kernels.fused_ops import add_partials_rms_norm  # noqa: E402
 from nanovllm.kernels.linear import fused as fused_linear  # noqa: E402
@@ -26,6 +31,7 @@ from nanovllm.kernels.linear.gemv import (  # noqa: E402
     norm_gemv_rows,
     runs_gemv,
     runs_gemv_rows,
+    runs_merge_gemv,
     runs_norm_gemv_rows,
 )
 from nanovllm.kernels.linear.gemv_gate_up import (  # noqa: E402
@@ -269,3 +275,39 @@ def test_qkv_and_fp8_linear_take_whole_rows_at_one_token(monkeypatch) -> None:
     x = _x(512, torch.float16)
     got = fp8_linear(x, codes, scales, None)
     assert torch.equal(got, gemv_rows(x, codes, None, scales))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits,empty", [(3, 0), (16, 5), (21, 21)])
+def test_gemv_partials_merges_a_pending_decode(dtype, splits, empty) -> None:
+    """A PendingMerge's partials, merged inside the GEMV, give what the merge launch's output
+    gives it (the same rounding to dtype); empty splits (m = -inf) weigh nothing."""
+    heads, head_dim, rows = 8, 128, 64
+    k = heads * head_dim  # 16-bit k-major: 512-row K slices, 4 heads a program
+    weight, _, _ = _weight(rows, k, "k-major", dtype)
+    assert runs_merge_gemv(dtype, head_dim, weight)
+    part_m, part_l, part_acc = split_partials(1, heads, splits, head_dim, DEVICE)
+    part_m.copy_(torch.randn_like(part_m) * 4)
+    part_l.copy_(torch.rand_like(part_l) + 0.5)
+    part_acc.copy_(torch.randn_like(part_acc) * 3)
+    part_m[:, :, splits - empty:] = float("-inf")  # all empty: zeros out
+    part_l[:, :, splits - empty:] = 0.0
+    part_acc[:, :, splits - empty:] = 0.0
+    out = torch.empty(1, heads, head_dim, dtype=dtype, device=DEVICE)
+    reduce_splits(part_m, part_l, part_acc, out)
+    expected = gemv_partials(out.view(1, k), weight)
+    merged = gemv_partials(PendingMerge(part_m, part_l, part_acc, out), weight)
+    torch.testing.assert_close(merged, expected, atol=1e-5, rtol=1e-5)
+    assert merged.any() != (empty == splits)
+
+
+def test_merge_only_where_programs_take_whole_heads() -> None:
+    """runs_merge_gemv: a GEMV weight whose programs' K slices hold whole heads, at most 4."""
+    weight, _, _ = _weight(64, 4096, "k-major", torch.bfloat16)  # 512-row K slices
+    assert runs_merge_gemv(torch.bfloat16, 128, weight)
+    assert not runs_merge_gemv(torch.bfloat16, 96, weight)  # not whole heads
+    assert not runs_merge_gemv(torch.bfloat16, 64, weight)  # 8 heads a program
+    assert not runs_merge_gemv(torch.float16, 128, weight)  # activations of another dtype
+    codes, scale, _ = _weight(64, 4096, "fp8", torch.bfloat16)  # [N, K]: 2,048-column slices
+    assert runs_gemv(_x(4096, torch.bfloat16), codes, scale)
+    assert not runs_merge_gemv(torch.bfloat16, 128, codes, scale)

@@ -14,6 +14,7 @@ from torch import nn  # noqa: E402
 
 from benchmarks.random_checkpoints import build_checkpoint  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.kernels.attention import decode  # noqa: E402
 from nanovllm.kernels.linear import fused as fused_linear  # noqa: E402
 from nanovllm.kernels.linear import fused_gate_up, gemv, gemv_gate_up, split_k  # noqa: E402
 from nanovllm.layers.backends import (  # noqa: E402
@@ -56,6 +57,13 @@ def checkpoint(request, tmp_path_factory) -> str:
                             **SHAPE, **extra)
 
 
+@pytest.fixture(autouse=True)
+def fixed_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fixed limits (LIMITS) these tests assert, not start-up's measured ones on CUDA
+    (tests/layers/test_fused_calibration.py)."""
+    monkeypatch.setenv("NANOVLLM_FUSED_LIMITS", "fixed")
+
+
 def spy_fused_kernels(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The list each fused decode kernel appends its name to when it runs (from now on)."""
     calls = []
@@ -89,6 +97,7 @@ def spy_gemv(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     spy(gemv, "gemv_rows")  # LinearBase.gemv_rows: Triton's decode takes the raw q, k, v
     spy(gemv_gate_up, "norm_gate_up_silu_gemv")
     spy(gemv, "norm_gemv_rows")  # QKVParallelLinear.norm_gemv_rows: the input norm inside
+    spy(decode, "reduce_splits")  # the splits' merge launch (o_proj's GEMV merges instead)
     return calls
 
 
@@ -131,13 +140,18 @@ def test_fused_decode_same_tokens(checkpoint: str, monkeypatch: pytest.MonkeyPat
         calls = list(fused_calls)  # the three sequences' steps
         # a lone sequence: its projections run kernels.linear.gemv (no LoRA here)
         gemv_calls = spy_gemv(monkeypatch)
-        got_one = llm.generate(prompts[1:2], params, use_tqdm=False)[0]["token_ids"]
+        # 300 tokens: a table of 2 blocks, 2 decode splits
+        lone = [[(11 * j) % 300 + 1 for j in range(300)]]
+        got_one = llm.generate(lone, params, use_tqdm=False)[0]["token_ids"]
+        gemv_calls = list(gemv_calls)  # its steps' (the unfused ones' merge launches not)
         _rebind(llm, False)
-        want_one = llm.generate(prompts[1:2], params, use_tqdm=False)[0]["token_ids"]
+        want_one = llm.generate(lone, params, use_tqdm=False)[0]["token_ids"]
     finally:
         llm.shutdown()
     assert got == want and got_one == want_one
     assert gemv_calls.count("gemv_partials") == 5 * (2 + mlps)  # o_proj, down_proj
+    # the decode's 2 splits merged inside o_proj's GEMV: no merge launch
+    assert "reduce_splits" not in gemv_calls
     # gate_up_proj with the norm before it (o_proj's partials summed in its programs)
     assert gemv_calls.count("norm_gate_up_silu_gemv") == 5 * mlps
     assert gemv_calls.count("gate_up_silu_gemv") == 0

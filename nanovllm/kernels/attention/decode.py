@@ -11,6 +11,7 @@ import triton.language as tl
 from nanovllm.kernels.attention import prefill  # dot_precision looked up per call (tests patch)
 from nanovllm.kernels.attention.decode_reduce import (
     MAX_SPLITS,
+    PendingMerge,
     reduce_splits,
     split_partials,
     store_split,
@@ -230,10 +231,13 @@ def decode_attention_triton(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     new_token: NewToken | None = None,
-) -> torch.Tensor:
+    defer_merge: bool = False,
+) -> torch.Tensor | PendingMerge:
     """Flash-decoding: q [B, H, D] (one query per sequence) over its paged context (an FP8 cache
     dequantized with k_scale, v_scale); 0 -> zeros. With new_token, q and its k and v are
-    qkv_proj's raw output: q/k norm, RoPE and the K/V write happen inside (new_token)."""
+    qkv_proj's raw output: q/k norm, RoPE and the K/V write happen inside (new_token).
+    defer_merge (one sequence): several splits' partials come back unmerged, a PendingMerge
+    for the GEMV after to merge."""
     window = check_sliding_window(sliding_window)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -264,6 +268,9 @@ def decode_attention_triton(
         num_stages=_FP8_NUM_STAGES if fp8 and new_token is None else 2,
         **launch_options(),
     )
+    if num_splits > 1 and defer_merge:
+        assert batch == 1, "a PendingMerge is one token's"
+        return PendingMerge(part_m, part_l, part_acc, out)
     if num_splits > 1:
         reduce_splits(part_m, part_l, part_acc, out)
     return out

@@ -1,4 +1,7 @@
-"""Flash-decoding's split partials (kernels.attention.decode): their store, and their merge."""
+"""Flash-decoding's split partials (kernels.attention.decode): their store, and their merge,
+by a launch of its own or inside the one-token GEMV that reads the output (PendingMerge)."""
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -28,6 +31,50 @@ def store_split(m_i, l_i, acc, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, se
         tl.store(part_l_ptr + part, l_i, mask=g_mask)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc * v_scale,
                  mask=g_mask[:, None])
+
+
+class PendingMerge(NamedTuple):
+    """A one-token decode's output, left as its splits' softmax partials (split_partials') for
+    the GEMV that reads it to merge (kernels.linear.gemv); `out` [1, H, D] is where a merge
+    launch would write it (its dtype: the rounding)."""
+
+    part_m: torch.Tensor
+    part_l: torch.Tensor
+    part_acc: torch.Tensor
+    out: torch.Tensor
+
+
+MERGE_CHUNK = 16  # splits a merging GEMV program loads at once
+
+
+@triton.jit
+def merged_heads(part_m_ptr, part_l_ptr, part_acc_ptr, head0, num_splits, dtype: tl.constexpr,
+                 HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr,
+                 CHUNK: tl.constexpr):
+    """float32 [HEADS * D]: heads head0.. of a one-token decode, merged from their splits as
+    decode_reduce_kernel merges them and rounded to dtype as its output is."""
+    heads = head0 + tl.arange(0, HEADS)
+    splits = tl.arange(0, SPLITS_P2)
+    m = tl.load(part_m_ptr + heads[:, None] * num_splits + splits[None, :],
+                mask=splits[None, :] < num_splits, other=float("-inf"))
+    m_max = tl.max(m, axis=1)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty
+    denom = tl.zeros([HEADS], tl.float32)
+    o = tl.zeros([HEADS, HEAD_DIM], tl.float32)
+    offs_c = tl.arange(0, CHUNK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for s0 in range(0, num_splits, CHUNK):
+        part = heads[:, None] * num_splits + s0 + offs_c[None, :]  # [HEADS, CHUNK]
+        live = s0 + offs_c[None, :] < num_splits
+        m_c = tl.load(part_m_ptr + part, mask=live, other=float("-inf"))
+        l_c = tl.load(part_l_ptr + part, mask=live, other=0.0)
+        acc = tl.load(part_acc_ptr + part[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                      mask=live[:, :, None], other=0.0)
+        w = tl.exp2(m_c - m_max[:, None])  # empty splits (m = -inf) weigh 0
+        denom += tl.sum(w * l_c, axis=1)
+        o += tl.sum(w[:, :, None] * acc, axis=1)
+    o = o / tl.where(denom == 0.0, 1.0, denom)[:, None]
+    return tl.reshape(o.to(dtype).to(tl.float32), [HEADS * HEAD_DIM])
 
 
 @triton.jit(do_not_specialize=["num_splits"])

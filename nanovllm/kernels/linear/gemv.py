@@ -21,6 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.attention.decode_reduce import (
+    MAX_SPLITS,
+    MERGE_CHUNK,
+    PendingMerge,
+    merged_heads,
+)
 from nanovllm.kernels.attention.kv_quant import FP8_DTYPE
 from nanovllm.kernels.fused_ops import load_row, rms_scaled
 from nanovllm.kernels.linear.fused_fp8 import fits_weight
@@ -40,6 +46,9 @@ WHOLE_ROWS_BYTES = SLICE_BYTES  # whole weight rows a gemv_rows program holds (a
 # partials, so fewer programs (Qwen3-0.6B's qkv_proj: 128, not 512) for cheap_enough to hold
 NORM_ROWS_ELEMENTS = 32 * 1024
 ROW_BYTES = 2048  # the widest K slice of one row a partials program takes
+# Heads a merging partials program merges at most (each of its splits' acc: HEAD_DIM floats):
+# Qwen3-0.6B's o_proj, k-major, takes 512 K rows a program, 4 heads of 128
+MERGE_HEADS = 4
 K_MAJOR_ROWS = 16  # output columns of a k-major program: one 32-byte sector of each weight
 # row, so a program takes 512 K rows (16-bit) and the norm after sums half the partials of 32
 
@@ -102,20 +111,29 @@ def gemv_input(x_ptr, res_ptr, res_out_ptr, norm_w, ks, K, eps, dtype: tl.conste
     return x.to(tl.float32)[None, :]
 
 
-@triton.jit
-def _gemv_partials_kernel(w_ptr, x_ptr, s_ptr, part_ptr, N, stride_w, BLOCK_N: tl.constexpr,
-                          K_SPLIT: tl.constexpr, K_MAJOR: tl.constexpr, W_SCALE: tl.constexpr,
-                          USE_PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["num_splits"])
+def _gemv_partials_kernel(w_ptr, x_ptr, s_ptr, part_ptr, N, stride_w, m_ptr, l_ptr, acc_ptr,
+                          num_splits, BLOCK_N: tl.constexpr, K_SPLIT: tl.constexpr,
+                          K_MAJOR: tl.constexpr, W_SCALE: tl.constexpr, MERGE: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr,
+                          CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (N / BLOCK_N, K / K_SPLIT): part[split, 0, rows] = x[ks] . W[rows, ks], W stored
     [K, N] when K_MAJOR (16-bit RowParallelLinear weights), else [N, K]; W_SCALE: per-channel
-    FP8 scales s[rows]."""
+    FP8 scales s[rows]. MERGE: x is a decode's output left as num_splits softmax partials
+    (m, l, acc), which each program merges for its K_SPLIT / HEAD_DIM heads (x_ptr: the
+    output's dtype, never read): the merge needs no launch of its own."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = split * K_SPLIT + tl.arange(0, K_SPLIT)
     w = _weight_slice(w_ptr, rows, ks, stride_w, K_MAJOR)
     scale = row_values(s_ptr, rows, W_SCALE)
     wait_then_release(USE_PDL)
-    x = tl.load(x_ptr + ks).to(tl.float32)
+    if MERGE:
+        x = merged_heads(m_ptr, l_ptr, acc_ptr, split * (K_SPLIT // HEAD_DIM), num_splits,
+                         x_ptr.dtype.element_ty, K_SPLIT // HEAD_DIM, HEAD_DIM, SPLITS_P2,
+                         CHUNK)
+    else:
+        x = tl.load(x_ptr + ks).to(tl.float32)
     if K_MAJOR:
         y = tl.sum(w.to(tl.float32) * x[:, None], 0)
     else:
@@ -166,11 +184,17 @@ def _partials_tiles(n: int, k: int, elem_bytes: int, k_major: bool) -> tuple[int
 
 
 def weight_ok(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None,
-               w_block) -> bool:
+              w_block) -> bool:
     """One token of 16-bit activations, K wide, and a weight fits_weight takes without block
     scales: FP8 codes come with one float32 scale per output channel ([N, 1])."""
-    if x.shape != (1, weight.shape[1]) or x.stride(1) != 1 or w_block is not None \
-            or not fits_weight(x.dtype, weight.dtype, None):
+    return x.shape == (1, weight.shape[1]) and x.stride(1) == 1 \
+        and dtype_ok(x.dtype, weight, w_scale, w_block)
+
+
+def dtype_ok(x_dtype: torch.dtype, weight: torch.Tensor, w_scale: torch.Tensor | None,
+             w_block) -> bool:
+    """weight_ok's checks of the activations' dtype and the weight."""
+    if w_block is not None or not fits_weight(x_dtype, weight.dtype, None):
         return False
     if weight.dtype != FP8_DTYPE:
         return w_scale is None
@@ -178,29 +202,48 @@ def weight_ok(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | Non
         and w_scale.dtype == torch.float32 and w_scale.shape == (weight.shape[0], 1)
 
 
+def _stored_tiles(weight: torch.Tensor) -> tuple[int, int] | None:
+    """_partials_tiles of a weight stored [N, K], or k-major (weight.t() contiguous)."""
+    n, k = weight.shape
+    k_major = not weight.is_contiguous()
+    if k_major and not weight.t().is_contiguous():
+        return None
+    return _partials_tiles(n, k, weight.element_size(), k_major)
+
+
 def runs_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None = None,
               w_block=None) -> bool:
     """Whether gemv_partials takes this step: one token, and tiles that fit the weight (stored
     [N, K], or k-major with weight.t() contiguous)."""
-    n, k = weight.shape
-    k_major = not weight.is_contiguous()
-    if not weight_ok(x, weight, w_scale, w_block) or (k_major and not weight.t().is_contiguous()):
-        return False
-    return _partials_tiles(n, k, weight.element_size(), k_major) is not None
+    return weight_ok(x, weight, w_scale, w_block) and _stored_tiles(weight) is not None
 
 
-def gemv_partials(x: torch.Tensor, weight: torch.Tensor,
+def runs_merge_gemv(x_dtype: torch.dtype, head_dim: int, weight: torch.Tensor,
+                    w_scale: torch.Tensor | None = None, w_block=None) -> bool:
+    """Whether gemv_partials takes a PendingMerge of x_dtype heads of head_dim: a weight
+    runs_gemv takes, each program's K slice whole heads, at most MERGE_HEADS."""
+    tiles = _stored_tiles(weight) if dtype_ok(x_dtype, weight, w_scale, w_block) else None
+    return tiles is not None and tiles[1] % head_dim == 0 \
+        and tiles[1] // head_dim <= MERGE_HEADS
+
+
+def gemv_partials(x: torch.Tensor | PendingMerge, weight: torch.Tensor,
                   w_scale: torch.Tensor | None = None) -> torch.Tensor:
     """float32 partials [S, 1, N] whose sum over S is x @ weight.T (split_k_linear's contract)
-    for one token; weight [N, K] as runs_gemv takes it, FP8 codes with per-channel w_scale."""
+    for one token; weight [N, K] as runs_gemv takes it, FP8 codes with per-channel w_scale. x
+    may be a PendingMerge (as runs_merge_gemv takes it), merged inside."""
     n, k = weight.shape
     k_major = not weight.is_contiguous()
     stored = weight.t() if k_major else weight
     block_n, k_split = _partials_tiles(n, k, weight.element_size(), k_major)
+    merge = isinstance(x, PendingMerge)
+    part_m, part_l, part_acc, x = x if merge else (x, x, x, x)
     part = torch.empty(k // k_split, 1, n, dtype=torch.float32, device=x.device)
     _gemv_partials_kernel[(n // block_n, k // k_split)](
-        stored, x, weight if w_scale is None else w_scale, part, n, stored.stride(0),
-        BLOCK_N=block_n, K_SPLIT=k_split, K_MAJOR=k_major, W_SCALE=w_scale is not None,
+        stored, x, weight if w_scale is None else w_scale, part, n, stored.stride(0), part_m,
+        part_l, part_acc, part_acc.shape[2] if merge else 1, BLOCK_N=block_n, K_SPLIT=k_split,
+        K_MAJOR=k_major, W_SCALE=w_scale is not None, MERGE=merge,
+        HEAD_DIM=x.shape[-1] if merge else 1, SPLITS_P2=MAX_SPLITS, CHUNK=MERGE_CHUNK,
         num_warps=4, **launch_options())
     return part
 

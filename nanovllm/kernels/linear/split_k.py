@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from nanovllm.kernels.attention.decode_reduce import PendingMerge
 from nanovllm.kernels.attention.kv_quant import FP8_DTYPE
 from nanovllm.kernels.linear.fused_fp8 import (
     K_STEP,
@@ -162,7 +163,7 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, *, w_scale: torch.Tens
     or FP8 codes [N, K] row-major with w_scale (as in qkv_rope_store): a decode step's o_proj
     or down_proj, whose splits the add + RMSNorm after it sums in a fixed order. One token
     without LoRA runs kernels.linear.gemv (CUDA cores, measured faster there)."""
-    if lora is None and runs_gemv(x, weight, w_scale, w_block):
+    if isinstance(x, PendingMerge) or lora is None and runs_gemv(x, weight, w_scale, w_block):
         return gemv_partials(x, weight, w_scale)
     num_tokens, input_size = x.shape
     output_size = weight.shape[0]
