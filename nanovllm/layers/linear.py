@@ -278,8 +278,8 @@ class RowParallelLinear(LinearBase):
     def runs_merge_gemv(self, head_dim: int) -> bool:
         """Whether a lone token's split_k_partials takes its decode attention's PendingMerge
         (heads of head_dim): a decode step bound to the fused kernels, no LoRA, a GEMV whose
-        programs take whole heads (kernels.linear.gemv.runs_merge_gemv)."""
-        from nanovllm.kernels.linear.gemv import runs_merge_gemv
+        programs take whole heads (kernels.linear.gemv_partials.runs_merge_gemv)."""
+        from nanovllm.kernels.linear.gemv_partials import runs_merge_gemv
         ctx = get_context()
         return self.fused_decode_max_tokens >= 1 and not ctx.is_prefill \
             and ctx.slot_mapping is not None and self.lora_slots() is None \

@@ -24,14 +24,10 @@ from nanovllm.kernels.linear.fp8_gemm import fp8_linear  # noqa: E402
 from nanovllm.kernels.linear.fp8_reference import dequantize_groups, quantize_groups  # noqa: E402
 from nanovllm.kernels.linear.fused_gate_up import gate_up_silu  # noqa: E402
 from nanovllm.kernels.linear.gemv import (  # noqa: E402
-    _partials_tiles,
     _rows_per_program,
-    gemv_partials,
     gemv_rows,
     norm_gemv_rows,
-    runs_gemv,
     runs_gemv_rows,
-    runs_merge_gemv,
     runs_norm_gemv_rows,
 )
 from nanovllm.kernels.linear.gemv_gate_up import (  # noqa: E402
@@ -39,6 +35,12 @@ from nanovllm.kernels.linear.gemv_gate_up import (  # noqa: E402
     norm_gate_up_silu_gemv,
     runs_gate_up_gemv,
     runs_norm_gate_up_gemv,
+)
+from nanovllm.kernels.linear.gemv_partials import (  # noqa: E402
+    _partials_tiles,
+    gemv_partials,
+    runs_gemv,
+    runs_merge_gemv,
 )
 from nanovllm.kernels.linear.norm_prologue import PendingNorm  # noqa: E402
 from nanovllm.kernels.linear.split_k import split_k_linear  # noqa: E402

@@ -35,7 +35,7 @@ def store_split(m_i, l_i, acc, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, se
 
 class PendingMerge(NamedTuple):
     """A one-token decode's output, left as its splits' softmax partials (split_partials') for
-    the GEMV that reads it to merge (kernels.linear.gemv); `out` [1, H, D] is where a merge
+    the GEMV that reads it to merge (kernels.linear.gemv_partials); `out` [1, H, D] is where a merge
     launch would write it (its dtype: the rounding)."""
 
     part_m: torch.Tensor

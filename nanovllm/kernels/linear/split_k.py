@@ -23,7 +23,7 @@ from nanovllm.kernels.linear.fused_fp8 import (
     scaled_dot,
     weight_stages,
 )
-from nanovllm.kernels.linear.gemv import gemv_partials, runs_gemv
+from nanovllm.kernels.linear.gemv_partials import gemv_partials, runs_gemv
 from nanovllm.kernels.linear.lora import LoRASlots, add_lora, fused_lora_args, lora_keep
 from nanovllm.kernels.pdl import (
     PREFETCH_STEPS,
