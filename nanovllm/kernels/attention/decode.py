@@ -235,9 +235,8 @@ def decode_attention_triton(
 ) -> torch.Tensor | PendingMerge:
     """Flash-decoding: q [B, H, D] (one query per sequence) over its paged context (an FP8 cache
     dequantized with k_scale, v_scale); 0 -> zeros. With new_token, q and its k and v are
-    qkv_proj's raw output: q/k norm, RoPE and the K/V write happen inside (new_token).
-    defer_merge (one sequence): several splits' partials come back unmerged, a PendingMerge
-    for the GEMV after to merge."""
+    qkv_proj's raw output: q/k norm, RoPE and the K/V write happen inside (new_token);
+    defer_merge: splits come back unmerged, a PendingMerge for the GEMV after (one sequence)."""
     window = check_sliding_window(sliding_window)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -269,7 +268,6 @@ def decode_attention_triton(
         **launch_options(),
     )
     if num_splits > 1 and defer_merge:
-        assert batch == 1, "a PendingMerge is one token's"
         return PendingMerge(part_m, part_l, part_acc, out)
     if num_splits > 1:
         reduce_splits(part_m, part_l, part_acc, out)

@@ -119,6 +119,7 @@ def gemv_partials(x: torch.Tensor | PendingMerge, weight: torch.Tensor,
     block_n, k_split = _partials_tiles(n, k, weight.element_size(), k_major)
     merge = isinstance(x, PendingMerge)
     part_m, part_l, part_acc, x = x if merge else (x, x, x, x)
+    assert x.shape[0] == 1, "one token's partials (a PendingMerge too)"
     part = torch.empty(k // k_split, 1, n, dtype=torch.float32, device=x.device)
     _gemv_partials_kernel[(n // block_n, k // k_split)](
         stored, x, weight if w_scale is None else w_scale, part, n, stored.stride(0), part_m,
