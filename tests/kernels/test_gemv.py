@@ -12,16 +12,10 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from nanovllm.kernels.attention.decode_reduce import (  # noqa: E402
-    PendingMerge,
-    reduce_splits,
-    split_partials,
-)
 from nanovllm.kernels.attention.kv_quant import FP8_DTYPE  # noqa: E402
 from nanovllm.kernels.fused_ops import add_partials_rms_norm  # noqa: E402
 from nanovllm.kernels.linear import fused as fused_linear  # noqa: E402
 from nanovllm.kernels.linear.fp8_gemm import fp8_linear  # noqa: E402
-from nanovllm.kernels.linear.fp8_reference import dequantize_groups, quantize_groups  # noqa: E402
 from nanovllm.kernels.linear.fused_gate_up import gate_up_silu  # noqa: E402
 from nanovllm.kernels.linear.gemv import (  # noqa: E402
     _rows_per_program,
@@ -40,48 +34,11 @@ from nanovllm.kernels.linear.gemv_partials import (  # noqa: E402
     _partials_tiles,
     gemv_partials,
     runs_gemv,
-    runs_merge_gemv,
 )
 from nanovllm.kernels.linear.norm_prologue import PendingNorm  # noqa: E402
 from nanovllm.kernels.linear.split_k import split_k_linear  # noqa: E402
 from nanovllm.layers.activation import SiluAndMul  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float16, torch.bfloat16]
-
-
-def _x(size: int, dtype: torch.dtype) -> torch.Tensor:
-    return (torch.randn(1, size, device=DEVICE) * 2).to(dtype)
-
-
-def _weight(rows: int, cols: int, fmt, dtype: torch.dtype):
-    """(weight as the kernel takes it, its scales or None, the float32 weight it stands for)."""
-    w = torch.randn(rows, cols, device=DEVICE) * cols ** -0.5
-    if fmt == "fp8":
-        codes, scales = quantize_groups(w, 1, cols)
-        return codes, scales, dequantize_groups(codes, scales, 1, cols)
-    w = w.to(dtype)
-    if fmt == "k-major":  # RowParallelLinear keeps [K, N] and sees it transposed
-        return w.t().contiguous().t(), None, w.float()
-    return w, None, w.float()
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fmt", ["row-major", "k-major", "fp8"])
-@pytest.mark.parametrize("rows,cols", [(128, 3072), (64, 1024), (256, 1536)])
-def test_gemv_partials(dtype, fmt, rows, cols) -> None:
-    """The partials sum to x @ W.T in float32; S is K over the tiles' K slice."""
-    torch.manual_seed(rows + cols)
-    weight, scales, w32 = _weight(rows, cols, fmt, dtype)
-    x = _x(cols, dtype)
-    assert runs_gemv(x, weight, scales)
-    parts = gemv_partials(x, weight, scales)
-    k_split = _partials_tiles(rows, cols, weight.element_size(), fmt == "k-major")[1]
-    assert parts.dtype == torch.float32 and parts.shape == (cols // k_split, 1, rows)
-    torch.testing.assert_close(parts.sum(0), x.float() @ w32.T, atol=1e-3, rtol=1e-3)
-    if scales is not None:  # the scales are read per row: swapped rows must fail
-        wrong = gemv_partials(x, weight, scales.flip(0).contiguous()).sum(0)
-        assert not torch.allclose(wrong, x.float() @ w32.T, atol=1e-2, rtol=1e-2)
+from tests.kernels.gemv_cases import DEVICE, DTYPES, gemv_weight, token_row  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -90,9 +47,9 @@ def test_gemv_partials(dtype, fmt, rows, cols) -> None:
 def test_gate_up_silu_gemv(dtype, fmt, inter, hidden, bias) -> None:
     """Equals gate_up_proj -> SiLU-and-mul (K need not be a power of two)."""
     torch.manual_seed(inter)
-    weight, scales, w32 = _weight(2 * inter, hidden, fmt, dtype)
+    weight, scales, w32 = gemv_weight(2 * inter, hidden, fmt, dtype)
     b = torch.randn(2 * inter, device=DEVICE).to(dtype) if bias else None
-    x = _x(hidden, dtype)
+    x = token_row(hidden, dtype)
     assert runs_gate_up_gemv(x, weight, scales)
     projected = F.linear(x.float(), w32, None if b is None else b.float()).to(dtype)
     want = SiluAndMul.torch_forward(projected)
@@ -110,9 +67,9 @@ def test_gate_up_silu_gemv(dtype, fmt, inter, hidden, bias) -> None:
 def test_gemv_rows(dtype, fmt, rows, cols, bias) -> None:
     """Equals x @ W.T + b in float32, rounded once (K need not be a power of two)."""
     torch.manual_seed(rows + cols)
-    weight, scales, w32 = _weight(rows, cols, fmt, dtype)
+    weight, scales, w32 = gemv_weight(rows, cols, fmt, dtype)
     b = torch.randn(rows, device=DEVICE).to(dtype) if bias else None
-    x = _x(cols, dtype)
+    x = token_row(cols, dtype)
     assert runs_gemv_rows(x, weight, scales)
     want = F.linear(x.float(), w32, None if b is None else b.float())
     got = gemv_rows(x, weight, b, scales)
@@ -130,10 +87,10 @@ def test_norm_gate_up_silu_gemv(dtype, fmt, inter, hidden, splits) -> None:
     """Equals add_partials_rms_norm then gate_up_silu_gemv (bit for bit under the interpreter;
     on a GPU the two kernels may sum the squares in other orders), the residual exactly."""
     torch.manual_seed(inter + splits)
-    weight, scales, _ = _weight(2 * inter, hidden, fmt, dtype)
+    weight, scales, _ = gemv_weight(2 * inter, hidden, fmt, dtype)
     b = torch.randn(2 * inter, device=DEVICE).to(dtype)
     norm_weight = (torch.rand(hidden, device=DEVICE) + 0.5).to(dtype)
-    norm = PendingNorm(torch.randn(splits, 1, hidden, device=DEVICE) * 3, _x(hidden, dtype),
+    norm = PendingNorm(torch.randn(splits, 1, hidden, device=DEVICE) * 3, token_row(hidden, dtype),
                        norm_weight, 1e-5)
     assert runs_norm_gate_up_gemv(norm, weight, scales)
     normed, want_res = add_partials_rms_norm(*norm)
@@ -152,7 +109,7 @@ def test_norm_in_gate_up_only_where_its_reads_are_cheap() -> None:
     """Every program reads all partials: refused past half the weight's bytes (Llama-3.1-8B
     bf16: 16 partials of its 4,096-wide hidden state, 2 gate rows a program)."""
     weight = torch.zeros(2 * 64, 4096, dtype=torch.bfloat16, device=DEVICE)
-    residual = _x(4096, torch.bfloat16)
+    residual = token_row(4096, torch.bfloat16)
     norm_weight = torch.ones(4096, dtype=torch.bfloat16, device=DEVICE)
 
     def runs(splits: int) -> bool:
@@ -163,7 +120,7 @@ def test_norm_in_gate_up_only_where_its_reads_are_cheap() -> None:
 
 def _pending(splits: int, hidden: int, dtype: torch.dtype) -> PendingNorm:
     norm_weight = (torch.rand(hidden, device=DEVICE) + 0.5).to(dtype)
-    return PendingNorm(torch.randn(splits, 1, hidden, device=DEVICE) * 3, _x(hidden, dtype),
+    return PendingNorm(torch.randn(splits, 1, hidden, device=DEVICE) * 3, token_row(hidden, dtype),
                        norm_weight, 1e-5)
 
 
@@ -175,7 +132,7 @@ def test_norm_gemv_rows(dtype, fmt, rows, cols, bias, splits) -> None:
     """Equals add_partials_rms_norm then gemv_rows (bit for bit under the interpreter; on a GPU
     the two kernels may sum the squares in other orders), the residual exactly."""
     torch.manual_seed(rows + splits)
-    weight, scales, _ = _weight(rows, cols, fmt, dtype)
+    weight, scales, _ = gemv_weight(rows, cols, fmt, dtype)
     b = torch.randn(rows, device=DEVICE).to(dtype) if bias else None
     norm = _pending(splits, cols, dtype)
     # FP8 codes at K 1,000 take 4 partials at most: their programs hold as many rows as 16-bit
@@ -225,8 +182,8 @@ def test_norm_in_whole_rows_only_where_its_reads_are_cheap() -> None:
 
 def test_takes_one_token_of_supported_formats() -> None:
     """Two tokens, block scales, float32 activations or an odd row count go elsewhere."""
-    weight, scales, _ = _weight(128, 512, "fp8", torch.bfloat16)
-    x = _x(512, torch.bfloat16)
+    weight, scales, _ = gemv_weight(128, 512, "fp8", torch.bfloat16)
+    x = token_row(512, torch.bfloat16)
     assert runs_gemv(x, weight, scales) and runs_gate_up_gemv(x, weight, scales)
     assert not runs_gemv(torch.cat([x, x]), weight, scales)
     assert not runs_gemv(x, weight, scales, (128, 128))
@@ -240,22 +197,23 @@ def test_takes_one_token_of_supported_formats() -> None:
     w16 = weight.float().to(torch.bfloat16)
     assert runs_gemv(x, w16) and not runs_gemv(x, w16[:100])  # rows the tiles do not divide
     wide = torch.zeros(2, 16384, dtype=torch.bfloat16, device=DEVICE)  # 32 KB a row
-    assert not runs_gate_up_gemv(_x(16384, torch.bfloat16), wide)  # one pair over PAIR_BYTES
-    assert not runs_gemv_rows(_x(16384, torch.bfloat16), wide)  # one row over WHOLE_ROWS_BYTES
+    row = token_row(16384, torch.bfloat16)
+    assert not runs_gate_up_gemv(row, wide)  # one pair over PAIR_BYTES
+    assert not runs_gemv_rows(row, wide)  # one row over WHOLE_ROWS_BYTES
     # more partials than the norm after sums: a 16-bit k-major K of 64 K slices and more
     long = torch.zeros(32 * 256 * 65, 32, dtype=torch.bfloat16, device=DEVICE).t()
-    assert not runs_gemv(_x(32 * 256 * 65, torch.bfloat16), long)
+    assert not runs_gemv(token_row(32 * 256 * 65, torch.bfloat16), long)
 
 
 def test_split_k_and_gate_up_take_it_at_one_token() -> None:
     """split_k_linear and gate_up_silu hand one token to the GEMV: its split count, its
     values."""
-    weight, _, _ = _weight(128, 3072, "k-major", torch.float16)
-    x = _x(3072, torch.float16)
+    weight, _, _ = gemv_weight(128, 3072, "k-major", torch.float16)
+    x = token_row(3072, torch.float16)
     parts = split_k_linear(x, weight)
     assert torch.equal(parts, gemv_partials(x, weight))
-    weight, _, _ = _weight(256, 512, "row-major", torch.float16)
-    x = _x(512, torch.float16)
+    weight, _, _ = gemv_weight(256, 512, "row-major", torch.float16)
+    x = token_row(512, torch.float16)
     assert torch.equal(gate_up_silu(x, weight, None), gate_up_silu_gemv(x, weight, None))
 
 
@@ -265,51 +223,15 @@ def test_qkv_and_fp8_linear_take_whole_rows_at_one_token(monkeypatch) -> None:
     real = fused_linear.gemv_rows
     monkeypatch.setattr(fused_linear, "gemv_rows", lambda *a: calls.append("qkv") or real(*a))
     heads, kv_heads, head_dim = 2, 1, 128
-    weight, _, _ = _weight((heads + 2 * kv_heads) * head_dim, 256, "row-major", torch.float16)
-    x = _x(256, torch.float16)
+    weight, _, _ = gemv_weight((heads + 2 * kv_heads) * head_dim, 256, "row-major", torch.float16)
+    x = token_row(256, torch.float16)
     cache = torch.zeros(4, 16, kv_heads, head_dim, dtype=torch.float16, device=DEVICE)
     cos_sin = torch.randn(64, head_dim, device=DEVICE)
     pos, slots = (torch.tensor([5], device=DEVICE) for _ in range(2))
     fused_linear.qkv_rope_store(x, weight, None, heads, kv_heads, pos, None, None, 0.0,
                                 cos_sin, cache, cache.clone(), slots)
     assert calls == ["qkv"]
-    codes, scales, w32 = _weight(256, 512, "fp8", torch.float16)
-    x = _x(512, torch.float16)
+    codes, scales, w32 = gemv_weight(256, 512, "fp8", torch.float16)
+    x = token_row(512, torch.float16)
     got = fp8_linear(x, codes, scales, None)
     assert torch.equal(got, gemv_rows(x, codes, None, scales))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("splits,empty", [(3, 0), (16, 5), (21, 21)])
-def test_gemv_partials_merges_a_pending_decode(dtype, splits, empty) -> None:
-    """A PendingMerge's partials, merged inside the GEMV, give what the merge launch's output
-    gives it (the same rounding to dtype); empty splits (m = -inf) weigh nothing."""
-    heads, head_dim, rows = 8, 128, 64
-    k = heads * head_dim  # 16-bit k-major: 512-row K slices, 4 heads a program
-    weight, _, _ = _weight(rows, k, "k-major", dtype)
-    assert runs_merge_gemv(dtype, head_dim, weight)
-    part_m, part_l, part_acc = split_partials(1, heads, splits, head_dim, DEVICE)
-    part_m.copy_(torch.randn_like(part_m) * 4)
-    part_l.copy_(torch.rand_like(part_l) + 0.5)
-    part_acc.copy_(torch.randn_like(part_acc) * 3)
-    part_m[:, :, splits - empty:] = float("-inf")  # all empty: zeros out
-    part_l[:, :, splits - empty:] = 0.0
-    part_acc[:, :, splits - empty:] = 0.0
-    out = torch.empty(1, heads, head_dim, dtype=dtype, device=DEVICE)
-    reduce_splits(part_m, part_l, part_acc, out)
-    expected = gemv_partials(out.view(1, k), weight)
-    merged = gemv_partials(PendingMerge(part_m, part_l, part_acc, out), weight)
-    torch.testing.assert_close(merged, expected, atol=1e-5, rtol=1e-5)
-    assert merged.any() != (empty == splits)
-
-
-def test_merge_only_where_programs_take_whole_heads() -> None:
-    """runs_merge_gemv: a GEMV weight whose programs' K slices hold whole heads, at most 4."""
-    weight, _, _ = _weight(64, 4096, "k-major", torch.bfloat16)  # 512-row K slices
-    assert runs_merge_gemv(torch.bfloat16, 128, weight)
-    assert not runs_merge_gemv(torch.bfloat16, 96, weight)  # not whole heads
-    assert not runs_merge_gemv(torch.bfloat16, 64, weight)  # 8 heads a program
-    assert not runs_merge_gemv(torch.float16, 128, weight)  # activations of another dtype
-    codes, scale, _ = _weight(64, 4096, "fp8", torch.bfloat16)  # [N, K]: 2,048-column slices
-    assert runs_gemv(_x(4096, torch.bfloat16), codes, scale)
-    assert not runs_merge_gemv(torch.bfloat16, 128, codes, scale)

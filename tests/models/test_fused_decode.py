@@ -15,6 +15,7 @@ from torch import nn  # noqa: E402
 from benchmarks.random_checkpoints import build_checkpoint  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.kernels.attention import decode  # noqa: E402
+from nanovllm.kernels.attention.decode_reduce import PendingMerge  # noqa: E402
 from nanovllm.kernels.linear import fused as fused_linear  # noqa: E402
 from nanovllm.kernels.linear import fused_gate_up, gemv, gemv_gate_up, split_k  # noqa: E402
 from nanovllm.layers.backends import (  # noqa: E402
@@ -88,7 +89,7 @@ def spy_gemv(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         fn = getattr(module, name)
 
         def call(*args, **kwargs):
-            calls.append(name)
+            calls.append(name + ("+merge" if isinstance(args[0], PendingMerge) else ""))
             return fn(*args, **kwargs)
         monkeypatch.setattr(module, name, call)
     spy(split_k, "gemv_partials")
@@ -149,9 +150,9 @@ def test_fused_decode_same_tokens(checkpoint: str, monkeypatch: pytest.MonkeyPat
     finally:
         llm.shutdown()
     assert got == want and got_one == want_one
-    assert gemv_calls.count("gemv_partials") == 5 * (2 + mlps)  # o_proj, down_proj
-    # the decode's 2 splits merged inside o_proj's GEMV: no merge launch
-    assert "reduce_splits" not in gemv_calls
+    assert gemv_calls.count("gemv_partials") == 5 * mlps  # down_proj
+    # o_proj, each layer: the decode's 2 splits merged inside its GEMV, no merge launch
+    assert gemv_calls.count("gemv_partials+merge") == 5 * 2 and "reduce_splits" not in gemv_calls
     # gate_up_proj with the norm before it (o_proj's partials summed in its programs)
     assert gemv_calls.count("norm_gate_up_silu_gemv") == 5 * mlps
     assert gemv_calls.count("gate_up_silu_gemv") == 0

@@ -250,6 +250,7 @@ def decode_attention_triton(
         num_splits = _graph_splits(batch, num_kv_heads, block_tables.shape[1] * block_size,
                                    window, block_n)
     assert 1 <= num_splits <= MAX_SPLITS, f"num_splits={num_splits}: 1..{MAX_SPLITS}"
+    assert batch == 1 or not defer_merge, "a PendingMerge is one sequence's"
     group = num_heads // num_kv_heads
     # with one split (large batches: programs enough) the kernel writes `out`, and no reduce runs.
     part_m, part_l, part_acc = split_partials(batch, num_heads, num_splits, head_dim, q.device)
@@ -267,8 +268,6 @@ def decode_attention_triton(
         num_stages=_FP8_NUM_STAGES if fp8 and new_token is None else 2,
         **launch_options(),
     )
-    if num_splits > 1 and defer_merge:
-        return PendingMerge(part_m, part_l, part_acc, out)
-    if num_splits > 1:
+    if num_splits > 1 and not defer_merge:
         reduce_splits(part_m, part_l, part_acc, out)
-    return out
+    return PendingMerge(part_m, part_l, part_acc, out) if num_splits > 1 and defer_merge else out

@@ -35,8 +35,8 @@ def store_split(m_i, l_i, acc, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, se
 
 class PendingMerge(NamedTuple):
     """A one-token decode's output, left as its splits' softmax partials (split_partials') for
-    the GEMV that reads it to merge (kernels.linear.gemv_partials); `out` [1, H, D] is where a merge
-    launch would write it (its dtype: the rounding)."""
+    the GEMV that reads it to merge (kernels.linear.gemv_partials); `out` [1, H, D] is where a
+    merge launch would write it, never written on this path (its dtype: the rounding)."""
 
     part_m: torch.Tensor
     part_l: torch.Tensor
@@ -51,8 +51,9 @@ MERGE_CHUNK = 16  # splits a merging GEMV program loads at once
 def merged_heads(part_m_ptr, part_l_ptr, part_acc_ptr, head0, num_splits, dtype: tl.constexpr,
                  HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr,
                  CHUNK: tl.constexpr):
-    """float32 [HEADS * D]: heads head0.. of a one-token decode, merged from their splits as
-    decode_reduce_kernel merges them and rounded to dtype as its output is."""
+    """float32 [HEADS * D]: heads head0.. of a one-token decode, merged from their splits by
+    decode_reduce_kernel's formula (its float32 sums in chunks of CHUNK splits, so their order
+    may differ) and rounded to dtype as its output is."""
     heads = head0 + tl.arange(0, HEADS)
     splits = tl.arange(0, SPLITS_P2)
     m = tl.load(part_m_ptr + heads[:, None] * num_splits + splits[None, :],

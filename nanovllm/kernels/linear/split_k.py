@@ -164,6 +164,7 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, *, w_scale: torch.Tens
     or down_proj, whose splits the add + RMSNorm after it sums in a fixed order. One token
     without LoRA runs kernels.linear.gemv (CUDA cores, measured faster there)."""
     if isinstance(x, PendingMerge) or lora is None and runs_gemv(x, weight, w_scale, w_block):
+        assert lora is None, "a PendingMerge's layer runs no LoRA (runs_merge_gemv)"
         return gemv_partials(x, weight, w_scale)
     num_tokens, input_size = x.shape
     output_size = weight.shape[0]
