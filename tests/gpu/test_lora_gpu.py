@@ -53,7 +53,7 @@ def test_cuda_graphs_equal_eager_and_peft(tiny_model, adapters):  # noqa: F811
 
 
 @pytest.mark.parametrize("num_prompts", [3, 5])
-def test_fused_decode_with_lora_equals_unfused_bf16(tmp_path, num_prompts):
+def test_fused_decode_with_lora_equals_unfused_bf16(tmp_path, num_prompts, monkeypatch):
     """bf16, a shape the fused decode projections take (head_dim 128): the decode steps with
     the LoRA expand inside the fused kernels give the unfused path's greedy tokens; 12 rows
     take qkv_proj's and gate_up_proj's shrink from the norm before them, 20 compute it in the
@@ -73,6 +73,8 @@ def test_fused_decode_with_lora_equals_unfused_bf16(tmp_path, num_prompts):
     batch = [p for p in prompts for _ in names]
     per_row = [loras.get(n) for _ in prompts for n in names]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    # the fixed limits: the test compares fused with unfused, whatever start-up would measure
+    monkeypatch.setenv("NANOVLLM_FUSED_LIMITS", "fixed")
     llm = LLM(base, enforce_eager=True, dtype="bfloat16", attention_backend="triton",
               enable_lora=True, max_loras=4, max_lora_rank=16, num_kvcache_blocks=64)
     runner = llm.model_runner
