@@ -6,8 +6,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from nanovllm.kernels.attention.decode_reduce import PendingMerge
 from nanovllm.kernels.attention.kv_quant import FP8_MAX
+from nanovllm.kernels.attention.pending_merge import PendingMerge
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.utils.context import get_context

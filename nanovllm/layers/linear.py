@@ -4,7 +4,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.kernels.attention.decode_reduce import PendingMerge
+from nanovllm.kernels.attention.pending_merge import PendingMerge
 from nanovllm.kernels.linear.norm_prologue import PendingNorm
 from nanovllm.layers.lora_slots import LoRASlots
 from nanovllm.layers.quantization.fp8 import Cols, Fp8Format, Rows, load_shard
@@ -275,14 +275,12 @@ class RowParallelLinear(LinearBase):
             dist.all_reduce(y)
         return y
 
-    def runs_merge_gemv(self, head_dim: int) -> bool:
-        """Whether a lone token's split_k_partials takes its decode attention's PendingMerge
-        (heads of head_dim): a decode step bound to the fused kernels, no LoRA, a GEMV whose
-        programs take whole heads (kernels.linear.gemv_partials.runs_merge_gemv)."""
+    def runs_merge_gemv(self, x: torch.Tensor, head_dim: int) -> bool:
+        """Whether split_k_partials takes the PendingMerge of x's decode attention (x: that
+        lone token's rows, heads of head_dim): a step runs_fused_decode takes, no LoRA, a GEMV
+        whose programs take whole heads (kernels.linear.gemv_partials.runs_merge_gemv)."""
         from nanovllm.kernels.linear.gemv_partials import runs_merge_gemv
-        ctx = get_context()
-        return self.fused_decode_max_tokens >= 1 and not ctx.is_prefill \
-            and ctx.slot_mapping is not None and self.lora_slots() is None \
+        return self.runs_fused_decode(x) and self.lora_slots() is None \
             and runs_merge_gemv(self.fused_format()[0], head_dim, self.weight,
                                 **self.fused_scales())
 

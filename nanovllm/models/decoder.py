@@ -100,7 +100,7 @@ class DecoderAttention(nn.Module):
             return self._attend_qkv(positions, self.qkv_proj(hidden_states)), residual
         if self.attn.can_decode_new_token():  # q/k norm, RoPE and the K/V write in decode
             o = self.attn.decode_new_token(positions, qkv,
-                                           self.o_proj.runs_merge_gemv(self.head_dim))
+                                           self.o_proj.runs_merge_gemv(qkv, self.head_dim))
             return (o if isinstance(o, PendingMerge) else o.flatten(1, -1)), residual
         return self._attend_qkv(positions, qkv), residual
 

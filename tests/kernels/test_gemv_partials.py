@@ -1,6 +1,6 @@
 """One-token split-K partials (kernels.linear.gemv_partials) vs float32 torch
 (TRITON_INTERPRET on CPU): 16-bit weights in both layouts, FP8 codes per channel, and a decode's
-splits merged inside them (decode_reduce.PendingMerge)."""
+splits merged inside them (pending_merge.PendingMerge)."""
 
 import os
 
@@ -11,7 +11,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from nanovllm.kernels.attention.decode_reduce import PendingMerge, split_partials  # noqa: E402
+from nanovllm.kernels.attention.decode_reduce import split_partials  # noqa: E402
+from nanovllm.kernels.attention.pending_merge import PendingMerge  # noqa: E402
 from nanovllm.kernels.linear.gemv_partials import (  # noqa: E402
     _partials_tiles,
     gemv_partials,

@@ -15,7 +15,7 @@ from torch import nn  # noqa: E402
 from benchmarks.random_checkpoints import build_checkpoint  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.kernels.attention import decode  # noqa: E402
-from nanovllm.kernels.attention.decode_reduce import PendingMerge  # noqa: E402
+from nanovllm.kernels.attention.pending_merge import PendingMerge  # noqa: E402
 from nanovllm.kernels.linear import fused as fused_linear  # noqa: E402
 from nanovllm.kernels.linear import fused_gate_up, gemv, gemv_gate_up, split_k  # noqa: E402
 from nanovllm.layers.backends import (  # noqa: E402

@@ -11,7 +11,6 @@ import triton.language as tl
 from nanovllm.kernels.attention import prefill  # dot_precision looked up per call (tests patch)
 from nanovllm.kernels.attention.decode_reduce import (
     MAX_SPLITS,
-    PendingMerge,
     reduce_splits,
     split_partials,
     store_split,
@@ -24,6 +23,7 @@ from nanovllm.kernels.attention.new_token import (
     new_token_steps,
     query_tile,
 )
+from nanovllm.kernels.attention.pending_merge import PendingMerge
 from nanovllm.kernels.attention.prefill import LOG2E, check_shapes, softmax_step
 from nanovllm.kernels.attention.reference import check_sliding_window
 from nanovllm.kernels.pdl import launch_options, wait_then_release

@@ -1,7 +1,6 @@
 """Flash-decoding's split partials (kernels.attention.decode): their store, and their merge,
-by a launch of its own or inside the one-token GEMV that reads the output (PendingMerge)."""
-from typing import NamedTuple
-
+by a launch of its own or inside the one-token GEMV that reads the output
+(pending_merge.PendingMerge)."""
 import torch
 import triton
 import triton.language as tl
@@ -31,17 +30,6 @@ def store_split(m_i, l_i, acc, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, se
         tl.store(part_l_ptr + part, l_i, mask=g_mask)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc * v_scale,
                  mask=g_mask[:, None])
-
-
-class PendingMerge(NamedTuple):
-    """A one-token decode's output, left as its splits' softmax partials (split_partials') for
-    the GEMV that reads it to merge (kernels.linear.gemv_partials); `out` [1, H, D] is where a
-    merge launch would write it, never written on this path (its dtype: the rounding)."""
-
-    part_m: torch.Tensor
-    part_l: torch.Tensor
-    part_acc: torch.Tensor
-    out: torch.Tensor
 
 
 MERGE_CHUNK = 16  # splits a merging GEMV program loads at once

@@ -2,7 +2,7 @@
 down_proj of a lone token's decode step, as split_k_linear's partials for the add + RMSNorm
 after them to sum. A program takes a slice of the weight's rows and of K; o_proj's programs
 may first merge the decode attention's splits for the heads their K slice holds
-(decode_reduce.PendingMerge), so that the merge needs no launch of its own.
+(pending_merge.PendingMerge), so that the merge needs no launch of its own.
 """
 import torch
 import triton
@@ -11,9 +11,9 @@ import triton.language as tl
 from nanovllm.kernels.attention.decode_reduce import (
     MAX_SPLITS,
     MERGE_CHUNK,
-    PendingMerge,
     merged_heads,
 )
+from nanovllm.kernels.attention.pending_merge import PendingMerge
 from nanovllm.kernels.linear.gemv import SLICE_BYTES, dtype_ok, row_values, weight_ok
 from nanovllm.kernels.linear.norm_prologue import MAX_PARTIALS
 from nanovllm.kernels.pdl import launch_options, wait_then_release

@@ -8,8 +8,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from nanovllm.kernels.attention.decode_reduce import PendingMerge
 from nanovllm.kernels.attention.kv_quant import FP8_DTYPE
+from nanovllm.kernels.attention.pending_merge import PendingMerge
 from nanovllm.kernels.linear.fused_fp8 import (
     K_STEP,
     TILE_ROWS,
