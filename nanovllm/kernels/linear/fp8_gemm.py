@@ -6,8 +6,8 @@ is the reference and describes the layout).
   cuBLAS's block-scaled GEMM (torch._scaled_mm, CUDA 12.9+), 2.1-3.3x faster than the swapped
   GEMM at prefill sizes. Those neither takes: our Triton GEMM, one K step per block, each
   step's partial product times its token-group and weight-block scales.
-- Per-channel weights: torch._scaled_mm (cuBLAS, rowwise scales) where it takes the shapes and
-  dtype, else the same Triton GEMM with one group spanning all of K.
+- Per-channel weights: torch._scaled_mm (cuBLAS, rowwise scales, fast accumulation) where it
+  takes the shapes and dtype, else the same Triton GEMM with one group spanning all of K.
 - With TMA (sm_90), where split-K below does not run: the operands swapped, the weight's rows
   on the MMA's M side (kernels.linear.w8a8_swap), K split for short N, up to SWAP_TOKENS (for
   block scales at any size where cuBLAS lacks them). cuBLAS gave Llama-3.1-8B's o_proj 64
@@ -268,8 +268,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if _runs_swap(x2, weight, block):
         y = w8a8_swap(codes, scales, weight, weight_scale, block, bias, x.dtype)
     elif block is None and _scaled_mm_fits(x2, weight):
+        # fast accumulation, as vLLM's FP8 GEMMs on sm_90: the MMA's own accumulator over all
+        # of K, no promotion to float32 between steps (twice the error, docs/quantization.md)
         y = torch._scaled_mm(codes, weight.t(), scale_a=scales, scale_b=weight_scale.view(1, n),
-                             bias=bias, out_dtype=x.dtype)
+                             bias=bias, out_dtype=x.dtype, use_fast_accum=True)
     else:
         y = w8a8_gemm(codes, scales, weight, weight_scale, groups, bias, x.dtype)
     return y.reshape(*x.shape[:-1], n)
