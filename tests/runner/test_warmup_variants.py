@@ -220,3 +220,33 @@ def test_lora_workload_launches_only_warmed_variants(recorder: VariantRecorder,
             "_split_k_kernel", "_rms_norm_kernel"} <= kernels
     cold = sorted(set(launched) - warmed)
     assert not cold, "variants the warm-up never compiled:\n" + "\n".join(map(str, cold))
+
+
+@pytest.mark.parametrize("quantization", ["fp8", None])
+def test_fp8_workload_launches_only_warmed_variants(recorder: VariantRecorder, tmp_path,
+                                                    quantization) -> None:
+    """FP8 weights per channel (quantized at load) and in 128 x 128 blocks: decode up to 16
+    tokens as W8A16 (fused and split-K), and steps of more tokens as W8A8 (the activations'
+    quantization and the swapped GEMM)."""
+    from tests.fp8_checkpoints import quantize_checkpoint
+    checkpoint = build_checkpoint(str(tmp_path / "ckpt"), **SHAPE)
+    if quantization is None:
+        checkpoint = quantize_checkpoint(checkpoint, str(tmp_path / "block"), "block", 128)
+    llm = LLM(checkpoint, device="cpu", attention_backend="triton", dtype="float16",
+              num_kvcache_blocks=4, max_num_seqs=4, max_num_batched_tokens=32,
+              max_model_len=512, quantization=quantization)
+    try:
+        warmed = set(recorder.keys)
+        start = len(recorder.keys)
+        greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        llm.generate([[1, 2, 3], [(7 * i) % 400 + 3 for i in range(45)], [5] * 6], greedy,
+                     use_tqdm=False)
+        llm.generate([[6] * 5], greedy, use_tqdm=False)
+        launched = recorder.keys[start:]
+    finally:
+        llm.shutdown()
+    kernels = {key[0] for key in launched}
+    assert {"_group_quant_kernel", "_w8a8_swap_kernel", "_split_k_kernel",
+            "_qkv_rope_store_kernel"} <= kernels, kernels
+    cold = sorted(set(launched) - warmed)
+    assert not cold, "variants the warm-up never compiled:\n" + "\n".join(map(str, cold))
