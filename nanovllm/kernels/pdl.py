@@ -4,7 +4,7 @@ launched with it is scheduled while the kernel before it still runs: its program
 PDL kernel be scheduled in turn. A kernel boundary then costs no launch and no ramp-up, only
 the wait's release; CUDA graphs keep the relation as a programmatic edge. It pays only
 between two such kernels: cuBLAS GEMMs never release their dependents early
-(docs/benchmarks.md). A MoE layer's kernels as PDL launches took the Qwen3-30B-A3B batch-1
+(docs/design.md). A MoE layer's kernels as PDL launches took the Qwen3-30B-A3B batch-1
 step from 4,236 to 4,146 us (H200, alternated x2, 2026-12-04).
 
 Before its wait a program may read only what no kernel of a step writes, so that it overlaps

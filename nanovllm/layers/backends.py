@@ -64,7 +64,7 @@ class FastPath:
 # The largest decode step, in tokens, that runs each projection's fused kernel until start-up
 # measures it on the model's own shapes (layers.fused_calibration, on CUDA), and the limits
 # bound when NANOVLLM_FUSED_LIMITS=fixed (A/B runs): up to there each beat cuBLAS + the kernel
-# it absorbs on the H200 for Qwen3-0.6B's shapes (docs/benchmarks.md).
+# it absorbs on the H200 for Qwen3-0.6B's shapes (docs/design.md).
 FUSED_QKV_MAX_TOKENS = 256  # qkv_proj + q/k norm + RoPE + K/V write (QKVParallelLinear)
 FUSED_GATE_UP_MAX_TOKENS = 64  # gate_up_proj + SiLU-and-mul (MergedColumnParallelLinear)
 FUSED_SPLIT_K_MAX_TOKENS = 256  # o_proj and down_proj as split-K partials (RowParallelLinear)

@@ -246,7 +246,7 @@ class RowParallelLinear(LinearBase):
                  quant: Fp8Format | None = None):
         _, tp_size = tp_rank_and_size()
         # k_major: from that layout cuBLAS ran Qwen3-0.6B's o_proj twice as fast below 8 rows
-        # on the H200 and tied or won elsewhere (other shapes: docs/benchmarks.md); FP8 codes
+        # on the H200 and tied or won elsewhere (other shapes: docs/design.md); FP8 codes
         # stay [output, input], the layout the FP8 GEMMs read
         super().__init__(divide(input_size, tp_size), output_size, bias, 1,
                          k_major=quant is None, quant=quant)

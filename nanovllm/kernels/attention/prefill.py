@@ -168,7 +168,7 @@ def _prefill_config(head_dim: int, block_size: int, elem_size: int,
                     max_seqlen_q: int | None = None) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_N divides block_size (no page crossing).
     Long prompts in 16-bit take 128 x 128 tiles, which win from 8k queries on and lose on short
-    prompts (measured in docs/benchmarks.md)."""
+    prompts (measured in docs/design.md)."""
     if (max_seqlen_q is not None and max_seqlen_q >= _LONG_PROMPT and head_dim <= 128
             and elem_size == 2 and block_size % 128 == 0):
         return 128, 128, 8, 3

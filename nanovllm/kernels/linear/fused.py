@@ -8,7 +8,7 @@ The GEMMs are swap-AB and TMA-fed: a batch of at most a few hundred tokens is to
 the MMA's 64-row side, so the weight's rows take it (out^T = W @ x^T) and the tokens the narrow
 side; weight and token tiles arrive by TMA through a multi-stage pipeline. Each program owns
 one head (two 64-row halves, the pair neox RoPE rotates together) or 64 gate rows with their
-64 up rows, for BLOCK_T tokens (their gains against cuBLAS: docs/benchmarks.md).
+64 up rows, for BLOCK_T tokens (their gains against cuBLAS: docs/design.md).
 
 FP8 weights run as W8A16, a constexpr branch (W_SCALE; kernels.linear.fused_fp8 says how, and
 why). LoRA slots add their delta in the epilogue (kernels.linear.lora says where the shrink is
@@ -198,7 +198,7 @@ def fits_qkv(hidden_size: int, head_dim: int, dtype: torch.dtype,
 
 def _launch(num_tokens: int, weight: torch.Tensor, lora: LoRASlots | None,
             ahead: LoRAAhead | None, programs: int, sms: int) -> tuple[int, int, int, int]:
-    """(BLOCK_T, BLOCK_K, STAGES, num_warps) for a batch (the H200 sweep: docs/benchmarks.md).
+    """(BLOCK_T, BLOCK_K, STAGES, num_warps) for a batch (the H200 sweep: docs/design.md).
     A's tiles in the K loop leave room for fewer stages (gate_up's: 80 KB a stage at 64 tokens).
     Up to 16 tokens, more programs than SMs get the stages that keep them all resident (beside
     B's tiles, with a shrink computed ahead): one wave, not a partial second one."""

@@ -134,7 +134,7 @@ def fits_split_k(input_size: int, output_size: int, dtype: torch.dtype,
 
 def _num_splits(output_size: int, input_size: int, token_tiles: int, num_tokens: int) -> int:
     """Splits of K that give >= 128 programs (256 up to 16 tokens), at most 16, each split
-    a whole number of 128-wide K tiles (the split_k_gemm probe's sweep, docs/benchmarks.md)."""
+    a whole number of 128-wide K tiles (the split_k_gemm probe's sweep, docs/design.md)."""
     target = 256 if num_tokens <= 16 else 128
     splits = min(16, triton.next_power_of_2(triton.cdiv(target, output_size // ROWS * token_tiles)))
     while input_size % (splits * K_STEP):

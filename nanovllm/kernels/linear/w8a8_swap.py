@@ -3,7 +3,7 @@ the tokens its N side, so that every program reads a distinct slab of the weight
 tokens' codes, shared by all programs, come from L2. Splitting K gives o_proj/down_proj's few
 thousand rows enough programs for every SM; split partials are float32, summed by
 split_k.sum_partials. fp8_gemm.fp8_linear picks it (for how many tokens, see there). Not a PDL
-launch: with PDL it and the quantization before it were slower (docs/benchmarks.md)."""
+launch: with PDL it and the quantization before it were slower (docs/experiments.md)."""
 import torch
 import triton
 import triton.language as tl
