@@ -11,6 +11,7 @@ stay garbage) must finish and launch the variants their real run does."""
 import ast
 import inspect
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -64,6 +65,23 @@ class VariantRecorder:
         self.keys.append((fn.fn.__name__, repr(specialization), repr(sorted(options.items()))))
 
 
+def launched_after_start_up(recorder: VariantRecorder, llm: LLM,
+                            workload: Callable[[LLM], None]) -> tuple[list[tuple], set[tuple]]:
+    """(the variants workload(llm) launched, those start-up compiled); llm shut down after."""
+    try:
+        warmed, start = set(recorder.keys), len(recorder.keys)
+        workload(llm)
+        return recorder.keys[start:], warmed
+    finally:
+        llm.shutdown()
+
+
+def assert_all_warmed(launched: list[tuple], warmed: set[tuple]) -> None:
+    """Every variant launched was compiled by start-up."""
+    cold = sorted(set(launched) - warmed)
+    assert not cold, "variants the warm-up never compiled:\n" + "\n".join(map(str, cold))
+
+
 def norm_rows(keys: list[tuple]) -> list[tuple]:
     """The keys of whole-row GEMVs that compute the add + RMSNorm before them (PARTIALS)."""
     partials = list(inspect.signature(_gemv_rows_kernel.fn).parameters).index("PARTIALS")
@@ -88,13 +106,15 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> VariantRecorder:
     return recorder
 
 
+GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+
+
 def _workload(llm: LLM) -> None:
     """Chunked prompts (a later chunk reads its prefix from the cache, as a prefix-cache hit or
     a recomputed preempted sequence does), batch sizes 1 to 4, n > 1, logprobs, prompt
     logprobs, temperature, top-k/top-p, seeds and penalties (interpreted kernels run ~10
     tokens/s: prompts stay short)."""
-    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    llm.generate([[1, 2, 3], [(5 * i) % 400 + 3 for i in range(37)]], greedy, use_tqdm=False)
+    llm.generate([[1, 2, 3], [(5 * i) % 400 + 3 for i in range(37)]], GREEDY, use_tqdm=False)
     llm.generate([[4] * 9, [5] * 6], [
         SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True, n=2, logprobs=2),
         SamplingParams(temperature=1.0, top_k=5, top_p=0.9, seed=3, max_tokens=3,
@@ -103,6 +123,12 @@ def _workload(llm: LLM) -> None:
     llm.generate([[6] * 5], SamplingParams(temperature=0.7, presence_penalty=0.5, max_tokens=3,
                                            ignore_eos=True, prompt_logprobs=1), use_tqdm=False)
     assert llm.stats()["prefill_steps"] >= 4  # the 37-token prompt took 3 chunks
+
+
+def _short_workload(llm: LLM, second: list[int] | None = None) -> None:
+    """Three prompts of greedy decoding (`second` the middle one's tokens), then one alone."""
+    llm.generate([[1, 2, 3], second or [4] * 9, [5] * 6], GREEDY, use_tqdm=False)
+    llm.generate([[6] * 5], GREEDY, use_tqdm=False)
 
 
 def test_moe_workload_launches_only_warmed_variants(recorder: VariantRecorder,
@@ -120,21 +146,12 @@ def test_moe_workload_launches_only_warmed_variants(recorder: VariantRecorder,
         llm = LLM(checkpoint, device="cpu", attention_backend="triton", dtype="float16",
                   num_kvcache_blocks=4, max_num_seqs=4, max_num_batched_tokens=16,
                   max_model_len=512)
-        try:
-            warmed = set(recorder.keys)
-            start = len(recorder.keys)
-            greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-            llm.generate([[1, 2, 3], [4] * 9, [5] * 6], greedy, use_tqdm=False)
-            llm.generate([[6] * 5], greedy, use_tqdm=False)
-            launched = recorder.keys[start:]
-        finally:
-            llm.shutdown()
+        launched, warmed = launched_after_start_up(recorder, llm, _short_workload)
     kernels = {key[0] for key in launched}
     assert {"_topk_softmax_kernel", "_align_one_program_kernel", "_count_kernel",
             "_scatter_kernel", "_gate_up_silu_kernel", "_down_kernel"} <= kernels
     assert norm_rows(launched)
-    cold = sorted(set(launched) - warmed)
-    assert not cold, "variants the warm-up never compiled:\n" + "\n".join(map(str, cold))
+    assert_all_warmed(launched, warmed)
 
 
 def _llm(tmp_path, **lora) -> LLM:
@@ -145,14 +162,7 @@ def _llm(tmp_path, **lora) -> LLM:
 
 
 def test_workload_launches_only_warmed_variants(recorder: VariantRecorder, tmp_path) -> None:
-    llm = _llm(tmp_path)
-    try:
-        warmed = set(recorder.keys)
-        start = len(recorder.keys)
-        _workload(llm)
-        launched = recorder.keys[start:]
-    finally:
-        llm.shutdown()
+    launched, warmed = launched_after_start_up(recorder, _llm(tmp_path), _workload)
     kernels = {key[0] for key in launched}
     # the workload reaches every kernel family but split decode's reduce (contexts of more
     # than one block): attention, fused ops, projections, the sampler
@@ -160,8 +170,7 @@ def test_workload_launches_only_warmed_variants(recorder: VariantRecorder, tmp_p
             "_qkv_rope_store_kernel", "_gate_up_silu_kernel", "_split_k_kernel",
             "_race_kernel"} <= kernels
     assert norm_rows(launched)  # a lone token's layer 1: qkv_proj's GEMV with its input norm
-    cold = sorted(set(launched) - warmed)
-    assert not cold, "variants the warm-up never compiled:\n" + "\n".join(map(str, cold))
+    assert_all_warmed(launched, warmed)
 
 
 @pytest.mark.parametrize("lora", [{}, dict(enable_lora=True, max_loras=2, max_lora_rank=8)])
@@ -205,21 +214,16 @@ def test_lora_workload_launches_only_warmed_variants(recorder: VariantRecorder,
     llm = LLM(checkpoint, device="cpu", attention_backend="triton", dtype="float16",
               num_kvcache_blocks=4, max_num_seqs=4, max_num_batched_tokens=16,
               max_model_len=512, enable_lora=True, max_loras=2, max_lora_rank=8)
-    try:
-        warmed = set(recorder.keys)
-        start = len(recorder.keys)
-        greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-        llm.generate([[1, 2, 3], [4] * 20, [5] * 6], greedy, use_tqdm=False,
+
+    def workload(llm: LLM) -> None:
+        llm.generate([[1, 2, 3], [4] * 20, [5] * 6], GREEDY, use_tqdm=False,
                      lora_request=[loras[0], None, loras[1]])
-        llm.generate([[6] * 5], greedy, use_tqdm=False, lora_request=loras[1])
-        launched = recorder.keys[start:]
-    finally:
-        llm.shutdown()
+        llm.generate([[6] * 5], GREEDY, use_tqdm=False, lora_request=loras[1])
+    launched, warmed = launched_after_start_up(recorder, llm, workload)
     kernels = {key[0] for key in launched}
     assert {"_shrink_kernel", "_qkv_rope_store_kernel", "_gate_up_silu_kernel",
             "_split_k_kernel", "_rms_norm_kernel"} <= kernels
-    cold = sorted(set(launched) - warmed)
-    assert not cold, "variants the warm-up never compiled:\n" + "\n".join(map(str, cold))
+    assert_all_warmed(launched, warmed)
 
 
 @pytest.mark.parametrize("quantization", ["fp8", None])
@@ -235,18 +239,9 @@ def test_fp8_workload_launches_only_warmed_variants(recorder: VariantRecorder, t
     llm = LLM(checkpoint, device="cpu", attention_backend="triton", dtype="float16",
               num_kvcache_blocks=4, max_num_seqs=4, max_num_batched_tokens=32,
               max_model_len=512, quantization=quantization)
-    try:
-        warmed = set(recorder.keys)
-        start = len(recorder.keys)
-        greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-        llm.generate([[1, 2, 3], [(7 * i) % 400 + 3 for i in range(45)], [5] * 6], greedy,
-                     use_tqdm=False)
-        llm.generate([[6] * 5], greedy, use_tqdm=False)
-        launched = recorder.keys[start:]
-    finally:
-        llm.shutdown()
+    launched, warmed = launched_after_start_up(
+        recorder, llm, lambda llm: _short_workload(llm, [(7 * i) % 400 + 3 for i in range(45)]))
     kernels = {key[0] for key in launched}
     assert {"_group_quant_kernel", "_w8a8_swap_kernel", "_split_k_kernel",
             "_qkv_rope_store_kernel"} <= kernels, kernels
-    cold = sorted(set(launched) - warmed)
-    assert not cold, "variants the warm-up never compiled:\n" + "\n".join(map(str, cold))
+    assert_all_warmed(launched, warmed)
