@@ -107,6 +107,7 @@ class TorchBackend:
         self.lora_shrink = lora_reference.lora_shrink_torch
         self.lora_expand = lora_reference.lora_expand  # every backend's: one GEMM per slice
         self.fp8_linear = fp8_reference.fp8_linear_torch  # W8A8 layers (layers.quantization)
+        self.fp8_takes_codes = None  # fp8_linear's steps that take TokenCodes: none
         self.store_kvcache = store_kvcache.store_kvcache_torch
         self._prefill = attention.prefill_attention_torch
         self._decode = attention.decode_attention_torch
@@ -169,6 +170,7 @@ class TritonBackend(TorchBackend):
         self.lora_shrink = lora.lora_shrink
         self.lora_expand = lora_reference.lora_expand
         self.fp8_linear = fp8_gemm.fp8_linear
+        self.fp8_takes_codes = fp8_gemm.takes_token_codes
         self.store_kvcache = store_kvcache.store_kvcache
         self._prefill = prefill.prefill_attention_triton  # same signatures
         self._decode = decode.decode_attention_triton
@@ -185,7 +187,7 @@ class FlashAttnBackend(TorchBackend):
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
         from nanovllm.kernels.attention.store_kvcache import store_kvcache
-        from nanovllm.kernels.linear.fp8_gemm import fp8_linear
+        from nanovllm.kernels.linear.fp8_gemm import fp8_linear, takes_token_codes
         from nanovllm.kernels.linear.lora import lora_shrink
         from nanovllm.kernels.linear.lora_reference import lora_expand
         from nanovllm.kernels.moe.fused_moe import fused_moe
@@ -197,6 +199,7 @@ class FlashAttnBackend(TorchBackend):
         self.lora_shrink = lora_shrink
         self.lora_expand = lora_expand
         self.fp8_linear = fp8_linear
+        self.fp8_takes_codes = takes_token_codes
         self.store_kvcache = store_kvcache
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
@@ -288,3 +291,6 @@ def bind_backend(model: nn.Module, backend: TorchBackend,
             module.lora_shrink = backend.lora_shrink if lora else None
             module.lora_expand = backend.lora_expand if lora else None
             module.fp8_linear = backend.fp8_linear if module.quant is not None else None
+            # TokenCodes come from the Triton norm and SiLU-and-mul kernels only
+            module.fp8_takes_codes = backend.fp8_takes_codes \
+                if module.quant is not None and fast_path.fused_ops else None

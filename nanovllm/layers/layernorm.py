@@ -40,17 +40,23 @@ class RMSNorm(nn.Module):
         if self.fused:
             # Imported here: CPU-only runs never import Triton (as for the sampler's kernel).
             from nanovllm.kernels.fused_ops import add_rms_norm, rms_norm
-            ahead = self._lora_ahead(x.numel() // x.shape[-1])
+            codes, ahead = self._codes_or_ahead(x.numel() // x.shape[-1])
             if residual is None:
-                return self._handed(rms_norm(x, self.weight, self.eps, ahead), ahead)
-            return self._handed(add_rms_norm(x, residual, self.weight, self.eps, ahead), ahead)
+                return self._handed(rms_norm(x, self.weight, self.eps, ahead, codes), ahead)
+            return self._handed(add_rms_norm(x, residual, self.weight, self.eps, ahead, codes),
+                                ahead)
         if residual is None:
             return self.rms_forward(x)
         return self.add_rms_forward(x, residual)
 
-    def _lora_ahead(self, num_tokens: int) -> tuple | None:
-        """The buffers (LoRAAhead) of the shrink the projection fed wants computed here."""
-        return self.feeds[0].lora_ahead_buffers(num_tokens) if self.feeds else None
+    def _codes_or_ahead(self, num_tokens: int) -> tuple[bool, tuple | None]:
+        """(whether the projection fed takes the normed rows as TokenCodes, else the buffers
+        (LoRAAhead) of the shrink it wants computed here)."""
+        if not self.feeds:
+            return False, None
+        if self.feeds[0].wants_token_codes(num_tokens):
+            return True, None
+        return False, self.feeds[0].lora_ahead_buffers(num_tokens)
 
     def _handed(self, out: torch.Tensor | tuple, ahead: tuple | None) -> torch.Tensor | tuple:
         """out, after handing the projection fed its shrink of the normed tensor."""
@@ -69,7 +75,7 @@ class RMSNorm(nn.Module):
         # The sum is rounded to the residual's dtype, as the GEMM's own output would be.
         if self.fused:
             from nanovllm.kernels.fused_ops import add_partials_rms_norm
-            ahead = self._lora_ahead(residual.shape[0])
+            codes, ahead = self._codes_or_ahead(residual.shape[0])
             return self._handed(add_partials_rms_norm(partials, residual, self.weight, self.eps,
-                                                      ahead), ahead)
+                                                      ahead, codes), ahead)
         return self.add_rms_forward(partials.sum(0).to(residual.dtype), residual)

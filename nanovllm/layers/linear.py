@@ -6,6 +6,7 @@ from torch import nn
 
 from nanovllm.kernels.attention.pending_merge import PendingMerge
 from nanovllm.kernels.linear.norm_prologue import PendingNorm
+from nanovllm.kernels.linear.token_codes import TokenCodes
 from nanovllm.layers.lora_slots import LoRASlots
 from nanovllm.layers.quantization.fp8 import Cols, Fp8Format, Rows, load_shard
 from nanovllm.utils.context import get_context
@@ -38,6 +39,8 @@ class LinearBase(LoRASlots, nn.Module):
         self.tp_rank, self.tp_size = tp_rank_and_size()
         self.quant = quant
         self.fp8_linear = None  # bind_backend's, for a quantized layer
+        # bind_backend's: (tokens, block) -> whether fp8_linear takes that step's TokenCodes
+        self.fp8_takes_codes = None
         # the model dtype it is built in: an FP8 layer's activations (its weight holds codes)
         self.act_dtype = torch.get_default_dtype()
         if quant is not None:
@@ -80,13 +83,25 @@ class LinearBase(LoRASlots, nn.Module):
             return {}
         return {"w_scale": getattr(self, self.quant.scale_name), "w_block": self.quant.block}
 
-    def runs_fused_decode(self, x: torch.Tensor) -> bool:
+    def runs_fused_decode(self, x: torch.Tensor | TokenCodes) -> bool:
         """Whether x's step runs the bound fused kernel: decode, writing the cache, few tokens."""
+        return self._fuses_step(x.shape[0])
+
+    def _fuses_step(self, num_tokens: int) -> bool:
+        """runs_fused_decode for a step of num_tokens."""
         if not self.fused_decode_max_tokens:
             return False
         ctx = get_context()
         return not ctx.is_prefill and ctx.slot_mapping is not None \
-            and x.shape[0] <= self.fused_decode_max_tokens
+            and num_tokens <= self.fused_decode_max_tokens
+
+    def wants_token_codes(self, num_tokens: int) -> bool:
+        """Whether the norm or SiLU-and-mul before should hand this layer its input as
+        TokenCodes (no quantization launch of its own): an FP8 GEMM that takes them for this
+        step, which runs no fused decode kernel and no LoRA."""
+        return self.fp8_takes_codes is not None and self.lora_slots() is None \
+            and self.fp8_takes_codes(num_tokens, self.quant.block) \
+            and not self._fuses_step(num_tokens)
 
     def runs_gemv_rows(self, x: torch.Tensor) -> bool:
         """Whether gemv_rows takes x: a step _takes_gemv_rows, a weight the whole-row GEMV
@@ -128,9 +143,12 @@ class LinearBase(LoRASlots, nn.Module):
         if self.quant is None:
             return F.linear(x, self.weight, bias)
         scale = getattr(self, self.quant.scale_name)
+        if isinstance(x, TokenCodes):  # the op before quantized x (wants_token_codes)
+            return self.fp8_linear(x, self.weight, scale, self.quant.block, bias,
+                                   out_dtype=self.act_dtype)
         return self.fp8_linear(x, self.weight, scale, self.quant.block, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | TokenCodes) -> torch.Tensor:
         return self.apply_lora(x, self.linear(x, self.bias))
 
 
@@ -267,7 +285,7 @@ class RowParallelLinear(LinearBase):
             return
         super().weight_loader(param, loaded_weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | TokenCodes) -> torch.Tensor:
         """x W^T (+ b) summed over the ranks: [tokens, output] in x's dtype."""
         # A LoRA delta from this rank's slice of A is partial too: the all-reduce sums it
         y = self.apply_lora(x, self.linear(x, self.bias))

@@ -126,6 +126,7 @@ class DecoderMLP(nn.Module):
                                            bias=spec.mlp_bias,
                                            quant=linear_format(spec.quant, [prefix + "down_proj"]))
         self.act_fn = SiluAndMul()
+        self.act_fn.feeds = (self.down_proj,)  # it may take the output as TokenCodes
 
     def gated(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up: down_proj's input, [tokens, intermediate_size]."""

@@ -120,7 +120,7 @@ def test_per_channel_weights_hand_cublas_rowwise_scales(monkeypatch):
         y = dequantize_groups(a, scale_a, 1, k) @ dequantize_groups(b.t(), scale_b.t(), 1, k).t()
         return (y + bias.float()).to(out_dtype)
 
-    monkeypatch.setattr(fp8_gemm, "_scaled_mm_fits", lambda x, weight: True)
+    monkeypatch.setattr(fp8_gemm, "_scaled_mm_fits", lambda x, weight, out_dtype: True)
     monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
     x = _activations(fp8_gemm.SWAP_TOKENS + 1, 256, torch.bfloat16)
     weight, weight_scale = _weight(192, 256, None)

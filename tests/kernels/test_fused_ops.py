@@ -15,7 +15,10 @@ from nanovllm.kernels.fused_ops import (  # noqa: E402
     add_rms_norm,
     rms_norm,
     silu_and_mul,
+    silu_and_mul_codes,
 )
+from nanovllm.kernels.linear.fp8_gemm import per_token_group_quant  # noqa: E402
+from nanovllm.kernels.linear.token_codes import TokenCodes  # noqa: E402
 from nanovllm.layers.activation import SiluAndMul  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
 
@@ -133,3 +136,45 @@ def test_module_paths() -> None:
     act = SiluAndMul()
     act.fused = True
     _close(act(x), silu_and_mul(x))
+
+
+def _same_codes(handed: TokenCodes, out: torch.Tensor) -> None:
+    """handed holds exactly the codes and scales the FP8 GEMM's own quantization launch gives
+    for the 16-bit output (one group a row): a projection fed either computes the same."""
+    codes, scales = per_token_group_quant(out.reshape(-1, out.shape[-1]), out.shape[-1])
+    assert isinstance(handed, TokenCodes) and handed.scales.shape == (codes.shape[0], 1)
+    assert torch.equal(handed.scales, scales)
+    assert torch.equal(handed.codes.view(torch.uint8), codes.view(torch.uint8))
+
+
+@pytest.mark.parametrize("hidden", [96, 1024])
+@torch.no_grad()
+def test_norms_hand_the_codes_the_gemm_would_make(hidden: int) -> None:
+    """rms_norm, add_rms_norm and add_partials_rms_norm with codes: the normed rows as the
+    projection's quantization would code them, and the same residual sum."""
+    torch.manual_seed(0)
+    norm = _norm(hidden, torch.bfloat16)
+    x, residual = _input(19, hidden, torch.bfloat16), _input(19, hidden, torch.bfloat16)
+    _same_codes(rms_norm(x, norm.weight, EPS, codes=True), rms_norm(x, norm.weight, EPS))
+    handed, summed = add_rms_norm(x, residual, norm.weight, EPS, codes=True)
+    out, ref_sum = add_rms_norm(x, residual, norm.weight, EPS)
+    _same_codes(handed, out)
+    assert torch.equal(summed, ref_sum)
+    partials = torch.randn(3, 19, hidden, device=DEVICE)
+    handed, summed = add_partials_rms_norm(partials, residual, norm.weight, EPS, codes=True)
+    out, ref_sum = add_partials_rms_norm(partials, residual, norm.weight, EPS)
+    _same_codes(handed, out)
+    assert torch.equal(summed, ref_sum)
+
+
+@pytest.mark.parametrize("d", [48, 3000])  # 3000: a masked row in one program
+@torch.no_grad()
+def test_silu_and_mul_hands_the_codes_the_gemm_would_make(d: int) -> None:
+    """silu_and_mul_codes: one pass a row, the codes of silu_and_mul's output (a strided
+    input too); a row of zeros gets the smallest scale, not a division by zero."""
+    torch.manual_seed(0)
+    x = _input(21, 2 * d, torch.bfloat16, extra=8)
+    x[3] = 0
+    handed = silu_and_mul_codes(x)
+    _same_codes(handed, silu_and_mul(x))
+    assert handed.scales[3].item() > 0 and not handed.codes[3].float().any()

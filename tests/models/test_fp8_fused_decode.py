@@ -25,7 +25,9 @@ from torch import nn  # noqa: E402
 
 from benchmarks.random_checkpoints import build_checkpoint  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.layers.backends import bind_backend  # noqa: E402
+from nanovllm.kernels.linear import fp8_gemm  # noqa: E402
+from nanovllm.kernels.linear.token_codes import TokenCodes  # noqa: E402
+from nanovllm.layers.backends import FastPath, TorchBackend, bind_backend  # noqa: E402
 from nanovllm.layers.linear import LinearBase  # noqa: E402
 from tests.fp8_checkpoints import quantize_checkpoint, vary_magnitudes  # noqa: E402
 from tests.models.test_fused_decode import (  # noqa: E402
@@ -42,6 +44,7 @@ STATS_PROMPTS = token_prompts(0, tuple(range(3, 3 + 64)))  # one decode batch of
 # Measured on CPU (float16): 81-84% agree, median drift 0.07-0.10 nats; a scale moved to the
 # next channel or block: 2-36% and 2.3-98 nats.
 MIN_AGREEMENT, MAX_MEDIAN_DRIFT = 0.6, 0.3
+CODES_PROMPTS = token_prompts(2, tuple(range(3, 23)))  # a decode batch of 20: above 16 tokens
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +163,39 @@ def test_fused_fp8_decode_agrees_with_the_w8a8_path(fp8_models, scheme) -> None:
         llm.shutdown()
     agreement, drift = first_decode_stats(fused, unfused)
     assert agreement >= MIN_AGREEMENT and drift <= MAX_MEDIAN_DRIFT, (agreement, drift)
+
+
+def _spy_token_codes(model: nn.Module) -> list[bool]:
+    """The list each FP8 projection's GEMM appends to, from now on: whether it got TokenCodes."""
+    handed = []
+    for proj in fp8_projections(model):
+        def gemm(x, *args, run=proj.fp8_linear, **kwargs):
+            handed.append(isinstance(x, TokenCodes))
+            return run(x, *args, **kwargs)
+        proj.fp8_linear = gemm
+    return handed
+
+
+def test_token_codes_handed_to_fp8_projections_change_nothing(fp8_models, monkeypatch) -> None:
+    """Per channel, the fused norms and SiLU-and-mul on (interpreted on CPU), the W8A8 GEMMs
+    as they ship: above 16 tokens (the prefill, a decode batch of 20) the two norms and the
+    SiLU-and-mul hand qkv_proj, gate_up_proj and down_proj TokenCodes, and the greedy tokens
+    and logprobs are exactly those of the projections quantizing their input themselves."""
+    llm = _engine(fp8_models["channel"])
+    model = llm.model_runner.model
+    backend = TorchBackend(FastPath(fused_ops=True))
+    backend.fp8_linear, backend.fp8_takes_codes = fp8_gemm.fp8_linear, fp8_gemm.takes_token_codes
+    try:
+        bind_backend(model, backend)
+        handed = _spy_token_codes(model)
+        got = llm.generate(CODES_PROMPTS, FIRST_DECODE, use_tqdm=False)
+        monkeypatch.setattr(LinearBase, "wants_token_codes", lambda self, num_tokens: False)
+        bind_backend(model, backend)
+        unhanded = _spy_token_codes(model)
+        want = llm.generate(CODES_PROMPTS, FIRST_DECODE, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    # o_proj's input (the attention's output) is the one of four a layer quantized in its GEMM
+    assert handed and sum(handed) * 4 == 3 * len(handed) and not any(unhanded)
+    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in want]
+    assert [o["logprobs"] for o in got] == [o["logprobs"] for o in want]

@@ -26,6 +26,7 @@ import triton.language as tl
 from nanovllm.kernels.linear.fp8_reference import FP8_DTYPE, SCALE_EPS
 from nanovllm.kernels.linear.gemv import gemv_rows, runs_gemv_rows
 from nanovllm.kernels.linear.split_k import fits_split_k, split_k_linear, sum_partials
+from nanovllm.kernels.linear.token_codes import TokenCodes
 from nanovllm.kernels.linear.w8a8_swap import fits_w8a8_swap, w8a8_swap
 
 DECODE_TOKENS = 16  # up to here fp8_linear runs W8A16 split over K (weight_stages' FP8 range)
@@ -177,12 +178,12 @@ def w8a8_gemm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor,
     return c
 
 
-def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Whether cuBLAS's rowwise-scaled FP8 GEMM takes these: CUDA, K and N multiples of 16, a
     16-bit output."""
     n, k = weight.shape
-    return x.is_cuda and k % 16 == 0 and n % 16 == 0 and x.dtype in (torch.bfloat16,
-                                                                       torch.float16)
+    return x.is_cuda and k % 16 == 0 and n % 16 == 0 and out_dtype in (torch.bfloat16,
+                                                                         torch.float16)
 
 
 def _runs_split_k(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
@@ -247,11 +248,22 @@ def _has_tma(device: torch.device) -> bool:
     return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               block: tuple[int, int] | None, bias: torch.Tensor | None = None) -> torch.Tensor:
+def takes_token_codes(num_tokens: int, block: tuple[int, int] | None) -> bool:
+    """Whether fp8_linear quantizes num_tokens rows per token over all of K, so that the op
+    before may hand it TokenCodes instead: per-channel weights above DECODE_TOKENS."""
+    return block is None and num_tokens > DECODE_TOKENS
+
+
+def fp8_linear(x: torch.Tensor | TokenCodes, weight: torch.Tensor, weight_scale: torch.Tensor,
+               block: tuple[int, int] | None, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x W^T (+ b) in x's dtype, as kernels.linear.fp8_reference.fp8_linear_torch (W8A8); x
     [..., K]. Up to DECODE_TOKENS tokens W8A16 (activations unquantized), where split-K takes
-    the shapes; one token per channel as whole-row GEMVs (kernels.linear.gemv)."""
+    the shapes; one token per channel as whole-row GEMVs (kernels.linear.gemv). x may be its
+    TokenCodes (steps takes_token_codes takes), out_dtype then the output's dtype."""
+    if isinstance(x, TokenCodes):
+        assert takes_token_codes(x.shape[0], block) and out_dtype is not None
+        return _w8a8(*x, weight, weight_scale, block, bias, out_dtype)
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     if not x2.is_contiguous():
@@ -263,16 +275,25 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         return sum_partials(part, x.dtype, bias).reshape(*x.shape[:-1], n)
     if _runs_block_scaled_mm(x2, weight, weight_scale, block):
         return block_scaled_mm(x2, weight, weight_scale, bias).reshape(*x.shape[:-1], n)
-    groups = block if block is not None else (1, k)
-    codes, scales = per_token_group_quant(x2, groups[1])
-    if _runs_swap(x2, weight, block):
-        y = w8a8_swap(codes, scales, weight, weight_scale, block, bias, x.dtype)
-    elif block is None and _scaled_mm_fits(x2, weight):
+    codes, scales = per_token_group_quant(x2, block[1] if block is not None else k)
+    y = _w8a8(codes, scales, weight, weight_scale, block, bias, x.dtype)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def _w8a8(codes: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor,
+          weight_scale: torch.Tensor, block: tuple[int, int] | None, bias: torch.Tensor | None,
+          out_dtype: torch.dtype) -> torch.Tensor:
+    """[M, N] in out_dtype of activations quantized per token group (codes [M, K], scales)
+    and the weight's codes: the swapped GEMM, cuBLAS's rowwise GEMM or our own."""
+    n, k = weight.shape
+    if _runs_swap(codes, weight, block):
+        return w8a8_swap(codes, scales, weight, weight_scale, block, bias, out_dtype)
+    if block is None and _scaled_mm_fits(codes, weight, out_dtype):
         # fast accumulation, as vLLM's FP8 GEMMs on sm_90: the MMA's own accumulator over all
         # of K, no promotion to float32 between steps (twice the error, docs/quantization.md)
-        y = torch._scaled_mm(codes, weight.t(), scale_a=scales, scale_b=weight_scale.view(1, n),
-                             bias=bias, out_dtype=x.dtype, use_fast_accum=True)
-    else:
-        y = w8a8_gemm(codes, scales, weight, weight_scale, groups, bias, x.dtype)
-    return y.reshape(*x.shape[:-1], n)
+        return torch._scaled_mm(codes, weight.t(), scale_a=scales,
+                                scale_b=weight_scale.view(1, n), bias=bias, out_dtype=out_dtype,
+                                use_fast_accum=True)
+    groups = block if block is not None else (1, k)
+    return w8a8_gemm(codes, scales, weight, weight_scale, groups, bias, out_dtype)
 
