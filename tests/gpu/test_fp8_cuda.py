@@ -81,8 +81,9 @@ def fused_fp8_run(model: tuple[str, dict], fused: bool, w8a16: bool, prompts: li
         patch.setenv("NANOVLLM_FUSED_LIMITS", "fixed")
         for name in LIMITS if not fused else ():
             patch.setattr(backends, name, 0)
-        if w8a16:
+        if w8a16:  # a torch product of 16-bit inputs: no TokenCodes handed to it
             patch.setattr(fp8_gemm, "fp8_linear", fused_fp8.w8a16_linear)
+            patch.setattr(fp8_gemm, "takes_token_codes", lambda num_tokens, block: False)
         llm = LLM(path, device="cuda", dtype="bfloat16", attention_backend="triton",
                   enforce_eager=False, num_kvcache_blocks=64, max_model_len=512,
                   max_num_seqs=64, **kwargs)
