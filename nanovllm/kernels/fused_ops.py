@@ -8,21 +8,22 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.linear.fp8_reference import FP8_DTYPE, FP8_MAX, SCALE_EPS
+from nanovllm.kernels.linear.fp8_quant import fp8_codes, fp8_scale
+from nanovllm.kernels.linear.fp8_reference import FP8_DTYPE, SCALE_EPS
 from nanovllm.kernels.linear.lora import LoRAAhead, ahead_chunk_width, shrink_chunk
 from nanovllm.kernels.linear.token_codes import CODES_ROW_MAX, TokenCodes
 from nanovllm.kernels.pdl import launch_options, wait_then_release
 
-_FP8_MAX, _SCALE_EPS = tl.constexpr(FP8_MAX), tl.constexpr(SCALE_EPS)
+_SCALE_EPS = tl.constexpr(SCALE_EPS)
 
 
 @triton.jit
 def _store_codes(y, q_ptr, qs_ptr, row, cols, mask, H):
     """One row's per-token FP8 codes of y (the 16-bit output) and its scale, as
-    fp8_gemm._group_quant_kernel computes them from that output (padded lanes of y are 0)."""
+    fp8_quant.per_token_group_quant computes them from that output (padded lanes of y are 0)."""
     y = y.to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(y), axis=0), _SCALE_EPS) / _FP8_MAX
-    q = tl.clamp(y / scale, -_FP8_MAX, _FP8_MAX)
+    scale = fp8_scale(tl.max(tl.abs(y), axis=0), _SCALE_EPS)
+    q = fp8_codes(y, scale)
     tl.store(q_ptr + row * H + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(qs_ptr + row, scale)
 
@@ -165,8 +166,10 @@ def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     assert weight.is_contiguous()
     x2 = x if partials else _rows(x)
     res2 = None if residual is None else _rows(residual)
-    out = torch.empty(like.shape, dtype=like.dtype, device=x.device)
-    res_out = None if residual is None else torch.empty_like(out)
+    # with codes no 16-bit normed rows are kept: the kernel then takes only like's dtype
+    out = None if codes else torch.empty(like.shape, dtype=like.dtype, device=x.device)
+    res_out = None if residual is None else torch.empty(like.shape, dtype=like.dtype,
+                                                        device=x.device)
     num_rows = res2.shape[0] if partials else x2.shape[0]
     assert not (codes and lora), "codes feed an FP8 projection without LoRA"
     handed = token_codes(num_rows, hidden, x.device) if codes else None
@@ -178,8 +181,9 @@ def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
             chunks, sr = lora.parts.shape[0], slices * rank
             assert lora.lora_a.is_contiguous() and lora.lora_a.shape[3] == hidden
             assert lora.parts.shape[1:] == (num_rows, sr) and lora.rstd.shape == (num_rows,)
+        dst = like if out is None else out
         _rms_norm_kernel[(num_rows, 1 + chunks)](
-            x2, x2 if res2 is None else res2, weight, out, out if res_out is None else res_out,
+            x2, x2 if res2 is None else res2, weight, dst, dst if res_out is None else res_out,
             x2.stride(-2), 0 if res2 is None else res2.stride(0), x2.stride(0), eps,
             *(lora or (None,) * 4), *(handed or (None, None)), num_rows, H=hidden,
             BLOCK=block, ADD=residual is not None, CODES=codes, PARTIALS=partials, LORA_SR=sr,

@@ -31,12 +31,8 @@ from nanovllm.layers.backend_names import BACKENDS
 from nanovllm.layers.fused_calibration import layer_class
 from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.linear import (
-    LinearBase,
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-)
+from nanovllm.layers.linear import LinearBase, RowParallelLinear
+from nanovllm.layers.packed_linear import MergedColumnParallelLinear, QKVParallelLinear
 from nanovllm.utils.context import Context
 
 logger = logging.getLogger(__name__)

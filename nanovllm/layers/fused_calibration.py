@@ -29,12 +29,8 @@ from torch import nn
 
 from nanovllm.kernels.compile_ahead import compile_in_parallel
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.linear import (
-    LinearBase,
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-)
+from nanovllm.layers.linear import LinearBase, RowParallelLinear
+from nanovllm.layers.packed_linear import MergedColumnParallelLinear, QKVParallelLinear
 from nanovllm.utils.context import Context, forward_context
 from nanovllm.utils.graph_capture import keep_caches
 

@@ -19,13 +19,8 @@ from nanovllm.layers.attention import Attention, PendingMerge
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.fused_moe import SparseMoeBlock, expert_weight_target
 from nanovllm.layers.layernorm import PendingNorm, RMSNorm
-from nanovllm.layers.linear import (
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-    divide,
-    tp_rank_and_size,
-)
+from nanovllm.layers.linear import RowParallelLinear, divide, tp_rank_and_size
+from nanovllm.layers.packed_linear import MergedColumnParallelLinear, QKVParallelLinear
 from nanovllm.layers.quantization import QuantConfig, linear_format
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 

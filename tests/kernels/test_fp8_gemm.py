@@ -10,12 +10,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from nanovllm.kernels.linear.fp8_gemm import (  # noqa: E402
-    DECODE_TOKENS,
-    fp8_linear,
-    per_token_group_quant,
-    w8a8_gemm,
-)
+from nanovllm.kernels.linear.fp8_gemm import DECODE_TOKENS, fp8_linear, w8a8_gemm  # noqa: E402
+from nanovllm.kernels.linear.fp8_quant import per_token_group_quant  # noqa: E402
 from nanovllm.kernels.linear.fp8_reference import (  # noqa: E402
     FP8_DTYPE,
     dequantize_groups,

@@ -17,7 +17,7 @@ from nanovllm.kernels.fused_ops import (  # noqa: E402
     silu_and_mul,
     silu_and_mul_codes,
 )
-from nanovllm.kernels.linear.fp8_gemm import per_token_group_quant  # noqa: E402
+from nanovllm.kernels.linear.fp8_quant import per_token_group_quant  # noqa: E402
 from nanovllm.kernels.linear.token_codes import TokenCodes  # noqa: E402
 from nanovllm.layers.activation import SiluAndMul  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402

@@ -12,6 +12,7 @@ import pytest  # noqa: E402
 
 from nanovllm.kernels.linear import fp8_gemm  # noqa: E402
 from nanovllm.kernels.linear.fp8_gemm import DECODE_TOKENS, SWAP_TOKENS  # noqa: E402
+from nanovllm.kernels.linear.fp8_quant import per_token_group_quant  # noqa: E402
 from nanovllm.kernels.linear.fp8_reference import (  # noqa: E402
     dequantize_groups,
     fp8_linear_torch,
@@ -98,7 +99,7 @@ def test_fp8_linear_swaps_operands_above_decode_tokens(m, block, swapped, monkey
     assert bool(calls) == swapped
     if swapped:
         groups = block or (1, 256)
-        codes, scales = fp8_gemm.per_token_group_quant(x, groups[1])
+        codes, scales = per_token_group_quant(x, groups[1])
         ref = (codes.float() * scales.repeat_interleave(groups[1], 1)) \
             @ dequantize_groups(weight, weight_scale, *groups).t()
         torch.testing.assert_close(out.float(), ref, rtol=1e-2,

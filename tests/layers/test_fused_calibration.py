@@ -23,12 +23,8 @@ from nanovllm.layers.fused_calibration import (
     decode_step,
     layer_class,
 )
-from nanovllm.layers.linear import (
-    LinearBase,
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-)
+from nanovllm.layers.linear import LinearBase, RowParallelLinear
+from nanovllm.layers.packed_linear import MergedColumnParallelLinear, QKVParallelLinear
 from tests.layers.test_quantization import fp8_projections
 
 SIZES = [2, 3, 4, 6, 8, 16, 64, 128, 256]

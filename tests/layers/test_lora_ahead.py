@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 
 from nanovllm.kernels.linear.lora import AHEAD_MAX_TOKENS  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
-from nanovllm.layers.linear import MergedColumnParallelLinear  # noqa: E402
+from nanovllm.layers.packed_linear import MergedColumnParallelLinear  # noqa: E402
 from nanovllm.utils.context import Context, forward_context  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -17,7 +17,8 @@ from nanovllm.layers.backends import (
     bind_backend,
 )
 from nanovllm.layers.fused_calibration import layer_class
-from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.linear import RowParallelLinear
+from nanovllm.layers.packed_linear import MergedColumnParallelLinear, QKVParallelLinear
 from nanovllm.layers.quantization import Fp8Format, QuantConfig, resolve_quant_config
 from tests.fp8_checkpoints import quantization_config
 

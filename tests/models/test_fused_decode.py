@@ -26,10 +26,10 @@ from nanovllm.layers.backends import (  # noqa: E402
     TorchBackend,
     bind_backend,
 )
-from nanovllm.layers.linear import (  # noqa: E402
+from nanovllm.layers.linear import RowParallelLinear  # noqa: E402
+from nanovllm.layers.packed_linear import (  # noqa: E402
     MergedColumnParallelLinear,
     QKVParallelLinear,
-    RowParallelLinear,
 )
 from nanovllm.utils.context import Context, forward_context  # noqa: E402
 

@@ -10,7 +10,7 @@ CODES_ROW_MAX = 32768
 
 class TokenCodes(NamedTuple):
     """FP8 codes [M, K] of a projection's input and their float32 scales [M, 1], one a token
-    (kernels.linear.fp8_gemm.per_token_group_quant's with one group a row), which the RMSNorm
+    (kernels.linear.fp8_quant.per_token_group_quant's with one group a row), which the RMSNorm
     or SiLU-and-mul before the projection writes instead of its 16-bit output."""
 
     codes: torch.Tensor

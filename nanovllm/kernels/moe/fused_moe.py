@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.linear.fp8_gemm import per_token_group_quant
+from nanovllm.kernels.linear.fp8_quant import per_token_group_quant
 from nanovllm.kernels.moe.config import MoEConfig, moe_config
 from nanovllm.kernels.moe.moe_sum import moe_sum
 from nanovllm.kernels.pdl import launch_options, wait_then_release
