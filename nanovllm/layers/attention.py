@@ -53,10 +53,11 @@ class Attention(nn.Module):
         """Whether decode_projected can run: the cache allocated, no FP8 calibration."""
         return self.k_cache.numel() > 0 and self.kv_amax is None
 
-    def decode_projected(self, positions: torch.Tensor, x: torch.Tensor,
-                         qkv_proj: nn.Module) -> torch.Tensor:
+    def decode_projected(self, positions: torch.Tensor, x: torch.Tensor, qkv_proj: nn.Module,
+                         defer_merge: bool = False) -> torch.Tensor | PendingMerge:
         """Decode attention of x's tokens, qkv_proj through the K/V write as one kernel (a lone
-        token whose decode takes the raw q, k, v: the decoder runs decode_new_token instead)."""
+        token whose decode takes the raw q, k, v: the decoder runs decode_new_token instead);
+        defer_merge (Triton's decode): its splits unmerged, a PendingMerge for o_proj."""
         from nanovllm.kernels.linear.fused import qkv_rope_store
         ctx, norm, kv_scales = get_context(), self.q_norm is not None, (self.k_scale, self.v_scale)
         q = qkv_rope_store(x, qkv_proj.weight, qkv_proj.bias, self.num_heads, self.num_kv_heads,
@@ -66,8 +67,10 @@ class Attention(nn.Module):
                            self.k_cache, self.v_cache, ctx.slot_mapping, kv_scales,
                            lora=qkv_proj.lora_slots(), ahead=qkv_proj.take_lora_ahead(x),
                            **qkv_proj.fused_scales())
+        merge = {"defer_merge": True} if defer_merge and self.backend.can_decode_new_token \
+            else {}
         return self.backend.decode(q, self.k_cache, self.v_cache, ctx, self.scale,
-                                   self.sliding_window, kv_scales)
+                                   self.sliding_window, kv_scales, **merge)
 
     def can_decode_new_token(self) -> bool:
         """Whether decode_new_token can run: takes_projection's, and a backend whose decode
@@ -83,8 +86,8 @@ class Attention(nn.Module):
     def decode_new_token(self, positions: torch.Tensor, qkv: torch.Tensor,
                          defer_merge: bool = False) -> torch.Tensor | PendingMerge:
         """Decode attention over qkv_proj's raw output [tokens, q + k + v], whose q/k norm,
-        RoPE and K/V write the decode kernel does (kernels.attention.new_token); defer_merge
-        (one token): its splits unmerged, a PendingMerge for o_proj's GEMV to merge."""
+        RoPE and K/V write the decode kernel does (kernels.attention.new_token); defer_merge:
+        its splits unmerged, a PendingMerge for o_proj to merge."""
         from nanovllm.kernels.attention.new_token import NewToken
         ctx, norm = get_context(), self.q_norm is not None
         q, k, v = qkv.view(qkv.shape[0], -1, self.head_dim).split(

@@ -204,18 +204,24 @@ class RowParallelLinear(LinearBase):
             dist.all_reduce(y)
         return y
 
-    def runs_merge_gemv(self, x: torch.Tensor, head_dim: int) -> bool:
-        """Whether split_k_partials takes the PendingMerge of x's decode attention (x: that
-        lone token's rows, heads of head_dim): a step runs_fused_decode takes, no LoRA, a GEMV
-        whose programs take whole heads (kernels.linear.gemv_partials.runs_merge_gemv)."""
+    def takes_pending_merge(self, x: torch.Tensor, head_dim: int) -> bool:
+        """Whether split_k_partials takes the PendingMerge of x's decode attention (x: rows of
+        its tokens, heads of head_dim): a step runs_fused_decode takes, no LoRA, and a kernel
+        whose programs take whole heads (a lone token's GEMV: gemv_partials.runs_merge_gemv;
+        2-16 tokens: split_k.runs_merge_split_k)."""
         from nanovllm.kernels.linear.gemv_partials import runs_merge_gemv
-        return self.runs_fused_decode(x) and self.lora_slots() is None \
-            and runs_merge_gemv(self.fused_format()[0], head_dim, self.weight,
-                                **self.fused_scales())
+        from nanovllm.kernels.linear.split_k import runs_merge_split_k
+        if not self.runs_fused_decode(x) or self.lora_slots() is not None:
+            return False
+        dtype = self.fused_format()[0]
+        if x.shape[0] == 1:
+            return runs_merge_gemv(dtype, head_dim, self.weight, **self.fused_scales())
+        block = self.quant.block if self.quant is not None else None
+        return runs_merge_split_k(x.shape[0], dtype, head_dim, self.weight, block)
 
     def split_k_partials(self, x: torch.Tensor | PendingMerge) -> torch.Tensor:
         """float32 [S, tokens, output] partials over K whose sum over S is x W^T; x may be a
-        lone token's PendingMerge, for steps runs_merge_gemv takes."""
+        decode's PendingMerge, for steps takes_pending_merge takes."""
         # For the decode steps runs_fused_decode picks; RMSNorm.add_partials sums them. Split
         # over K: a decode step's few tokens and outputs alone give too few programs.
         from nanovllm.kernels.linear.split_k import split_k_linear

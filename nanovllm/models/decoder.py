@@ -79,8 +79,8 @@ class DecoderAttention(nn.Module):
 
     def attend(self, positions: torch.Tensor, hidden_states: torch.Tensor | PendingNorm,
                residual: torch.Tensor) -> tuple[torch.Tensor | PendingMerge, torch.Tensor]:
-        """(attention over the tokens: o_proj's input [tokens, q_size], or a lone token's left
-        for o_proj's GEMV to merge; the residual)."""
+        """(attention over the tokens: o_proj's input [tokens, q_size], or a decode's left
+        unmerged for o_proj's kernel to merge; the residual)."""
         # hidden_states: the normed residual, or a PendingNorm whose add + RMSNorm qkv_proj's
         # GEMV computes first, storing the sum: the residual from here on
         if isinstance(hidden_states, PendingNorm):
@@ -89,13 +89,15 @@ class DecoderAttention(nn.Module):
             qkv = self.qkv_proj.gemv_rows(hidden_states)  # a lone token's GEMV
         elif self.attn.takes_projection() and self.qkv_proj.runs_fused_decode(hidden_states):
             # qkv_proj, q/k norm, RoPE and the K/V write as one kernel
-            o = self.attn.decode_projected(positions, hidden_states, self.qkv_proj)
-            return o.flatten(1, -1), residual
+            o = self.attn.decode_projected(
+                positions, hidden_states, self.qkv_proj,
+                self.o_proj.takes_pending_merge(hidden_states, self.head_dim))
+            return (o if isinstance(o, PendingMerge) else o.flatten(1, -1)), residual
         else:
             return self._attend_qkv(positions, self.qkv_proj(hidden_states)), residual
         if self.attn.can_decode_new_token():  # q/k norm, RoPE and the K/V write in decode
             o = self.attn.decode_new_token(positions, qkv,
-                                           self.o_proj.runs_merge_gemv(qkv, self.head_dim))
+                                           self.o_proj.takes_pending_merge(qkv, self.head_dim))
             return (o if isinstance(o, PendingMerge) else o.flatten(1, -1)), residual
         return self._attend_qkv(positions, qkv), residual
 
@@ -147,7 +149,7 @@ def project_add_norm(proj: RowParallelLinear, x: torch.Tensor | PendingMerge,
     """(norm(proj(x) + residual), proj(x) + residual); the first a PendingNorm if computes_norm."""
     # In the decode steps bound to split-K, norm sums proj's partials (no launch of its own),
     # or the projection norm feeds does, where computes_norm takes their PendingNorm; a
-    # PendingMerge is for proj's GEMV (attend asked it: runs_merge_gemv)
+    # PendingMerge is for proj's kernel (attend asked it: takes_pending_merge)
     if not isinstance(x, PendingMerge) and not proj.runs_fused_decode(x):
         return norm(proj(x), residual)
     pending = norm.pending(proj.split_k_partials(x), residual)

@@ -280,9 +280,9 @@ names = [p.name for p in split_k._split_k_kernel.params]
 for k_major, w, tile in ((False, "fp8e4nv", "[64, 128]"), (True, "bf16", "[128, 64]")):
     consts = dict(a_desc=None, b_desc=None, lora_slots_ptr=None, BLOCK_T=16, BLOCK_K=128,
                   STAGES=stages, USE_PDL=True, K_MAJOR=k_major, W_SCALE=0 if k_major else 1,
-                  LORA_K=0, RANK=1, ELEM_BYTES=2 if k_major else 1, PREFETCH=True)
+                  LORA_K=0, RANK=1, ELEM_BYTES=2 if k_major else 1, PREFETCH=True, MERGE=False)
     types = dict(w_desc=f"tensordesc<{w}{tile}>", x_desc="tensordesc<bf16[16, 128]>",
-                 part_ptr="*fp32", s_ptr="*fp32", w_ptr=f"*{w}")
+                 part_ptr="*fp32", s_ptr="*fp32", w_ptr=f"*{w}", out_ptr="*bf16")
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
     src = ASTSource(fn=split_k._split_k_kernel, signature=sig,
                     constexprs={(names.index(n),): v for n, v in consts.items()})

@@ -236,7 +236,7 @@ def decode_attention_triton(
     """Flash-decoding: q [B, H, D] (one query per sequence) over its paged context (an FP8 cache
     dequantized with k_scale, v_scale); 0 -> zeros. With new_token, q and its k and v are
     qkv_proj's raw output: q/k norm, RoPE and the K/V write happen inside (new_token);
-    defer_merge: splits come back unmerged, a PendingMerge for the GEMV after (one sequence)."""
+    defer_merge: splits come back unmerged, a PendingMerge for o_proj's kernel to merge."""
     window = check_sliding_window(sliding_window)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -250,7 +250,6 @@ def decode_attention_triton(
         num_splits = _graph_splits(batch, num_kv_heads, block_tables.shape[1] * block_size,
                                    window, block_n)
     assert 1 <= num_splits <= MAX_SPLITS, f"num_splits={num_splits}: 1..{MAX_SPLITS}"
-    assert batch == 1 or not defer_merge, "a PendingMerge is one sequence's"
     group = num_heads // num_kv_heads
     # with one split (large batches: programs enough) the kernel writes `out`, and no reduce runs.
     part_m, part_l, part_acc = split_partials(batch, num_heads, num_splits, head_dim, q.device)

@@ -1,6 +1,6 @@
 """Flash-decoding's split partials (kernels.attention.decode): their store, and their merge,
-by a launch of its own or inside the one-token GEMV that reads the output
-(pending_merge.PendingMerge)."""
+by a launch of its own or inside the o_proj kernel that reads the output
+(pending_merge.PendingMerge: a lone token's GEMV, 2-16 tokens' split-K)."""
 import torch
 import triton
 import triton.language as tl
@@ -33,6 +33,9 @@ def store_split(m_i, l_i, acc, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, se
 
 
 MERGE_CHUNK = 16  # splits a merging GEMV program loads at once
+# ... and a merging split-K program (16 tokens): at batch 16's 4 splits, 4 at once spilled
+# registers on sm_90 and 1 waited for four round trips (docs/design.md)
+MERGE_ROWS_CHUNK = tl.constexpr(2)
 
 
 @triton.jit
@@ -64,6 +67,40 @@ def merged_heads(part_m_ptr, part_l_ptr, part_acc_ptr, head0, num_splits, dtype:
         o += tl.sum(w[:, :, None] * acc, axis=1)
     o = o / tl.where(denom == 0.0, 1.0, denom)[:, None]
     return tl.reshape(o.to(dtype).to(tl.float32), [HEADS * HEAD_DIM])
+
+
+@triton.jit
+def merged_rows(part_m_ptr, part_l_ptr, part_acc_ptr, tok0, head, num_tokens, num_heads,
+                num_splits, dtype: tl.constexpr, BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr,
+                CHUNK: tl.constexpr):
+    """[BLOCK_T, HEAD_DIM] in dtype: head `head` of tokens tok0.. (zeros from num_tokens on)
+    of a decode's output, merged from its splits CHUNK at a time and rounded to dtype as
+    decode_reduce_kernel's output is (each chunk rescales the sums so far to its running max,
+    so that a chunk's loads are one round trip: float32 roundings may differ)."""
+    toks = tok0 + tl.arange(0, BLOCK_T)
+    live = toks < num_tokens
+    row = (toks * num_heads + head) * num_splits  # [BLOCK_T]: the first split's partial
+    offs_c = tl.arange(0, CHUNK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_run = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_T], tl.float32)
+    o = tl.zeros([BLOCK_T, HEAD_DIM], tl.float32)
+    for s0 in range(0, num_splits, CHUNK):
+        part = row[:, None] + s0 + offs_c[None, :]  # [BLOCK_T, CHUNK]
+        used = live[:, None] & (s0 + offs_c[None, :] < num_splits)
+        m_c = tl.load(part_m_ptr + part, mask=used, other=float("-inf"))
+        l_c = tl.load(part_l_ptr + part, mask=used, other=0.0)
+        acc = tl.load(part_acc_ptr + part[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                      mask=used[:, :, None], other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m_c, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: weights 0
+        alpha = tl.exp2(m_run - m_ref)
+        w = tl.exp2(m_c - m_ref[:, None])  # empty splits (m = -inf) weigh 0
+        denom = denom * alpha + tl.sum(w * l_c, axis=1)
+        o = o * alpha[:, None] + tl.sum(w[:, :, None] * acc, axis=1)
+        m_run = m_new
+    o = o / tl.where(denom == 0.0, 1.0, denom)[:, None]
+    return o.to(dtype)
 
 
 @triton.jit(do_not_specialize=["num_splits"])

@@ -1,14 +1,15 @@
-"""A lone token's decode output left unmerged for the GEMV after it (decode_reduce.merged_heads
-merges it there, kernels.linear.gemv_partials). No Triton here: layers hand it on."""
+"""A decode's output left unmerged for the o_proj kernel after it: a lone token's GEMV
+(decode_reduce.merged_heads, kernels.linear.gemv_partials) or 2-16 tokens' split-K
+(decode_reduce.merged_rows, kernels.linear.split_k). No Triton here: layers hand it on."""
 from typing import NamedTuple
 
 import torch
 
 
 class PendingMerge(NamedTuple):
-    """A one-token decode's output, left as its splits' softmax partials (split_partials') for
-    the GEMV that reads it to merge (kernels.linear.gemv_partials); `out` [1, H, D] is where a
-    merge launch would write it, never written on this path (its dtype: the rounding)."""
+    """A decode's output, left as its splits' softmax partials (split_partials') for the
+    kernel that reads it to merge; `out` [B, H, D] is where a merge launch would write it, never
+    written on this path (its dtype: the rounding)."""
 
     part_m: torch.Tensor
     part_l: torch.Tensor

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from nanovllm.kernels.attention.decode_reduce import MERGE_ROWS_CHUNK, merged_rows
 from nanovllm.kernels.attention.kv_quant import FP8_DTYPE
 from nanovllm.kernels.attention.pending_merge import PendingMerge
 from nanovllm.kernels.linear.fused_fp8 import (
@@ -49,18 +50,38 @@ def _prefetch_weight(w_ptr, n0, k0, k_end, N, stride_w, K_MAJOR: tl.constexpr,
                       PREFETCH_STEPS * BLOCK_K * ELEM_BYTES, ELEM_BYTES, PREFETCH)
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit
+def _x_tile(x_desc, tok0, k, M, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, num_heads,
+            num_splits, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, MERGE: tl.constexpr):
+    """x[tok0.., k..] as [BLOCK_K, BLOCK_T]: by TMA, or with MERGE (BLOCK_K == HEAD_DIM) the
+    head at k merged from the decode's splits, rounded to out_ptr's dtype."""
+    if MERGE:
+        x = merged_rows(part_m_ptr, part_l_ptr, part_acc_ptr, tok0, k // BLOCK_K, M, num_heads,
+                        num_splits, out_ptr.dtype.element_ty, BLOCK_T, BLOCK_K,
+                        MERGE_ROWS_CHUNK)
+    else:
+        x = x_desc.load([tok0, k])
+    return x.T
+
+
+@triton.jit(do_not_specialize=["M", "num_splits"])
 def _split_k_kernel(w_desc, x_desc, part_ptr, M, N, K_SPLIT, s_ptr, stride_s, scale_rows,
-                    a_desc, b_desc, lora_slots_ptr, w_ptr, stride_w, BLOCK_T: tl.constexpr,
+                    a_desc, b_desc, lora_slots_ptr, w_ptr, stride_w, out_ptr, part_m_ptr,
+                    part_l_ptr, part_acc_ptr, num_heads, num_splits, BLOCK_T: tl.constexpr,
                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr,
                     K_MAJOR: tl.constexpr, W_SCALE: tl.constexpr, LORA_K: tl.constexpr,
-                    RANK: tl.constexpr, ELEM_BYTES: tl.constexpr, PREFETCH: tl.constexpr):
+                    RANK: tl.constexpr, ELEM_BYTES: tl.constexpr, PREFETCH: tl.constexpr,
+                    MERGE: tl.constexpr):
     """Grid (N / 64, splits, token tiles): part[split] = x[:, ks] @ W[:, ks].T (ks: the split's
     K_SPLIT columns) for 64 output columns of BLOCK_T tokens; W stored k-major ([K, N]) when
     K_MAJOR (16-bit weights), else [N, K] (FP8 codes, scaled as _pair_gemm's). With LoRA each
     split adds B @ its own part of the shrink: B and the slot mask are linear, so the partials
     still sum to the delta (rounded per split, not once). With PREFETCH its first weight
-    tiles are asked of L2 before the wait (w_ptr, the weight as stored, rows stride_w apart)."""
+    tiles are asked of L2 before the wait (w_ptr, the weight as stored, rows stride_w apart).
+    MERGE: x is a decode's output left as num_splits softmax partials (part_m, part_l,
+    part_acc of num_heads heads), each K step one head, which the program merges itself and
+    rounds to out's dtype: the merge needs no launch of its own (x_desc and out: the output's,
+    never read)."""
     pid_n, split, pid_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n0, tok0, k0 = pid_n * 64, pid_t * BLOCK_T, split * K_SPLIT
     _prefetch_weight(w_ptr, n0, k0, k0 + K_SPLIT, N, stride_w, K_MAJOR, BLOCK_K, ELEM_BYTES,
@@ -78,7 +99,8 @@ def _split_k_kernel(w_desc, x_desc, part_ptr, M, N, K_SPLIT, s_ptr, stride_s, sc
             w = w_desc.load([k, n0]).T
         else:
             w = w_desc.load([n0, k])
-        x = x_desc.load([tok0, k]).T
+        x = _x_tile(x_desc, tok0, k, M, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+                    num_heads, num_splits, BLOCK_T, BLOCK_K, MERGE)
         acc = scaled_dot(w, x, acc, s_row, k, BLOCK_K, W_SCALE)
         if LORA_K > 0:
             shrunk = tl.dot(a_desc.load([0, k]), x, shrunk)
@@ -162,10 +184,16 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, *, w_scale: torch.Tens
     16-bit weight [N, K] stored k-major (weight.t() contiguous, as RowParallelLinear keeps it)
     or FP8 codes [N, K] row-major with w_scale (as in qkv_rope_store): a decode step's o_proj
     or down_proj, whose splits the add + RMSNorm after it sums in a fixed order. One token
-    without LoRA runs kernels.linear.gemv (CUDA cores, measured faster there)."""
-    if isinstance(x, PendingMerge) or lora is None and runs_gemv(x, weight, w_scale, w_block):
-        assert lora is None, "a PendingMerge's layer runs no LoRA (runs_merge_gemv)"
+    without LoRA runs kernels.linear.gemv (CUDA cores, measured faster there). x may be a
+    decode's PendingMerge (as gemv_partials or runs_merge_split_k take it), merged inside."""
+    merge = x if isinstance(x, PendingMerge) else None
+    assert merge is None or lora is None, "a PendingMerge's layer runs no LoRA"
+    if merge is not None and merge.out.shape[0] == 1 \
+            or merge is None and lora is None and runs_gemv(x, weight, w_scale, w_block):
         return gemv_partials(x, weight, w_scale)
+    if merge is not None:  # runs_merge_split_k's: the descriptor's x is never read
+        x = merge.out.flatten(1)
+        assert runs_merge_split_k(x.shape[0], x.dtype, merge.out.shape[2], weight, w_block)
     num_tokens, input_size = x.shape
     output_size = weight.shape[0]
     k_major = weight.dtype != FP8_DTYPE
@@ -184,7 +212,29 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, *, w_scale: torch.Tens
         TensorDescriptor.from_tensor(stored, [K_STEP, ROWS] if k_major else [ROWS, K_STEP]),
         TensorDescriptor.from_tensor(x, [block_t, K_STEP]), part, num_tokens, output_size,
         input_size // splits, *scales[:3], **fused_lora_args(lora, K_STEP), w_ptr=stored,
-        stride_w=stored.stride(0), BLOCK_T=block_t, BLOCK_K=K_STEP, STAGES=stages,
-        K_MAJOR=k_major, W_SCALE=scales[3], ELEM_BYTES=weight.element_size(),
-        PREFETCH=prefetches(block_t), num_warps=4, **launch_options())
+        stride_w=stored.stride(0), out_ptr=x, **_merge_args(merge), BLOCK_T=block_t,
+        BLOCK_K=K_STEP, STAGES=stages, K_MAJOR=k_major, W_SCALE=scales[3],
+        ELEM_BYTES=weight.element_size(), PREFETCH=prefetches(block_t),
+        MERGE=merge is not None, num_warps=4, **launch_options())
     return part
+
+
+def _merge_args(merge: PendingMerge | None) -> dict:
+    """_split_k_kernel's arguments of a PendingMerge (none: placeholders, never read)."""
+    if merge is None:
+        return dict(part_m_ptr=None, part_l_ptr=None, part_acc_ptr=None, num_heads=1,
+                    num_splits=1)
+    batch, num_heads, num_splits, _ = merge.part_acc.shape
+    return dict(part_m_ptr=merge.part_m, part_l_ptr=merge.part_l, part_acc_ptr=merge.part_acc,
+                num_heads=num_heads, num_splits=num_splits)
+
+
+def runs_merge_split_k(num_tokens: int, x_dtype: torch.dtype, head_dim: int,
+                       weight: torch.Tensor, w_block: Block = None) -> bool:
+    """Whether split_k_linear takes a PendingMerge of 2-16 tokens of x_dtype heads of head_dim:
+    each program's split of K one head, one K step (a merge's loads inside the K loop are not
+    pipelined across steps, so longer splits would wait for each)."""
+    n, k = weight.shape
+    return 1 < num_tokens <= 16 and head_dim == K_STEP \
+        and fits_split_k(k, n, x_dtype, weight.dtype, w_block) \
+        and k // _num_splits(n, k, 1, num_tokens) == K_STEP
