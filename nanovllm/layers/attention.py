@@ -67,6 +67,7 @@ class Attention(nn.Module):
                            self.k_cache, self.v_cache, ctx.slot_mapping, kv_scales,
                            lora=qkv_proj.lora_slots(), ahead=qkv_proj.take_lora_ahead(x),
                            **qkv_proj.fused_scales())
+        # only Triton's decode takes defer_merge (the flag that says its keywords are taken)
         merge = {"defer_merge": True} if defer_merge and self.backend.can_decode_new_token \
             else {}
         return self.backend.decode(q, self.k_cache, self.v_cache, ctx, self.scale,

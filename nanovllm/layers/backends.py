@@ -89,7 +89,8 @@ class TorchBackend:
     # starts its programs in batch order, so long sequences start first and short ones fill in
     # behind; free for torch, whose CPU tests then run the row order the Triton kernels get.
     longest_first = True
-    can_decode_new_token = False  # decode takes a NewToken (TritonBackend)
+    # decode takes the Triton kernel's keywords: a NewToken, defer_merge (TritonBackend)
+    can_decode_new_token = False
 
     def __init__(self, fast_path: FastPath = FastPath()) -> None:
         from nanovllm.kernels.attention import reference as attention

@@ -216,8 +216,8 @@ class RowParallelLinear(LinearBase):
         dtype = self.fused_format()[0]
         if x.shape[0] == 1:
             return runs_merge_gemv(dtype, head_dim, self.weight, **self.fused_scales())
-        block = self.quant.block if self.quant is not None else None
-        return runs_merge_split_k(x.shape[0], dtype, head_dim, self.weight, block)
+        return runs_merge_split_k(x.shape[0], dtype, head_dim, self.weight,
+                                  self.fused_scales().get("w_block"))
 
     def split_k_partials(self, x: torch.Tensor | PendingMerge) -> torch.Tensor:
         """float32 [S, tokens, output] partials over K whose sum over S is x W^T; x may be a

@@ -92,13 +92,13 @@ class DecoderAttention(nn.Module):
             o = self.attn.decode_projected(
                 positions, hidden_states, self.qkv_proj,
                 self.o_proj.takes_pending_merge(hidden_states, self.head_dim))
-            return (o if isinstance(o, PendingMerge) else o.flatten(1, -1)), residual
+            return _o_proj_input(o), residual
         else:
             return self._attend_qkv(positions, self.qkv_proj(hidden_states)), residual
         if self.attn.can_decode_new_token():  # q/k norm, RoPE and the K/V write in decode
             o = self.attn.decode_new_token(positions, qkv,
                                            self.o_proj.takes_pending_merge(qkv, self.head_dim))
-            return (o if isinstance(o, PendingMerge) else o.flatten(1, -1)), residual
+            return _o_proj_input(o), residual
         return self._attend_qkv(positions, qkv), residual
 
     def _attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
@@ -109,6 +109,11 @@ class DecoderAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         o = self.attn(positions, q, k, v)
         return o.flatten(1, -1)
+
+
+def _o_proj_input(o: torch.Tensor | PendingMerge) -> torch.Tensor | PendingMerge:
+    """A decode's output as o_proj takes it: [tokens, q_size], or left unmerged."""
+    return o if isinstance(o, PendingMerge) else o.flatten(1, -1)
 
 
 class DecoderMLP(nn.Module):

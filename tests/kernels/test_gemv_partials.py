@@ -11,15 +11,13 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from nanovllm.kernels.attention.decode_reduce import split_partials  # noqa: E402
-from nanovllm.kernels.attention.pending_merge import PendingMerge  # noqa: E402
 from nanovllm.kernels.linear.gemv_partials import (  # noqa: E402
     _partials_tiles,
     gemv_partials,
     runs_gemv,
     runs_merge_gemv,
 )
-from tests.kernels.gemv_cases import DEVICE, DTYPES, gemv_weight, token_row  # noqa: E402
+from tests.kernels.gemv_cases import DTYPES, gemv_weight, pending_merge, token_row  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -62,15 +60,9 @@ def test_gemv_partials_merges_a_pending_decode(dtype, fmt, heads, splits, empty)
     k = heads * head_dim  # 512-row K slices (16-bit k-major, FP8 [N, K] at K 512): 4 heads
     weight, scale, _ = gemv_weight(rows, k, fmt, dtype)
     assert runs_merge_gemv(dtype, head_dim, weight, scale)
-    part_m, part_l, part_acc = split_partials(1, heads, splits, head_dim, DEVICE)
-    part_m.copy_(torch.randn_like(part_m) * 4)
-    part_l.copy_(torch.rand_like(part_l) + 0.5)
-    part_acc.copy_(torch.randn_like(part_acc) * 3)
-    part_m[:, :, splits - empty:] = float("-inf")
-    part_l[:, :, splits - empty:] = 0.0
-    part_acc[:, :, splits - empty:] = 0.0
-    out = torch.empty(1, heads, head_dim, dtype=dtype, device=DEVICE)
-    merged = gemv_partials(PendingMerge(part_m, part_l, part_acc, out), weight, scale)
+    pending = pending_merge(1, heads, splits, empty, head_dim, dtype)
+    part_m, part_l, part_acc, _ = pending
+    merged = gemv_partials(pending, weight, scale)
     expected = gemv_partials(_merged(part_m, part_l, part_acc, dtype), weight, scale)
     torch.testing.assert_close(merged, expected, atol=2e-2, rtol=2e-2)
     assert merged.any() != (empty == splits)

@@ -13,29 +13,14 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from nanovllm.kernels.attention.decode_reduce import reduce_splits, split_partials  # noqa: E402
-from nanovllm.kernels.attention.pending_merge import PendingMerge  # noqa: E402
+from nanovllm.kernels.attention.decode_reduce import reduce_splits  # noqa: E402
 from nanovllm.kernels.linear.split_k import runs_merge_split_k, split_k_linear  # noqa: E402
-from tests.kernels.gemv_cases import DEVICE, gemv_weight  # noqa: E402
+from tests.kernels.gemv_cases import DEVICE, gemv_weight, pending_merge  # noqa: E402
 
 DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 HEAD_DIM, HEADS = 128, 16  # K 2,048 over 64 output rows: 16 splits of one head each
 pytestmark = pytest.mark.skipif(
     DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9, reason="TMA needs sm_90")
-
-
-def _pending(tokens: int, splits: int, empty: int, dtype: torch.dtype) -> PendingMerge:
-    """Random softmax partials of `tokens` rows, the last `empty` splits of each empty (as a
-    short context leaves them: m = -inf, l = 0, acc = 0)."""
-    part_m, part_l, part_acc = split_partials(tokens, HEADS, splits, HEAD_DIM, DEVICE)
-    part_m.copy_(torch.randn_like(part_m) * 4)
-    part_l.copy_(torch.rand_like(part_l) + 0.5)
-    part_acc.copy_(torch.randn_like(part_acc) * 3)
-    part_m[:, :, splits - empty:] = float("-inf")
-    part_l[:, :, splits - empty:] = 0.0
-    part_acc[:, :, splits - empty:] = 0.0
-    out = torch.empty(tokens, HEADS, HEAD_DIM, dtype=dtype, device=DEVICE)
-    return PendingMerge(part_m, part_l, part_acc, out)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -50,7 +35,7 @@ def test_split_k_merges_a_pending_decode(dtype, fmt, tokens, splits, empty, idle
     torch.manual_seed(tokens * splits)
     weight, scale, _ = gemv_weight(64, HEADS * HEAD_DIM, fmt, dtype)
     assert runs_merge_split_k(tokens, dtype, HEAD_DIM, weight)
-    pending = _pending(tokens, splits, empty, dtype)
+    pending = pending_merge(tokens, HEADS, splits, empty, HEAD_DIM, dtype)
     if idle:
         pending.part_m[1:] = float("-inf")
         pending.part_l[1:] = 0.0

@@ -81,17 +81,22 @@ def spy_fused_kernels(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return calls
 
 
+def spy_merges(monkeypatch: pytest.MonkeyPatch, calls: list[str], module, name: str) -> None:
+    """module.name appends its name to calls when it runs (+merge: on a PendingMerge)."""
+    fn = getattr(module, name)
+
+    def call(*args, **kwargs):
+        calls.append(name + ("+merge" if isinstance(args[0], PendingMerge) else ""))
+        return fn(*args, **kwargs)
+    monkeypatch.setattr(module, name, call)
+
+
 def spy_gemv(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The list the one-token GEMVs append their names to, as split_k and fused call them."""
     calls = []
 
     def spy(module, name):
-        fn = getattr(module, name)
-
-        def call(*args, **kwargs):
-            calls.append(name + ("+merge" if isinstance(args[0], PendingMerge) else ""))
-            return fn(*args, **kwargs)
-        monkeypatch.setattr(module, name, call)
+        spy_merges(monkeypatch, calls, module, name)
     spy(split_k, "gemv_partials")
     spy(fused_gate_up, "gate_up_silu_gemv")  # kernels.linear.fused_gate_up's name for it
     spy(fused_linear, "gemv_rows")  # qkv_rope_store's (backends without can_decode_new_token)

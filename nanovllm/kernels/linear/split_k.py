@@ -224,7 +224,7 @@ def _merge_args(merge: PendingMerge | None) -> dict:
     if merge is None:
         return dict(part_m_ptr=None, part_l_ptr=None, part_acc_ptr=None, num_heads=1,
                     num_splits=1)
-    batch, num_heads, num_splits, _ = merge.part_acc.shape
+    _, num_heads, num_splits, _ = merge.part_acc.shape
     return dict(part_m_ptr=merge.part_m, part_l_ptr=merge.part_l, part_acc_ptr=merge.part_acc,
                 num_heads=num_heads, num_splits=num_splits)
 
