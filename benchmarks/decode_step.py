@@ -9,11 +9,12 @@ step runs is timed, inclusive, per step: the engine's step and its parts (advanc
 launch, commit), and inside the launch the input packing and copy, the graph replay's launch,
 the LM head's launch, the sampler's inputs and launch; inside the commit the wait for the ids.
 CUDA events around each launch give the GPU time of a step and the GPU's idle time between
-steps (the host's share of the step). --lora-rank R runs every prompt through one rank-R
-adapter (4 slots). --profile sums 16 steps' GPU kernels by phase beside each phase's bandwidth
-floor (dense shapes), each kernel's time counted from the end of the GPU work before it (with
-programmatic dependent launch kernels overlap their predecessors' tails), and lists the costliest
-kernels. --tiny: a tiny random checkpoint on CPU (a smoke run).
+steps (the host's share of the step); the wall time per step is the mean and the median (a
+slow first step or a pause shows as their difference). --lora-rank R runs every prompt through
+one rank-R adapter (4 slots). --profile sums 16 steps' GPU kernels by phase beside each phase's
+bandwidth floor (dense shapes), each kernel's time counted from the end of the GPU work before
+it (with programmatic dependent launch kernels overlap their predecessors' tails), and lists the
+costliest kernels. --tiny: a tiny random checkpoint on CPU (a smoke run).
 """
 import argparse
 import json
@@ -129,17 +130,18 @@ def run_decode(llm, batch: int, tokens: int, max_id: int, lora=None) -> dict:
         prefill(llm)  # untimed
         phases.reset()
         first = len(recorder.steps)
-        t0, num_steps = perf_counter(), 0
+        ends = [perf_counter()]  # each step's end: the median shows what the mean's outliers hide
         while not llm.is_finished():
             llm.step()
-            num_steps += 1
-        wall = perf_counter() - t0
+            ends.append(perf_counter())
+        num_steps, wall = len(ends) - 1, ends[-1] - ends[0]
     finally:
         phases.restore()
         recorder.remove()
     steps = recorder.timed_steps()[first:]
     us = {label: 1e6 * s / num_steps for label, s in phases.totals.items()}
     return dict(wall_us=1e6 * wall / num_steps, host_us=us, steps=num_steps,
+                wall_median_us=1e6 * statistics.median(b - a for a, b in zip(ends, ends[1:])),
                 gpu_us=1e6 * statistics.median(s["gpu_s"] for s in steps),
                 gap_us=1e6 * statistics.median(s["gap_s"] for s in steps))
 
@@ -260,7 +262,8 @@ def main(argv: list[str] | None = None) -> dict:
                       + args.batch * context * kv_bytes_per_token(shape)) / args.bandwidth
     print(f"\n{'tiny' if args.tiny else f'{args.shape} {args.weight_format}'}, batch "
           f"{args.batch}{f', LoRA rank {args.lora_rank}' if args.lora_rank else ''}: "
-          f"{run['wall_us']:.0f} us a decode step over {run['steps']} steps; GPU "
+          f"{run['wall_us']:.0f} us a decode step over {run['steps']} steps (median "
+          f"{run['wall_median_us']:.0f}); GPU "
           f"{run['gpu_us']:.0f} us a step (median), idle {run['gap_us']:.0f} us between steps; "
           f"floor {floor_us:.0f} us")
     if limits:  # start-up measures them: a step's kernels depend on them
