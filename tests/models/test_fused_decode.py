@@ -94,16 +94,16 @@ def spy_merges(monkeypatch: pytest.MonkeyPatch, calls: list[str], module, name: 
 def spy_gemv(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The list the one-token GEMVs append their names to, as split_k and fused call them."""
     calls = []
-
-    def spy(module, name):
+    for module, name in (
+            (split_k, "gemv_partials"),
+            (fused_gate_up, "gate_up_silu_gemv"),  # kernels.linear.fused_gate_up's name for it
+            # qkv_rope_store's (backends without can_decode_new_token)
+            (fused_linear, "gemv_rows"),
+            (gemv, "gemv_rows"),  # LinearBase.gemv_rows: Triton's decode takes the raw q, k, v
+            (gemv_gate_up, "norm_gate_up_silu_gemv"),
+            (gemv, "norm_gemv_rows"),  # QKVParallelLinear.norm_gemv_rows: the input norm inside
+            (decode, "reduce_splits")):  # the splits' merge launch (o_proj's GEMV merges instead)
         spy_merges(monkeypatch, calls, module, name)
-    spy(split_k, "gemv_partials")
-    spy(fused_gate_up, "gate_up_silu_gemv")  # kernels.linear.fused_gate_up's name for it
-    spy(fused_linear, "gemv_rows")  # qkv_rope_store's (backends without can_decode_new_token)
-    spy(gemv, "gemv_rows")  # LinearBase.gemv_rows: Triton's decode takes the raw q, k, v
-    spy(gemv_gate_up, "norm_gate_up_silu_gemv")
-    spy(gemv, "norm_gemv_rows")  # QKVParallelLinear.norm_gemv_rows: the input norm inside
-    spy(decode, "reduce_splits")  # the splits' merge launch (o_proj's GEMV merges instead)
     return calls
 
 
