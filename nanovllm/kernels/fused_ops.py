@@ -154,11 +154,11 @@ def token_codes(rows: int, cols: int, device: torch.device) -> TokenCodes:
                       torch.empty(rows, 1, dtype=torch.float32, device=device))
 
 
-def _norm_warps(block: int, partials: int) -> int:
+def _norm_warps(block: int, partials: int, lora: bool = False) -> int:
     """Warps of a norm program. Split-K partials: two values a thread per split, so that each
-    thread's loads are few and all are in flight at once (docs/design.md); else 4, or 8 from
-    4,096 columns."""
-    if partials:
+    thread's loads are few and all are in flight at once (docs/design.md); else, and with
+    LoRA's shrink chunks in the launch (not measured that way), 4, or 8 from 4,096 columns."""
+    if partials and not lora:
         return max(4, min(32, block // 64))
     return 8 if block >= 4096 else 4
 
@@ -197,7 +197,7 @@ def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
             *(lora or (None,) * 4), *(handed or (None, None)), num_rows, H=hidden,
             BLOCK=block, ADD=residual is not None, CODES=codes, PARTIALS=partials, LORA_SR=sr,
             SR_PAD=triton.next_power_of_2(max(sr, 1)), NUM_SLOTS=slots, RANK=rank,
-            CHUNK=ahead_chunk_width(hidden), num_warps=_norm_warps(block, partials),
+            CHUNK=ahead_chunk_width(hidden), num_warps=_norm_warps(block, partials, chunks > 0),
             **launch_options())
     return (handed if codes else out), res_out
 

@@ -96,9 +96,11 @@ def test_add_rms_norm_partials(splits: int, hidden: int, dtype: torch.dtype) -> 
 
 
 def test_norm_warps() -> None:
-    """Partials: two values a thread, 4 to 32 warps; plain rows as before (4, 8 from 4,096)."""
+    """Partials: two values a thread, 4 to 32 warps; plain rows and LoRA launches: 4, 8 from
+    4,096."""
     assert [_norm_warps(b, 8) for b in (64, 256, 1024, 2048, 4096, 8192)] == [4, 4, 16, 32, 32, 32]
     assert [_norm_warps(b, 0) for b in (64, 1024, 4096, 8192)] == [4, 4, 8, 8]
+    assert [_norm_warps(b, 8, lora=True) for b in (1024, 4096)] == [4, 8]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
