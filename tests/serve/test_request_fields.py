@@ -72,10 +72,20 @@ WORKS = {
         "test_request_fields::test_tool_fields_of_messages_reach_the_template",
     "add_generation_prompt": "test_request_fields::test_template_options_reach_the_template",
     "chat_template_kwargs": "test_request_fields::test_template_options_reach_the_template",
+    "continue_final_message":
+        "test_request_prompt_options::test_continue_final_message_leaves_the_last_message_open",
+    "documents": "test_request_prompt_options::test_documents_reach_the_template",
+    "add_special_tokens": "test_request_prompt_options::test_add_special_tokens_reaches_encode",
+    "truncate_prompt_tokens":
+        "test_request_prompt_options::test_truncate_prompt_tokens_keeps_the_last_tokens",
 }
 # field -> a value it refuses with a 400 naming it
-REFUSED_VALUES = {"suffix": "!", "best_of": 2, "use_beam_search": True,
-                  "include_stop_str_in_output": True}
+REFUSED_VALUES = {"suffix": "!", "best_of": 2, "use_beam_search": True, "length_penalty": 0.5,
+                  "include_stop_str_in_output": True, "spaces_between_special_tokens": False,
+                  "return_tokens_as_token_ids": True, "return_token_ids": True, "priority": 1,
+                  "cache_salt": "salt", "guided_json": {"type": "object"},
+                  "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": 'root ::= "a"',
+                  "chat_template": "{{ messages[0].content }}"}
 NESTED = {"messages": ChatMessage, "messages.content": TextPart, "stream_options": StreamOptions,
           "tools": Tool, "tools.function": FunctionDefinition}
 
@@ -178,15 +188,21 @@ def test_tool_fields_of_messages_reach_the_template(app, tool_template):  # noqa
 
 def test_template_options_reach_the_template(app, tool_template):  # noqa: F811
     """add_generation_prompt=false leaves the assistant's header out; chat_template_kwargs are
-    the template's variables (Qwen3's enable_thinking); a bad one is a 400."""
+    the template's variables (Qwen3's enable_thinking) and override the request's options; one
+    that sets the template or the call's own arguments is a 400."""
     client, _ = app
     plain = _prompt_tokens(client, chat())
     assert _prompt_tokens(client, chat(add_generation_prompt=False)) < plain
     thinking_off = chat(chat_template_kwargs={"enable_thinking": False})
     assert _prompt_tokens(client, thinking_off) > plain
-    clash = client.post("/v1/chat/completions",
-                        json=chat(chat_template_kwargs={"tokenize": True}))
-    assert clash.status_code == 400 and clash.json()["error"]["param"] == "messages"
+    # over the request's own options (vLLM's order)
+    assert _prompt_tokens(client, chat(chat_template_kwargs={"add_generation_prompt": False})) \
+        < plain
+    for key in ("tokenize", "chat_template", "conversation"):  # the call's, or a template
+        clash = client.post("/v1/chat/completions",
+                            json=chat(chat_template_kwargs={key: "x"}))
+        assert clash.status_code == 400, key
+        assert clash.json()["error"]["param"] == "chat_template_kwargs", clash.json()
 
 
 @pytest.mark.parametrize("fields", [dict(top_k=1), dict(top_p=1e-9), dict(min_p=1.0)])

@@ -5,8 +5,8 @@ import json
 import jsonschema
 import pytest
 
+from nanovllm.serve.openai.chat_template import chat_prompt
 from nanovllm.serve.openai.protocol import ChatCompletionRequest
-from nanovllm.serve.openai.serving import chat_prompt
 from nanovllm.serve.openai.tool_calls import output_parser, parse_hermes
 from tests.serve.test_server_structured import chat, sapp  # noqa: F401
 
@@ -154,9 +154,6 @@ def test_tools_reach_the_chat_template():
         def encode(self, text, add_special_tokens):
             return [1]
 
-    class Engine:
-        tokenizer = Tokenizer()
-
     body = ChatCompletionRequest(**chat(tools=TOOLS, tool_choice="auto"))
-    assert chat_prompt(Engine(), body) == [1]
+    assert chat_prompt(Tokenizer(), body) == [1]
     assert seen["tools"] == TOOLS

@@ -72,9 +72,20 @@ class _SamplingRequest(BaseModel):
     min_tokens: int = 0
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None  # per prompt token: its own and the top k's
-    # refused unless neutral (validation.REFUSED)
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens
+    # vLLM's, refused unless neutral (validation.REFUSED)
     use_beam_search: bool = False
+    length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    spaces_between_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
+    priority: int = 0
+    cache_salt: str | None = None
+    guided_json: str | dict | None = None  # vLLM's older structured outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # OpenAI's and vLLM's ways to constrain the output (structured.py): at most one
     response_format: dict | None = None
     structured_outputs: dict | None = None
@@ -159,6 +170,7 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = None  # the top logprobs per token, plus the sampled token's
     suffix: str | None = None  # refused unless None (validation.REFUSED)
     best_of: int | None = None  # refused unless None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS and the like (as offline)
 
     def num_logprobs(self) -> int | None:
         if self.logprobs is not None:
@@ -224,7 +236,11 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool = True  # false: at most one call (vLLM keeps the first)
     # vLLM's: the chat template's generation prompt and its own keyword arguments
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message left open
+    documents: list[dict] | None = None  # for templates that take them (RAG)
     chat_template_kwargs: dict | None = None
+    add_special_tokens: bool = False  # the template writes them (vLLM's default for chat)
+    chat_template: str | None = None  # a request's own template: refused unless None
     echo: bool = False  # vLLM's chat echo: refused unless false
 
     @property

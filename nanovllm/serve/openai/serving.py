@@ -1,5 +1,6 @@
 """What the /v1 routes do: requests to SamplingParams, AsyncLLM outputs to OpenAI responses."""
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -14,6 +15,7 @@ from nanovllm.engine.request_checks import prompt_token_ids, validate_request
 from nanovllm.lora.request import LoRARequest
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.serve.async_llm import AsyncLLM, RequestOutput
+from nanovllm.serve.openai.chat_template import chat_prompt
 from nanovllm.serve.openai.errors import APIError, bad_request
 from nanovllm.serve.openai.logprobs import LogprobsFormat
 from nanovllm.serve.openai.lora_modules import (
@@ -30,7 +32,7 @@ from nanovllm.serve.openai.protocol import (
 from nanovllm.serve.openai.responses import Choice, ChoiceOutput, ResponseFormat
 from nanovllm.serve.openai.structured import check_compiles
 from nanovllm.serve.openai.tool_calls import output_parser
-from nanovllm.serve.openai.validation import check_context, unknown_fields
+from nanovllm.serve.openai.validation import check_context, truncate_prompt, unknown_fields
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +107,7 @@ class OpenAIServing:
         warn_ignored(body.ignored_fields)
         lora = self.loras.resolve(body.model)
         try:
-            prompt = chat_prompt(self.llm, body)
+            prompt = chat_prompt(self.llm.tokenizer, body)
             # the rest of the context; a prompt that fills it is refused in _serve
             params = body.sampling_params(max(1, self.llm.max_model_len - len(prompt)))
             self._check_structure(body, params)
@@ -133,8 +135,8 @@ class OpenAIServing:
             logprobs = LogprobsFormat(tokenizer, chat, params.logprobs or 0)
         echo = None
         if getattr(body, "echo", False):  # completions: the prompt leads the text (and logprobs)
-            echo = [(p if isinstance(p, str) else tokenizer.decode(ids), ids)
-                    for p, ids in zip(prompts, token_ids)]
+            echo = [(p if isinstance(p, str) and body.truncate_prompt_tokens is None
+                     else tokenizer.decode(ids), ids) for p, ids in zip(prompts, token_ids)]
         tools = (output_parser(body.effective_tool_choice(), body.parallel_tool_calls) if chat
                  else None)
         fmt = ResponseFormat(self.model_name, chat, params.n, logprobs, echo, len(prompts),
@@ -164,25 +166,13 @@ class OpenAIServing:
                     body: _SamplingRequest, chat: bool) -> list[int]:
         """The prompt's token ids, once it and max_tokens fit the context, as the engine
         checks it."""
-        ids = prompt_token_ids(prompt, self.llm.tokenizer.encode)
+        tokenizer = self.llm.tokenizer
+        ids = prompt_token_ids(prompt, functools.partial(
+            tokenizer.encode, add_special_tokens=body.add_special_tokens))
+        ids = truncate_prompt(ids, body.truncate_prompt_tokens, self.llm.max_model_len)
         check_context(len(ids), body.requested_max_tokens, body.max_tokens_field,
                       self.llm.max_model_len, "messages" if chat else "prompt")
-        return validate_request(ids, params, self.llm.limits, self.llm.tokenizer.encode)[0]
-
-
-def chat_prompt(llm: AsyncLLM, body: ChatCompletionRequest) -> list[int]:
-    """The conversation through the tokenizer's chat template, as LLM.chat encodes it."""
-    tokenizer = llm.tokenizer
-    if tokenizer.chat_template is None:
-        raise ValueError("messages: this model's tokenizer has no chat template")
-    try:
-        text = tokenizer.apply_chat_template(
-            [m.as_dict() for m in body.messages], tools=body.template_tools(), tokenize=False,
-            add_generation_prompt=body.add_generation_prompt,
-            **(body.chat_template_kwargs or {}))
-    except Exception as e:  # a template may raise anything (jinja2's errors, its own)
-        raise ValueError(f"messages: the chat template failed: {e}") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+        return validate_request(ids, params, self.llm.limits, tokenizer.encode)[0]
 
 
 def warn_ignored(fields: list[str]) -> None:

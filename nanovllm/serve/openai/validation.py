@@ -5,7 +5,15 @@ from pydantic import BaseModel
 # Fields that would change the output but are not supported, with the values that change
 # nothing: any other value is a 400 naming the field.
 REFUSED = {"suffix": (None, ""), "best_of": (None, 1), "use_beam_search": (False,),
-           "include_stop_str_in_output": (False,)}
+           "length_penalty": (1.0,), "include_stop_str_in_output": (False,),
+           "spaces_between_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
+           "return_token_ids": (False,), "priority": (0,), "cache_salt": (None,),
+           "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+           "guided_grammar": (None,), "chat_template": (None,)}
+# what to send instead, where the server has it
+INSTEAD = {**{f"guided_{kind}": f"structured_outputs={{{kind!r}: ...}}"
+              for kind in ("json", "regex", "choice", "grammar")},
+           "chat_template": "chat_template_kwargs for the served template's variables"}
 
 
 class FieldError(ValueError):
@@ -41,7 +49,8 @@ def refuse_unsupported(body: BaseModel) -> None:
     for name, neutral in REFUSED.items():
         value = getattr(body, name, neutral[0])
         if value not in neutral:
-            raise FieldError(name, f"{name}={value!r} is not supported by this server")
+            hint = f": use {INSTEAD[name]}" if name in INSTEAD else ""
+            raise FieldError(name, f"{name}={value!r} is not supported by this server{hint}")
 
 
 def check_streaming(body: BaseModel) -> None:
@@ -71,3 +80,18 @@ def check_context(num_prompt_tokens: int, max_tokens: int | None, max_tokens_fie
             f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
             f"messages, {max_tokens} in the completion). Please reduce the length of the "
             f"messages or completion."))
+
+
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len)."""
+    if keep is None:
+        return ids
+    if keep < -1:
+        raise FieldError("truncate_prompt_tokens", f"truncate_prompt_tokens={keep} is invalid: "
+                                                   f"expected an int >= -1")
+    if keep > max_model_len:
+        raise FieldError("truncate_prompt_tokens", (
+            f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+            f"({max_model_len}). Please, select a smaller truncation size."))
+    keep = max_model_len if keep == -1 else keep
+    return ids[len(ids) - keep:] if keep < len(ids) else ids
