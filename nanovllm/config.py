@@ -10,7 +10,9 @@ from nanovllm.layers.backend_names import BACKENDS, resolve_attention_backend
 from nanovllm.layers.quantization import QuantConfig, resolve_quant_config
 from nanovllm.layers.rotary_embedding import rope_parameters
 from nanovllm.models.registry import architecture, decoder_spec, with_family_defaults
+from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.field_checks import INT32_MAX, check, check_int, check_real, is_int
+from nanovllm.utils.generation_config import sampling_defaults
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights from config.json alone (benchmarks)
@@ -47,6 +49,10 @@ class Config:
     # None: the checkpoint's weights as they are (FP8 when its quantization_config says so);
     # "fp8": a bf16/fp16/fp32 checkpoint quantized at load (per output channel, W8A8)
     quantization: str | None = None
+    # "auto": requests that leave temperature, top_p, top_k, min_p or repetition_penalty unset
+    # take generation_config.json's (vLLM's default); "vllm": SamplingParams' own; or a folder
+    generation_config: str = "auto"
+    sampling_defaults: dict = field(init=False, repr=False)
     hf_config: PretrainedConfig = field(init=False, repr=False)
     quant_config: QuantConfig | None = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
@@ -56,6 +62,12 @@ class Config:
         self.model = os.path.expanduser(str(self.model))
         self._check_ranges()
         self.hf_config = load_hf_config(self.model, self.load_format)
+        self.sampling_defaults = sampling_defaults(self.model, self.generation_config)
+        try:
+            SamplingParams(**self.sampling_defaults)
+        except ValueError as e:
+            raise ValueError(f"generation_config.json's sampling defaults: {e}; pass "
+                             f"generation_config='vllm' to leave them out") from None
         self.quant_config = resolve_quant_config(
             getattr(self.hf_config, "quantization_config", None), self.quantization)
         if self.enable_lora and self.quant_config is not None:

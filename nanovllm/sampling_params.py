@@ -78,7 +78,7 @@ class SamplingParams:
     temperature: float = 1.0
     max_tokens: int = 64
     ignore_eos: bool = False
-    top_k: int = -1  # keep the k most likely tokens; -1 = off
+    top_k: int = -1  # keep the k most likely tokens; 0 or -1 = off (vLLM)
     top_p: float = 1.0  # keep the smallest set with cumulative probability >= top_p; 1 = off
     min_p: float = 0.0  # drop tokens with p < min_p * p_max; 0 = off
     stop: str | list[str] | None = None
@@ -116,9 +116,8 @@ class SamplingParams:
         self.max_tokens = check_int("max_tokens", self.max_tokens, 1, None, "an int >= 1")
         for name in ("ignore_eos", "skip_special_tokens"):
             check(name, getattr(self, name), isinstance(getattr(self, name), bool), "a bool")
-        top_k = check_int("top_k", self.top_k, -1, None, "-1 (off) or an int >= 1")
-        check("top_k", top_k, top_k != 0, "-1 (off) or an int >= 1")
-        self.top_k = -1 if top_k > INT32_MAX else top_k
+        top_k = check_int("top_k", self.top_k, -1, None, "0 or -1 (off) or an int >= 1")
+        self.top_k = -1 if top_k > INT32_MAX or top_k == 0 else top_k  # 0: off, as vLLM
         top_p = check_real("top_p", self.top_p, 0.0, 1.0, "a number in (0, 1] (1 = off)",
                            low_open=True)
         self.top_p = max(top_p, FLOAT32_TINY)

@@ -67,6 +67,8 @@ class DataParallelEngine:
                  lora_request: LoRARequest | list[LoRARequest | None] | None = None
                  ) -> list[dict]:
         """As LLMEngine.generate; each replica runs its share in one call."""
+        if sampling_params is None:
+            sampling_params = SamplingParams(**self.config.sampling_defaults)
         requests = validate_requests(prompts, sampling_params, self.limits, self.tokenizer.encode)
         loras = lora_request_list(lora_request, len(requests), self.config.enable_lora)
         for request in {r.lora_int_id: r for r in loras if r is not None}.values():

@@ -43,6 +43,7 @@ def test_top_k_beyond_int64_is_off(llm):
     kw = dict(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
     assert SamplingParams(top_k=2**63, **kw).top_k == -1
     assert SamplingParams(top_k=np.int64(2**62), **kw).top_k == -1
+    assert SamplingParams(top_k=0, **kw).top_k == -1  # off, as vLLM
     huge = tokens(llm, [PROMPT], SamplingParams(top_k=2**63, **kw))
     assert huge == tokens(llm, [PROMPT], SamplingParams(top_k=-1, **kw))
     assert huge == tokens(llm, [PROMPT], SamplingParams(top_k=512, **kw))  # the whole vocab
@@ -50,7 +51,7 @@ def test_top_k_beyond_int64_is_off(llm):
 
 @pytest.mark.parametrize("field, value", [
     ("temperature", 10**400), ("temperature", 1e39), ("temperature", float("inf")),
-    ("top_k", 0), ("top_p", 0.0), ("seed", 2**63), ("min_p", float("nan")),
+    ("top_k", -2), ("top_p", 0.0), ("seed", 2**63), ("min_p", float("nan")),
     ("stop_token_ids", [2**64]), ("max_tokens", True), ("top_p", torch.tensor(0.5)),
 ])
 def test_unrepresentable_value_is_refused_and_changes_nothing(llm, field, value):

@@ -43,7 +43,7 @@ def prompts() -> list[list[int]]:
 
 @pytest.mark.parametrize("kwargs, name", [
     (dict(temperature=-0.1), "temperature"), (dict(max_tokens=0), "max_tokens"),
-    (dict(top_k=0), "top_k"), (dict(top_k=2.5), "top_k"), (dict(top_p=0.0), "top_p"),
+    (dict(top_k=-2), "top_k"), (dict(top_k=2.5), "top_k"), (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"), (dict(min_p=-0.1), "min_p"), (dict(min_p=1.1), "min_p"),
     (dict(stop=""), "stop"), (dict(stop=["a", 3]), "stop"), (dict(stop_token_ids=[-1]),
                                                               "stop_token_ids"),

@@ -1,9 +1,13 @@
-"""vLLM's prompt options: truncate_prompt_tokens, add_special_tokens, and the chat template's
-continue_final_message, documents and tool call arguments."""
+"""vLLM's prompt options: truncate_prompt_tokens, add_special_tokens, the chat template's
+continue_final_message, documents and tool call arguments; the model's sampling defaults."""
 import pytest
+from fastapi.testclient import TestClient
 
+from nanovllm.serve.async_llm import AsyncLLM
+from nanovllm.serve.openai.app import build_app
 from nanovllm.serve.openai.chat_template import chat_prompt
 from nanovllm.serve.openai.protocol import ChatCompletionRequest
+from tests.engine.test_generation_config import model_with_defaults  # noqa: F401
 from tests.serve.test_request_fields import TOOL_TEMPLATE
 from tests.serve.test_server_fields import (  # noqa: F401
     MAX_MODEL_LEN,
@@ -119,3 +123,27 @@ def test_tool_call_arguments_reach_the_template_as_objects(app, template):  # no
     assert _rendered(tokenizer, messages=turns("")) == "{}"
     assert_400(client.post("/v1/chat/completions", json=chat(messages=turns("{a"))),
                "messages.1.tool_calls.0.function.arguments")
+
+
+@pytest.fixture
+def defaults_app(model_with_defaults):  # noqa: F811
+    llm = AsyncLLM(model_with_defaults, engine_process=False, device="cpu",
+                   num_kvcache_blocks=4, max_model_len=MAX_MODEL_LEN)
+    with TestClient(build_app(llm, "tiny")) as client:
+        yield client
+
+
+def test_unset_sampling_fields_take_the_models_defaults(defaults_app):
+    """The checkpoint's top_k=1 (generation_config.json) makes a request without sampling
+    fields greedy; a request's own top_k (0: off, as vLLM) wins."""
+    client = defaults_app
+    body = {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 8, "ignore_eos": True}
+
+    def text(**fields) -> str:
+        response = client.post("/v1/completions", json={**body, **fields})
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+
+    greedy = text(temperature=0)
+    assert text() == greedy
+    assert text(top_k=0, temperature=1.0, seed=3) != greedy

@@ -95,8 +95,10 @@ class _SamplingRequest(BaseModel):
     def _nulls(cls, data: object) -> object:
         return _null_is_default(data, cls.model_fields)
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """The SamplingParams asked for; ValueError names a bad or unsupported field."""
+    def sampling_params(self, default_max_tokens: int, defaults: dict | None = None
+                        ) -> SamplingParams:
+        """The SamplingParams asked for, `defaults` (the model's generation_config.json) for
+        the fields left unset; ValueError names a bad or unsupported field."""
         refuse_unsupported(self)
         check_streaming(self)
         check_range("n", self.n, 1, MAX_N)
@@ -117,7 +119,7 @@ class _SamplingRequest(BaseModel):
                       logprobs=self.num_logprobs(), logit_bias=self.token_logit_bias(),
                       allowed_token_ids=self.allowed_token_ids, min_tokens=self.min_tokens,
                       bad_words=self.bad_words, structured_outputs=self.structure()[0])
-        fields = {k: v for k, v in fields.items() if v is not None}
+        fields = {**(defaults or {}), **{k: v for k, v in fields.items() if v is not None}}
         fields.setdefault("max_tokens", default_max_tokens)
         return SamplingParams(**fields)
 
@@ -177,12 +179,13 @@ class CompletionRequest(_SamplingRequest):
             check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         return self.logprobs
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int, defaults: dict | None = None
+                        ) -> SamplingParams:
         """As for any request; with echo, logprobs cover the prompt too (prompt_logprobs, as
         vLLM: an explicit prompt_logprobs wins)."""
         if self.best_of is not None and self.best_of < self.n:  # OpenAI's and vLLM's 400
             raise FieldError("best_of", f"best_of={self.best_of} must be >= n={self.n}")
-        params = super().sampling_params(default_max_tokens)
+        params = super().sampling_params(default_max_tokens, defaults)
         if self.echo and params.logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = params.logprobs
         return params
@@ -256,14 +259,15 @@ class ChatCompletionRequest(_SamplingRequest):
             return "max_completion_tokens"
         return "max_tokens"
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int, defaults: dict | None = None
+                        ) -> SamplingParams:
         """As for any request; a tool choice other than "none" is not streamed."""
         if self.echo:
             raise FieldError("echo", "echo=true is not supported for chat completions")
         if self.stream and self.effective_tool_choice() != "none":
             raise FieldError("tools", "tools with a tool_choice other than \"none\" are "
                                       "supported without stream only")
-        return super().sampling_params(default_max_tokens)
+        return super().sampling_params(default_max_tokens, defaults)
 
     def effective_tool_choice(self) -> ToolChoice:
         """tool_choice, or its default."""

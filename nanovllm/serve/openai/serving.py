@@ -97,7 +97,7 @@ class OpenAIServing:
         lora = self.loras.resolve(body.model)
         try:
             prompts = body.prompts()
-            params = body.sampling_params(default_max_tokens=16)  # OpenAI's default
+            params = body.sampling_params(16, self.llm.config.sampling_defaults)  # OpenAI's 16
             self._check_structure(body, params)
         except ValueError as e:
             raise bad_request(e) from None
@@ -109,7 +109,8 @@ class OpenAIServing:
         try:
             prompt = chat_prompt(self.llm.tokenizer, body)
             # the rest of the context; a prompt that fills it is refused in _serve
-            params = body.sampling_params(max(1, self.llm.max_model_len - len(prompt)))
+            params = body.sampling_params(max(1, self.llm.max_model_len - len(prompt)),
+                                          self.llm.config.sampling_defaults)
             self._check_structure(body, params)
         except ValueError as e:
             raise bad_request(e) from None

@@ -1,0 +1,27 @@
+"""The sampling defaults of a checkpoint's generation_config.json (vLLM's generation_config)."""
+import json
+import os
+
+# What vLLM takes from it: each, where the file sets it, is the default of a request that
+# does not (max_new_tokens is not taken: max_tokens keeps its own default here).
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(model: str, source: str) -> dict:
+    """{field: value} that generation_config.json sets among SAMPLING_FIELDS: the model's own
+    for source "auto", the directory `source`'s, or none for "vllm" (SamplingParams' own)."""
+    if not isinstance(source, str):
+        raise ValueError(f"generation_config={source!r} is invalid: expected 'auto', 'vllm' "
+                         f"or a directory")
+    if source == "vllm":
+        return {}
+    folder = model if source == "auto" else os.path.expanduser(source)
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        if source == "auto":
+            return {}
+        raise ValueError(f"generation_config={source!r} is invalid: expected 'auto', 'vllm' "
+                         f"or a directory holding generation_config.json")
+    with open(path) as f:
+        values = json.load(f)
+    return {name: values[name] for name in SAMPLING_FIELDS if values.get(name) is not None}
