@@ -136,8 +136,8 @@ def config_from_kwargs(model: str, kwargs: dict) -> Config:
     names = {f.name for f in fields(Config) if f.init}
     unknown = sorted(set(kwargs) - names)
     if unknown:
-        raise ValueError(f"unknown argument(s) {unknown}; LLM accepts "
-                         f"{sorted(names - {'model'} | {'attention_backend'})}")
+        accepted = sorted(names - {"model"} | {"data_parallel_size"})  # LLM's own keyword too
+        raise ValueError(f"unknown argument(s) {unknown}; LLM accepts {accepted}")
     return Config(model, **kwargs)
 
 

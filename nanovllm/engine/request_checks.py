@@ -38,8 +38,9 @@ def check_sampling_params(params: SamplingParams) -> None:
 
 def resolve_steering(params: SamplingParams, limits: RequestLimits,
                      encode: Callable[..., list[int]]) -> SamplingParams:
-    """Check the steering fields' ids against the vocabulary; return a copy of params, holding
-    bad_words' and min_tokens' token ids (tokenized here, once per request, never per step)."""
+    """Check the steering fields' ids and the logprobs asked against the vocabulary; return a
+    copy of params holding bad_words' and min_tokens' token ids (tokenized here, once per
+    request, never per step)."""
     vocab = limits.vocab_size
     for name, ids in (("logit_bias", params.logit_bias or ()),
                       ("allowed_token_ids", params.allowed_token_ids or ()),
@@ -48,6 +49,11 @@ def resolve_steering(params: SamplingParams, limits: RequestLimits,
         if bad is not None:
             raise ValueError(f"{name}: token id {bad} is outside [0, {vocab}) (the model's "
                              f"vocab_size)")
+    for name in ("logprobs", "prompt_logprobs"):  # more than there are: refused, not capped
+        k = getattr(params, name)
+        if k is not None and k > vocab:
+            raise ValueError(f"{name}={k} is invalid: expected at most the model's vocab_size "
+                             f"{vocab}")
     # A copy, as vLLM takes one: the caller may change and reuse its object for the next
     # request (or another engine, another tokenizer) while this one is queued.
     params = copy(params)

@@ -66,6 +66,17 @@ def test_defaults_keep_upstream_behaviour():
     assert sp.stop_strings == ("x",) and SamplingParams().stop_strings == ()
 
 
+@pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
+def test_logprobs_beyond_the_vocabulary_are_refused(llm, name):
+    """All of the vocabulary may be asked; more is a ValueError, not a silent cap."""
+    vocab = llm.config.hf_config.vocab_size
+    out = llm.generate("the", SamplingParams(max_tokens=1, **{name: vocab}), use_tqdm=False)[0]
+    scored = out["logprobs"][0] if name == "logprobs" else out["prompt_logprobs"][1]
+    assert len(scored) == vocab
+    with pytest.raises(ValueError, match=rf"^request 0: {name}={vocab + 1} is invalid"):
+        llm.generate("the", SamplingParams(max_tokens=1, **{name: vocab + 1}), use_tqdm=False)
+
+
 @pytest.fixture(scope="module")
 def greedy_ids(llm, prompts) -> list[list[int]]:
     return ids(llm.generate(prompts, greedy(), use_tqdm=False))
