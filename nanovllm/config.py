@@ -49,8 +49,9 @@ class Config:
     # None: the checkpoint's weights as they are (FP8 when its quantization_config says so);
     # "fp8": a bf16/fp16/fp32 checkpoint quantized at load (per output channel, W8A8)
     quantization: str | None = None
-    # "auto": requests that leave temperature, top_p, top_k, min_p or repetition_penalty unset
-    # take generation_config.json's (vLLM's default); "vllm": SamplingParams' own; or a folder
+    # "auto": generation_config.json's temperature, top_p, top_k, min_p, repetition_penalty
+    # are the defaults of generate() without SamplingParams and of server fields left unset
+    # (vLLM's default); "vllm": SamplingParams' own; or a folder holding such a file
     generation_config: str = "auto"
     sampling_defaults: dict = field(init=False, repr=False)
     hf_config: PretrainedConfig = field(init=False, repr=False)
@@ -136,8 +137,8 @@ def config_from_kwargs(model: str, kwargs: dict) -> Config:
     names = {f.name for f in fields(Config) if f.init}
     unknown = sorted(set(kwargs) - names)
     if unknown:
-        accepted = sorted(names - {"model"} | {"data_parallel_size"})  # LLM's own keyword too
-        raise ValueError(f"unknown argument(s) {unknown}; LLM accepts {accepted}")
+        raise ValueError(f"unknown argument(s) {unknown}; LLM accepts "
+                         f"{sorted(names - {'model'})}")
     return Config(model, **kwargs)
 
 

@@ -150,6 +150,7 @@ class DataParallelLLM(LLM):
         self.data_parallel_size = data_parallel_size
         self.engine = DataParallelEngine(model, data_parallel_size, **kwargs)
         self.tokenizer, self.replica_info = self.engine.tokenizer, self.engine.replica_info
+        self.config = self.engine.config  # the driver's: get_default_sampling_params reads it
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -2,8 +2,9 @@
 import json
 import os
 
-# What vLLM takes from it: each, where the file sets it, is the default of a request that
-# does not (max_new_tokens is not taken: max_tokens keeps its own default here).
+# Each, where the file sets it, is the default of a request that does not. vLLM also takes
+# max_new_tokens as max_tokens' default; here max_tokens keeps its own (64 offline, the
+# server's per route), so that a checkpoint's file cannot shorten every completion unasked.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 

@@ -83,8 +83,8 @@ def test_add_rms_norm_partials(splits: int, hidden: int, dtype: torch.dtype) -> 
     normed, new_residual = add_partials_rms_norm(parts, residual, norm.weight, EPS)
     summed = parts.sum(0).to(dtype)
     normed_ref, residual_ref = norm.add_rms_forward(summed, residual)
-    # the interpreter truncates the rounded sum: one ulp of the largest sum more
-    atol = 3e-2 + torch.finfo(dtype).eps * summed.abs().max().item()
+    # the interpreter truncates the rounded sum: one ulp of the largest sum more there
+    atol = 3e-2 + (torch.finfo(dtype).eps * summed.abs().max().item() if DEVICE == "cpu" else 0)
     torch.testing.assert_close(normed, normed_ref, atol=atol, rtol=3e-2)
     torch.testing.assert_close(new_residual, residual_ref, atol=atol, rtol=3e-2)
     # RMSNorm.add_partials, torch path (the CPU model's reference) and kernel alike

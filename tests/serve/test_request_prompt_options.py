@@ -41,16 +41,23 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(app):  # noqa: F811
     whole = _usage_and_text(client, "/v1/completions", completion(LONG_PROMPT))
     assert _usage_and_text(client, "/v1/completions",
                            completion(LONG_PROMPT, truncate_prompt_tokens=-1)) == whole
-    for bad in (-2, MAX_MODEL_LEN + 1):
-        assert_400(client.post("/v1/completions",
-                               json=completion(truncate_prompt_tokens=bad)),
-                   "truncate_prompt_tokens")
+    for bad in (-2, 0, MAX_MODEL_LEN + 1):
+        for route, body in (("/v1/completions", completion(truncate_prompt_tokens=bad)),
+                            ("/v1/chat/completions", chat(truncate_prompt_tokens=bad))):
+            assert_400(client.post(route, json=body), "truncate_prompt_tokens")
 
 
-def test_add_special_tokens_reaches_encode(app, monkeypatch):  # noqa: F811
-    """Completions add the tokenizer's special tokens unless told not to; chat adds them only
-    when asked (the template writes its own). A stand-in BOS makes them countable."""
-    client, tokenizer = app
+def test_truncated_chat_prompt_leaves_the_rest_of_the_context(app):  # noqa: F811
+    """Without max_tokens a chat completion may fill the context the truncated prompt left."""
+    client, _ = app
+    body = chat(messages=[{"role": "user", "content": LONG_PROMPT * 4}], max_tokens=None,
+                truncate_prompt_tokens=10, ignore_eos=True)
+    usage = client.post("/v1/chat/completions", json=body).json()["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (10, MAX_MODEL_LEN - 10)
+
+
+def _with_bos(tokenizer, monkeypatch) -> None:
+    """A stand-in BOS (id 0) that encode adds unless told not to."""
     encode = tokenizer.encode
 
     def encode_with_bos(text, add_special_tokens=True, **kwargs):
@@ -58,6 +65,37 @@ def test_add_special_tokens_reaches_encode(app, monkeypatch):  # noqa: F811
         return [0, *ids] if add_special_tokens else ids
 
     monkeypatch.setattr(tokenizer, "encode", encode_with_bos)
+
+
+def test_echo_gives_the_prompt_the_model_read(app, monkeypatch):  # noqa: F811
+    """A prompt left whole is echoed as sent (not with the BOS the tokenizer added); a
+    truncated one as its kept tokens' text."""
+    client, tokenizer = app
+    _with_bos(tokenizer, monkeypatch)
+    ids = tokenizer.encode(LONG_PROMPT)
+    assert not tokenizer.decode(ids).startswith(LONG_PROMPT)
+
+    def echoed(**fields) -> str:
+        body = completion(LONG_PROMPT, echo=True, max_tokens=1, **fields)
+        return client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+
+    assert echoed(truncate_prompt_tokens=-1).startswith(LONG_PROMPT)
+    assert echoed(truncate_prompt_tokens=len(ids)).startswith(LONG_PROMPT)
+    assert echoed(truncate_prompt_tokens=3).startswith(tokenizer.decode(ids[-3:]))
+    assert not echoed(truncate_prompt_tokens=3).startswith(LONG_PROMPT)
+
+
+def test_refused_fields_are_named_before_the_template_renders(app):  # noqa: F811
+    client, _ = app
+    body = chat(chat_template="{{ x }}", continue_final_message=True)
+    assert_400(client.post("/v1/chat/completions", json=body), "chat_template")
+
+
+def test_add_special_tokens_reaches_encode(app, monkeypatch):  # noqa: F811
+    """Completions add the tokenizer's special tokens unless told not to; chat adds them only
+    when asked (the template writes its own). A stand-in BOS makes them countable."""
+    client, tokenizer = app
+    _with_bos(tokenizer, monkeypatch)
     for route, body, default in (("/v1/completions", completion(), True),
                                  ("/v1/chat/completions", chat(), False)):
         counts = {flag: _usage_and_text(client, route, {**body, "add_special_tokens": flag})[0]

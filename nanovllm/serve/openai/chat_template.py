@@ -14,6 +14,8 @@ def template_messages(body) -> list[dict]:
     not JSON text (vLLM parses them, so that `| tojson` renders them once)."""
     messages = [m.as_dict() for m in body.messages]
     for i, message in enumerate(messages):
+        if message["role"] != "assistant":  # vLLM parses an assistant's calls only
+            continue
         for j, call in enumerate(message.get("tool_calls") or ()):
             function = call.get("function")
             if not isinstance(function, dict):
@@ -44,14 +46,16 @@ def template_kwargs(body) -> dict:
                   tools=body.template_tools(), documents=body.documents)
     kwargs.update(extra)
     if kwargs["add_generation_prompt"] and kwargs["continue_final_message"]:
-        raise FieldError("continue_final_message", "Cannot set both continue_final_message "
-                                                   "and add_generation_prompt to true")
+        field = ("chat_template_kwargs" if {"add_generation_prompt", "continue_final_message"}
+                 & set(extra) else "continue_final_message")
+        raise FieldError(field, "Cannot set both continue_final_message and "
+                                "add_generation_prompt to true")
     return kwargs
 
 
 def chat_prompt(tokenizer, body) -> list[int]:
-    """The conversation's token ids, as LLM.chat encodes it (special tokens added only if
-    the request asks: the template writes them)."""
+    """The conversation's token ids through the template (special tokens added only if the
+    request asks: the template writes them)."""
     if tokenizer.chat_template is None:
         raise ValueError("messages: this model's tokenizer has no chat template")
     messages, kwargs = template_messages(body), template_kwargs(body)

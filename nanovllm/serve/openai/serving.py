@@ -32,7 +32,12 @@ from nanovllm.serve.openai.protocol import (
 from nanovllm.serve.openai.responses import Choice, ChoiceOutput, ResponseFormat
 from nanovllm.serve.openai.structured import check_compiles
 from nanovllm.serve.openai.tool_calls import output_parser
-from nanovllm.serve.openai.validation import check_context, truncate_prompt, unknown_fields
+from nanovllm.serve.openai.validation import (
+    check_context,
+    check_fields,
+    truncate_prompt,
+    unknown_fields,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +101,7 @@ class OpenAIServing:
         warn_ignored(body.ignored_fields)
         lora = self.loras.resolve(body.model)
         try:
+            check_fields(body, self.llm.max_model_len)
             prompts = body.prompts()
             params = body.sampling_params(16, self.llm.config.sampling_defaults)  # OpenAI's 16
             self._check_structure(body, params)
@@ -107,7 +113,9 @@ class OpenAIServing:
         warn_ignored(body.ignored_fields)
         lora = self.loras.resolve(body.model)
         try:
-            prompt = chat_prompt(self.llm.tokenizer, body)
+            check_fields(body, self.llm.max_model_len)  # before the template renders
+            prompt = truncate_prompt(chat_prompt(self.llm.tokenizer, body),
+                                     body.truncate_prompt_tokens, self.llm.max_model_len)
             # the rest of the context; a prompt that fills it is refused in _serve
             params = body.sampling_params(max(1, self.llm.max_model_len - len(prompt)),
                                           self.llm.config.sampling_defaults)
@@ -128,7 +136,7 @@ class OpenAIServing:
         """Choice j * n + i is completion i of prompt j: one engine request each."""
         tokenizer = self.llm.tokenizer
         try:  # once per prompt for its n completions: each then gets the token ids
-            token_ids = [self._prompt_ids(p, params, body, chat) for p in prompts]
+            token_ids, cut = zip(*(self._prompt_ids(p, params, body, chat) for p in prompts))
         except ValueError as e:
             raise bad_request(e) from None
         logprobs = None
@@ -136,8 +144,8 @@ class OpenAIServing:
             logprobs = LogprobsFormat(tokenizer, chat, params.logprobs or 0)
         echo = None
         if getattr(body, "echo", False):  # completions: the prompt leads the text (and logprobs)
-            echo = [(p if isinstance(p, str) and body.truncate_prompt_tokens is None
-                     else tokenizer.decode(ids), ids) for p, ids in zip(prompts, token_ids)]
+            echo = [(p if isinstance(p, str) and not shortened else tokenizer.decode(ids), ids)
+                    for p, ids, shortened in zip(prompts, token_ids, cut)]
         tools = (output_parser(body.effective_tool_choice(), body.parallel_tool_calls) if chat
                  else None)
         fmt = ResponseFormat(self.model_name, chat, params.n, logprobs, echo, len(prompts),
@@ -164,16 +172,18 @@ class OpenAIServing:
         return JSONResponse(fmt.full(choices))
 
     def _prompt_ids(self, prompt: str | list[int], params: SamplingParams,
-                    body: _SamplingRequest, chat: bool) -> list[int]:
-        """The prompt's token ids, once it and max_tokens fit the context, as the engine
-        checks it."""
+                    body: _SamplingRequest, chat: bool) -> tuple[list[int], bool]:
+        """(The prompt's token ids, once it and max_tokens fit the context, as the engine
+        checks it; whether truncate_prompt_tokens shortened them)."""
         tokenizer = self.llm.tokenizer
         ids = prompt_token_ids(prompt, functools.partial(
             tokenizer.encode, add_special_tokens=body.add_special_tokens))
+        whole = len(ids)
         ids = truncate_prompt(ids, body.truncate_prompt_tokens, self.llm.max_model_len)
         check_context(len(ids), body.requested_max_tokens, body.max_tokens_field,
                       self.llm.max_model_len, "messages" if chat else "prompt")
-        return validate_request(ids, params, self.llm.limits, tokenizer.encode)[0]
+        return validate_request(ids, params, self.llm.limits, tokenizer.encode)[0], \
+            len(ids) < whole
 
 
 def warn_ignored(fields: list[str]) -> None:

@@ -82,16 +82,21 @@ def check_context(num_prompt_tokens: int, max_tokens: int | None, max_tokens_fie
             f"messages or completion."))
 
 
+def check_fields(body: BaseModel, max_model_len: int) -> None:
+    """What can be refused before any work on the prompt: the unsupported fields' values and
+    truncate_prompt_tokens' range."""
+    refuse_unsupported(body)
+    keep = body.truncate_prompt_tokens
+    if keep is not None and not (keep == -1 or 1 <= keep <= max_model_len):
+        raise FieldError("truncate_prompt_tokens", (
+            f"truncate_prompt_tokens={keep} is invalid: expected -1 (max_model_len) or an int "
+            f"in [1, max_model_len={max_model_len}]"))
+
+
 def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len)."""
+    """vLLM's truncate_prompt_tokens (checked by check_fields): the prompt's last `keep`
+    tokens, -1 for max_model_len."""
     if keep is None:
         return ids
-    if keep < -1:
-        raise FieldError("truncate_prompt_tokens", f"truncate_prompt_tokens={keep} is invalid: "
-                                                   f"expected an int >= -1")
-    if keep > max_model_len:
-        raise FieldError("truncate_prompt_tokens", (
-            f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
-            f"({max_model_len}). Please, select a smaller truncation size."))
     keep = max_model_len if keep == -1 else keep
-    return ids[len(ids) - keep:] if keep < len(ids) else ids
+    return ids[-keep:]
