@@ -55,7 +55,7 @@ def parse_args() -> argparse.Namespace:
     check_scenario(p, args)
     args.structured_rounds = args.repeats or (1 if args.tiny else 3)
     defaults = dict(model=DEFAULT_MODEL, load_format="dummy" if args.shape else "auto",
-                    calculate_kv_scales=True, max_model_len=4096, tensor_parallel_size=1,
+                    max_model_len=4096, tensor_parallel_size=1,
                     repeats=1)
     for name, value in defaults.items():
         setattr(args, name, value if getattr(args, name) is None else getattr(args, name))

@@ -28,7 +28,7 @@ def engine_args(args: argparse.Namespace) -> SimpleNamespace:
     """The flags open_engine reads (bench.py's defaults)."""
     return SimpleNamespace(enforce_eager=False, max_model_len=4096, tensor_parallel_size=1,
                            block_size=256, attention_backend="auto", load_format="dummy",
-                           kv_cache_dtype="auto", calculate_kv_scales=True, quantization=None)
+                           kv_cache_dtype="auto", calculate_kv_scales=None, quantization=None)
 
 
 def batch1_tpot_ms(llm) -> float:

@@ -67,7 +67,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kvcache_block_size=args.block_size, attention_backend=args.attention_backend,
                 load_format=getattr(args, "load_format", "auto"),
                 kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
-                calculate_kv_scales=getattr(args, "calculate_kv_scales", True),
+                calculate_kv_scales=getattr(args, "calculate_kv_scales", None),
                 quantization=getattr(args, "quantization", None))
 
 

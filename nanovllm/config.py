@@ -20,6 +20,11 @@ REQUIRED_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers",
                    "num_attention_heads", "vocab_size")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model dtype; fp8: float8_e4m3fn, per-layer scales
+# Fields that only matter beside another: given without it they are refused, not ignored.
+# name -> (what it needs, its default when not given)
+FIELD_NEEDS = {"max_loras": ("enable_lora=True", 1), "max_lora_rank": ("enable_lora=True", 16),
+               "max_cpu_loras": ("enable_lora=True", None),
+               "calculate_kv_scales": ("kv_cache_dtype='fp8'", True)}
 
 
 @dataclass
@@ -41,10 +46,11 @@ class Config:
     load_format: str = "auto"
     logprobs_mode: str = "raw"  # "raw": log_softmax(logits); "processed": what was sampled from
     kv_cache_dtype: str = "auto"
-    calculate_kv_scales: bool = True  # fp8: scales from the warm-up's K/V, else all 1.0
+    # fp8: scales from the warm-up's K/V, else all 1.0 (None: FIELD_NEEDS' default, True)
+    calculate_kv_scales: bool | None = None
     enable_lora: bool = False
-    max_loras: int = 1  # adapters in one batch: GPU slots in each targeted projection
-    max_lora_rank: int = 16
+    max_loras: int | None = None  # adapters in one batch: GPU slots in each projection (1)
+    max_lora_rank: int | None = None  # 16
     max_cpu_loras: int | None = None  # adapters kept in host memory; None: max_loras
     # None: the checkpoint's weights as they are (FP8 when its quantization_config says so);
     # "fp8": a bf16/fp16/fp32 checkpoint quantized at load (per output channel, W8A8)
@@ -113,6 +119,7 @@ class Config:
             value = getattr(self, name)
             check(name, value, isinstance(value, str) and value in allowed,
                   f"one of {list(allowed)}")
+        self._fill_needs()
         self.max_loras = check_int("max_loras", self.max_loras, 1, 256)
         self.max_lora_rank = check_int("max_lora_rank", self.max_lora_rank, 1, 512)
         if self.max_cpu_loras is None:
@@ -130,6 +137,23 @@ class Config:
         backend = self.attention_backend
         check("attention_backend", backend, isinstance(backend, str)
               and backend in ("auto", *BACKENDS), f"one of {['auto', *BACKENDS]}")
+
+
+    def _fill_needs(self) -> None:
+        """FIELD_NEEDS: a field given without what it needs is refused; one not given takes
+        its default."""
+        met = _needs_met(self)
+        for name, (needs, default) in FIELD_NEEDS.items():
+            value = getattr(self, name)
+            if value is None:
+                setattr(self, name, default)
+            elif not met[needs]:
+                raise ValueError(f"{name}={value!r} needs {needs}: without it, it would "
+                                 f"change nothing")
+
+def _needs_met(config: Config) -> dict[str, bool]:
+    return {"enable_lora=True": config.enable_lora is True,
+            "kv_cache_dtype='fp8'": config.kv_cache_dtype == "fp8"}
 
 
 def config_from_kwargs(model: str, kwargs: dict) -> Config:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.config import Config
+from nanovllm.config import Config, config_from_kwargs
 from nanovllm.runner.model_runner import ModelRunner
 
 
@@ -70,6 +70,10 @@ def test_bad_model_directory(tiny_model, tmp_path, kind, message):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(foo=1), r"unknown argument\(s\) \['foo'\]; LLM accepts \["),
+    (dict(max_loras=4), r"max_loras=4 needs enable_lora=True: without it, it would change "),
+    (dict(max_lora_rank=8), r"max_lora_rank=8 needs enable_lora=True"),
+    (dict(max_cpu_loras=2), r"max_cpu_loras=2 needs enable_lora=True"),
+    (dict(calculate_kv_scales=False), r"calculate_kv_scales=False needs kv_cache_dtype='fp8'"),
     (dict(tensor_parallel_size=0), r"tensor_parallel_size=0 is invalid: expected an int in "
                                    r"\[1, 8\]"),
     (dict(tensor_parallel_size=9), r"tensor_parallel_size=9 is invalid"),
@@ -159,3 +163,13 @@ def test_bad_attention_backend_fails_before_anything_loads(tmp_path):
     # The model directory does not exist: the backend name is checked before it is even read.
     assert_fails_cleanly(str(tmp_path / "nope"), dict(attention_backend="bogus"), ValueError,
                          r"attention_backend='bogus' is invalid")
+
+
+def test_fields_that_need_another_take_their_defaults(tiny_model):
+    """Not given, FIELD_NEEDS' fields take their defaults, whatever they need."""
+    plain = config_from_kwargs(tiny_model, {})
+    assert (plain.max_loras, plain.max_lora_rank, plain.max_cpu_loras,
+            plain.calculate_kv_scales) == (1, 16, 1, True)
+    given = config_from_kwargs(tiny_model, dict(enable_lora=True, max_loras=2,
+                                                kv_cache_dtype="fp8", calculate_kv_scales=False))
+    assert (given.max_loras, given.max_cpu_loras, given.calculate_kv_scales) == (2, 2, False)

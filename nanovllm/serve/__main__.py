@@ -7,13 +7,13 @@ import socket
 import sys
 import typing
 
-from nanovllm.config import Config
+from nanovllm.config import FIELD_NEEDS, Config
 
 logger = logging.getLogger("nanovllm.serve")
 ENGINE_FIELDS = [f for f in dataclasses.fields(Config) if f.init and f.name != "model"]
-# Options that only matter beside another: given without it they are refused, not ignored.
-NEEDS = {"max_loras": "--enable-lora", "max_lora_rank": "--enable-lora",
-         "max_cpu_loras": "--enable-lora", "calculate_kv_scales": "--kv-cache-dtype fp8"}
+# Config.FIELD_NEEDS as flags, refused by argparse before the engine is imported
+FLAGS = {"enable_lora=True": "--enable-lora", "kv_cache_dtype='fp8'": "--kv-cache-dtype fp8"}
+NEEDS = {name: FLAGS[needs] for name, (needs, _) in FIELD_NEEDS.items()}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -24,15 +24,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     engine = p.add_argument_group("engine (LLM's keywords)")
     for f in ENGINE_FIELDS:
         flag = "--" + f.name.replace("_", "-")
-        default = None if f.name in NEEDS else f.default  # None: not given
+        shown = FIELD_NEEDS[f.name][1] if f.name in FIELD_NEEDS else f.default
         needs = f"; needs {NEEDS[f.name]}" if f.name in NEEDS else ""
-        if f.type is bool:
-            engine.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                                help=f"default {'on' if f.default else 'off'}{needs}")
+        if bool in (f.type, *typing.get_args(f.type)):  # bool, or bool | None
+            engine.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=f"default {'on' if shown else 'off'}{needs}")
         else:  # `int | None` (None: decided by the checkpoint) parses as int
             parse = next((t for t in typing.get_args(f.type) if t is not type(None)), f.type)
-            engine.add_argument(flag, type=parse, default=default,
-                                help=f"default {f.default}{needs}")
+            engine.add_argument(flag, type=parse, default=f.default,
+                                help=f"default {shown}{needs}")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="the name clients ask for (default: MODEL)")
@@ -57,8 +57,6 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for f in ENGINE_FIELDS:
         if f.name in NEEDS and getattr(args, f.name) is not None and not given[NEEDS[f.name]]:
             p.error(f"--{f.name.replace('_', '-')} needs {NEEDS[f.name]}")
-        if f.name in NEEDS and getattr(args, f.name) is None:
-            setattr(args, f.name, f.default)
     if not 0 <= args.port <= 65535:
         p.error(f"--port {args.port} is not a port number (0 to 65535)")
     for flag, value in (("--api-key (or $NANOVLLM_API_KEY)", args.api_key),

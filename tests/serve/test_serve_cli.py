@@ -32,10 +32,10 @@ def test_refused_before_the_engine_starts(argv, message, tmp_path, capsys):
 def test_options_that_need_another_are_kept_with_it(tmp_path):
     args = parse_args(["/m", "--enable-lora", "--max-lora-rank", "64", "--kv-cache-dtype", "fp8",
                        "--no-calculate-kv-scales", "--lora-modules", f"a={tmp_path}"])
-    assert (args.max_lora_rank, args.max_loras, args.max_cpu_loras) == (64, 1, None)
+    assert (args.max_lora_rank, args.max_loras, args.max_cpu_loras) == (64, None, None)
     assert args.calculate_kv_scales is False
-    plain = parse_args(["/m"])
-    assert (plain.max_lora_rank, plain.max_loras, plain.calculate_kv_scales) == (16, 1, True)
+    plain = parse_args(["/m"])  # not given: Config's defaults (FIELD_NEEDS)
+    assert (plain.max_lora_rank, plain.max_loras, plain.calculate_kv_scales) == (None,) * 3
 
 
 def test_a_taken_port_fails_before_the_model_loads():
