@@ -48,7 +48,8 @@ def test_shutdown_is_idempotent(shut_down):
 REFUSED = ["add_request", "step", "abort_request", "new_tokens", "is_finished",
            "request_limits", "update_weights", "sleep", "wake_up", "add_lora", "remove_lora",
            "list_loras"]
-SUPPORTED = ["generate", "chat", "stats", "reset_stats", "reset_prefix_cache", "shutdown"]
+SUPPORTED = ["generate", "chat", "stats", "reset_stats", "reset_prefix_cache", "shutdown",
+             "get_default_sampling_params"]
 
 
 def test_data_parallel_llm_is_an_llm():
