@@ -6,7 +6,7 @@ import torch
 from transformers import PretrainedConfig
 
 from nanovllm.kernels.attention.kv_quant import FP8_DTYPE
-from nanovllm.layers.backend_names import BACKENDS, resolve_attention_backend
+from nanovllm.layers.backend_names import check_backend_name, resolve_attention_backend
 from nanovllm.layers.quantization import QuantConfig, resolve_quant_config
 from nanovllm.layers.rotary_embedding import rope_parameters
 from nanovllm.models.registry import architecture, decoder_spec, with_family_defaults
@@ -134,9 +134,7 @@ class Config:
               f"one of {list(LOAD_FORMATS)}")
         check("logprobs_mode", self.logprobs_mode, self.logprobs_mode in ("raw", "processed"),
               "'raw' or 'processed'")
-        backend = self.attention_backend
-        check("attention_backend", backend, isinstance(backend, str)
-              and backend in ("auto", *BACKENDS), f"one of {['auto', *BACKENDS]}")
+        check_backend_name(self.attention_backend)
 
 
     def _fill_needs(self) -> None:

@@ -17,6 +17,7 @@ from nanovllm.data_parallel.replicas import (
     replica_device,
 )
 from nanovllm.engine.request_checks import validate_requests
+from nanovllm.layers.backend_names import check_backend_name
 from nanovllm.lora.adapter import load_adapter
 from nanovllm.lora.registry import lora_request_list
 from nanovllm.lora.request import LoRARequest
@@ -36,6 +37,8 @@ class DataParallelEngine:
 
     def __init__(self, model: str, data_parallel_size: int, **kwargs):
         n = check_data_parallel_size(data_parallel_size)
+        # the name only: the replicas resolve it on their own devices
+        check_backend_name(kwargs.get("attention_backend", "auto"))
         ray = import_ray(n)
         # Checked here, before any process starts; CUDA is checked against the cluster's GPUs,
         # not this machine's (the driver may have none).

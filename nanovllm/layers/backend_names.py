@@ -5,8 +5,17 @@ import os
 
 import torch
 
+from nanovllm.utils.field_checks import check
+
 logger = logging.getLogger(__name__)
 BACKENDS = ("flash-attn", "triton", "torch")
+
+
+def check_backend_name(name: object) -> None:
+    """A ValueError unless `name` is 'auto' or one of BACKENDS: checked before anything loads,
+    wherever the backend is resolved later (data parallelism: in each replica)."""
+    check("attention_backend", name, isinstance(name, str) and name in ("auto", *BACKENDS),
+          f"one of {['auto', *BACKENDS]}")
 
 
 def _resolve_auto(device: str) -> str:

@@ -37,6 +37,12 @@ def test_without_ray_the_error_names_the_extra(tiny_model, monkeypatch):
         LLM(tiny_model, data_parallel_size=2)
 
 
+def test_a_bad_backend_name_is_refused_before_ray(tiny_model, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # Ray is never reached
+    with pytest.raises(ValueError, match=r"^attention_backend='bogus' is invalid"):
+        LLM(tiny_model, data_parallel_size=2, attention_backend="bogus")
+
+
 def test_one_replica_is_the_plain_engine_and_never_imports_ray(tiny_model):
     code = ("import sys; from nanovllm import LLM, SamplingParams\n"
             f"llm = LLM({tiny_model!r}, data_parallel_size=1, num_kvcache_blocks=8)\n"
