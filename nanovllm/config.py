@@ -71,7 +71,7 @@ class Config:
         self.hf_config = load_hf_config(self.model, self.load_format)
         self.sampling_defaults = sampling_defaults(self.model, self.generation_config)
         try:
-            SamplingParams(**self.sampling_defaults)
+            self.default_sampling_params()
         except ValueError as e:
             raise ValueError(f"generation_config.json's sampling defaults: {e}; pass "
                              f"generation_config='vllm' to leave them out") from None
@@ -136,11 +136,11 @@ class Config:
               "'raw' or 'processed'")
         check_backend_name(self.attention_backend)
 
-
     def _fill_needs(self) -> None:
         """FIELD_NEEDS: a field given without what it needs is refused; one not given takes
         its default."""
-        met = _needs_met(self)
+        met = {"enable_lora=True": self.enable_lora is True,
+               "kv_cache_dtype='fp8'": self.kv_cache_dtype == "fp8"}
         for name, (needs, default) in FIELD_NEEDS.items():
             value = getattr(self, name)
             if value is None:
@@ -149,9 +149,9 @@ class Config:
                 raise ValueError(f"{name}={value!r} needs {needs}: without it, it would "
                                  f"change nothing")
 
-def _needs_met(config: Config) -> dict[str, bool]:
-    return {"enable_lora=True": config.enable_lora is True,
-            "kv_cache_dtype='fp8'": config.kv_cache_dtype == "fp8"}
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with generation_config's sampling fields (generate()'s None)."""
+        return SamplingParams(**self.sampling_defaults)
 
 
 def config_from_kwargs(model: str, kwargs: dict) -> Config:

@@ -40,6 +40,10 @@ class LLM(LLMEngine):
         return self.generate(chat_prompt_ids(self.tokenizer, as_conversation_list(messages)),
                              sampling_params, use_tqdm, lora_request=lora_request)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() uses without SamplingParams (Config.generation_config, as vLLM)."""
+        return self.config.default_sampling_params()
+
     def generate(self, *args, **kwargs) -> list[dict]:
         self._check_ready("generate")
         return super().generate(*args, **kwargs)
@@ -159,7 +163,7 @@ class DataParallelLLM(LLM):
         return self.engine.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def get_default_sampling_params(self) -> SamplingParams:
-        return self.engine.get_default_sampling_params()
+        return self.engine.config.default_sampling_params()
 
     def stats(self) -> dict:
         """The replicas' counters summed, each replica's own under "replicas"."""

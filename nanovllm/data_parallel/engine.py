@@ -64,19 +64,14 @@ class DataParallelEngine:
         self.limits = replace(self.replica_info[0]["limits"],
                               num_blocks=min(i["limits"].num_blocks for i in self.replica_info))
 
-    def get_default_sampling_params(self) -> SamplingParams:
-        """As LLMEngine.get_default_sampling_params."""
-        return SamplingParams(**self.config.sampling_defaults)
-
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True,
                  lora_request: LoRARequest | list[LoRARequest | None] | None = None
                  ) -> list[dict]:
         """As LLMEngine.generate; each replica runs its share in one call."""
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
-        requests = validate_requests(prompts, sampling_params, self.limits, self.tokenizer.encode)
+        requests = validate_requests(prompts, sampling_params, self.limits, self.tokenizer.encode,
+                                     default=self.config.default_sampling_params)
         loras = lora_request_list(lora_request, len(requests), self.config.enable_lora)
         for request in {r.lora_int_id: r for r in loras if r is not None}.values():
             # checked here too, so that a bad adapter stops the call before any replica starts

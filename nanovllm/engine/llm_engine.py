@@ -205,11 +205,6 @@ class LLMEngine:
     def _has_work(self) -> bool:
         return not self.scheduler.is_finished() or self._in_flight is not None
 
-    def get_default_sampling_params(self) -> SamplingParams:
-        """What generate() uses without SamplingParams: generation_config.json's sampling
-        fields over SamplingParams' defaults (Config.generation_config, as vLLM)."""
-        return SamplingParams(**self.config.sampling_defaults)
-
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True,
@@ -218,10 +213,9 @@ class LLMEngine:
         """Run one prompt or a list to completion; returns one dict per prompt, in order."""
         # Every request is validated before any is queued, so a ValueError changes nothing. On
         # any exception (Ctrl-C too) this call's requests are aborted; the engine stays usable.
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
         requests = validate_requests(prompts, sampling_params, self.request_limits(),
-                                     self.tokenizer.encode, self.grammars)
+                                     self.tokenizer.encode, self.grammars,
+                                     self.config.default_sampling_params)
         loras = lora_request_list(lora_request, len(requests), self.loras is not None)
         if any(loras):
             self.loras.register(loras)

@@ -150,12 +150,14 @@ def validate_request(prompt: Prompt, params: SamplingParams, limits: RequestLimi
 def validate_requests(prompts: list[Prompt],
                       sampling_params: SamplingParams | list[SamplingParams] | None,
                       limits: RequestLimits, encode: Callable[..., list[int]],
-                      grammars: StructuredOutputs | None = None
+                      grammars: StructuredOutputs | None = None,
+                      default: Callable[[], SamplingParams] = SamplingParams
                       ) -> list[tuple[list[int], SamplingParams]]:
-    """Validate a whole call up front; the error names the first bad request's index."""
+    """Validate a whole call up front; the error names the first bad request's index.
+    Without sampling_params, default() (Config.default_sampling_params)."""
     prompts = as_prompt_list(prompts)
     if sampling_params is None:
-        sampling_params = SamplingParams()
+        sampling_params = default()
     if isinstance(sampling_params, list | tuple):
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} "

@@ -157,8 +157,8 @@ def token_codes(rows: int, cols: int, device: torch.device) -> TokenCodes:
 def _norm_warps(block: int, partials: int, lora: bool = False) -> int:
     """Warps of a norm program. Split-K partials: two values a thread per split up to 2,048
     columns (at most 32 warps), so that each thread's loads are few and all are in flight at
-    once (docs/design.md); else, and with
-    LoRA's shrink chunks in the launch (not measured that way), 4, or 8 from 4,096 columns."""
+    once (docs/design.md). Otherwise, and with LoRA's shrink chunks in the launch (not
+    measured that way): 4, or 8 from 4,096 columns."""
     if partials and not lora:
         return max(4, min(32, block // 64))
     return 8 if block >= 4096 else 4

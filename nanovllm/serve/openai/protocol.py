@@ -17,7 +17,6 @@ from nanovllm.serve.openai.validation import (
     FieldError,
     check_range,
     check_streaming,
-    refuse_unsupported,
     unknown_fields,
 )
 
@@ -99,8 +98,7 @@ class _SamplingRequest(BaseModel):
                         ) -> SamplingParams:
         """The SamplingParams asked for, `defaults` (the model's generation_config.json) for
         the fields left unset; ValueError names a bad or unsupported field."""
-        refuse_unsupported(self)
-        check_streaming(self)
+        check_streaming(self)  # refuse_unsupported ran first (validation.check_fields)
         check_range("n", self.n, 1, MAX_N)
         limit = self.requested_max_tokens
         if limit is not None and limit < 1:  # named as sent: max_completion_tokens on chat
