@@ -5,6 +5,8 @@ import os
 import transformers
 from transformers import PreTrainedTokenizerBase
 
+from nanovllm.utils.generation_config import read_generation_config
+
 _ERRORS = (OSError, ValueError, ImportError, TypeError)
 
 
@@ -15,10 +17,7 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, hf_config: object, model: 
     <|endoftext|> beside <|im_end|>), each an int or a list."""
     found = [tokenizer.eos_token_id if tokenizer.eos_token_id is not None
              else getattr(hf_config, "eos_token_id", None)]
-    path = os.path.join(model, "generation_config.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            found.append(json.load(f).get("eos_token_id"))
+    found.append((read_generation_config(model) or {}).get("eos_token_id"))
     ids: list[int] = []
     for entry in found:
         for i in entry if isinstance(entry, list) else [entry]:

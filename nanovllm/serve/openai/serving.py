@@ -179,7 +179,8 @@ class OpenAIServing:
         ids = prompt_token_ids(prompt, functools.partial(
             tokenizer.encode, add_special_tokens=body.add_special_tokens))
         whole = len(ids)
-        ids = truncate_prompt(ids, body.truncate_prompt_tokens, self.llm.max_model_len)
+        if not chat:  # a chat prompt comes truncated: its default max_tokens needed that
+            ids = truncate_prompt(ids, body.truncate_prompt_tokens, self.llm.max_model_len)
         check_context(len(ids), body.requested_max_tokens, body.max_tokens_field,
                       self.llm.max_model_len, "messages" if chat else "prompt")
         return validate_request(ids, params, self.llm.limits, tokenizer.encode)[0], \
