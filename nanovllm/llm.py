@@ -1,5 +1,5 @@
 """The public facade."""
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from itertools import islice
 
 import torch
@@ -34,7 +34,7 @@ class LLM(LLMEngine):
 
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True,
+             use_tqdm: bool | Callable = True,
              lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[dict]:
         """generate() for one conversation or a list, through the tokenizer's chat template."""
         return self.generate(chat_prompt_ids(self.tokenizer, as_conversation_list(messages)),
@@ -157,7 +157,7 @@ class DataParallelLLM(LLM):
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True,
+                 use_tqdm: bool | Callable = True,
                  lora_request: LoRARequest | list[LoRARequest | None] | None = None
                  ) -> list[dict]:
         return self.engine.generate(prompts, sampling_params, use_tqdm, lora_request)

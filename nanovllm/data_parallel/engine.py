@@ -4,8 +4,6 @@ import weakref
 from collections.abc import Callable
 from dataclasses import replace
 
-from tqdm.auto import tqdm
-
 from nanovllm.config import config_from_kwargs
 from nanovllm.data_parallel.placement import place_requests
 from nanovllm.data_parallel.replicas import (
@@ -16,6 +14,7 @@ from nanovllm.data_parallel.replicas import (
     release,
     replica_device,
 )
+from nanovllm.engine.progress import check_use_tqdm, progress_bar
 from nanovllm.engine.request_checks import validate_requests
 from nanovllm.layers.backend_names import check_backend_name
 from nanovllm.lora.adapter import load_adapter
@@ -66,10 +65,11 @@ class DataParallelEngine:
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True,
+                 use_tqdm: bool | Callable = True,
                  lora_request: LoRARequest | list[LoRARequest | None] | None = None
                  ) -> list[dict]:
         """As LLMEngine.generate; each replica runs its share in one call."""
+        check_use_tqdm(use_tqdm)
         requests = validate_requests(prompts, sampling_params, self.limits, self.tokenizer.encode,
                                      default=self.config.default_sampling_params)
         loras = lora_request_list(lora_request, len(requests), self.config.enable_lora)
@@ -82,10 +82,11 @@ class DataParallelEngine:
         calls = {r: ([token_ids[i] for i in indices], [requests[i][1] for i in indices],
                      [loras[i] for i in indices])
                  for r, indices in enumerate(placement) if indices}
-        pbar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True,
-                    disable=not use_tqdm)
-        with pbar:
+        pbar = progress_bar(use_tqdm, len(requests))
+        try:
             results = self._call("generate", calls, lambda r: pbar.update(len(placement[r])))
+        finally:
+            pbar.close()
         outputs: list[dict] = [{}] * len(requests)
         for r, outs in results.items():
             for i, out in zip(placement[r], outs):

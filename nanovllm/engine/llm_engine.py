@@ -1,11 +1,11 @@
 """The engine loop: add requests, step the scheduler and model, collect finished outputs."""
 import weakref
+from collections.abc import Callable
 from time import perf_counter
-
-from tqdm.auto import tqdm
 
 from nanovllm.config import config_from_kwargs
 from nanovllm.engine.outputs import RequestTable, record_logprobs, request_output
+from nanovllm.engine.progress import check_use_tqdm, progress_bar
 from nanovllm.engine.request_checks import RequestLimits, validate_request, validate_requests
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.stats import StepCounters
@@ -207,10 +207,11 @@ class LLMEngine:
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True,
+                 use_tqdm: bool | Callable = True,
                  lora_request: LoRARequest | list[LoRARequest | None] | None = None
                  ) -> list[dict]:
         """Run one prompt or a list to completion; returns one dict per prompt, in order."""
+        check_use_tqdm(use_tqdm)
         # Every request is validated before any is queued, so a ValueError changes nothing. On
         # any exception (Ctrl-C too) this call's requests are aborted; the engine stays usable.
         requests = validate_requests(prompts, sampling_params, self.request_limits(),
@@ -220,8 +221,7 @@ class LLMEngine:
         if any(loras):
             self.loras.register(loras)
         groups: list[list[Sequence]] = []
-        pbar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True,
-                    disable=not use_tqdm)
+        pbar = progress_bar(use_tqdm, len(requests))
         tok_s = [0.0, 0.0]  # prefill, decode: the last step's rate of each kind
         try:
             for (token_ids, sp), lora in zip(requests, loras):

@@ -1,6 +1,7 @@
 """data_parallel_size: the keyword, request placement, and two CPU replicas on a local Ray cluster
 (greedy parity with one engine and transformers, a killed replica, Ctrl-C, clean shutdown)."""
 import importlib.util
+import io
 import os
 import random
 import signal
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tqdm import tqdm
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.data_parallel.placement import place_requests
@@ -152,10 +154,14 @@ def test_two_replicas_match_one_engine_and_transformers(tiny_model, reference):
         assert vars(llm.get_default_sampling_params()) == vars(
             single.get_default_sampling_params())
         llm.reset_stats()
+        with pytest.raises(TypeError, match=r"use_tqdm='no'"):  # before any replica works
+            llm.generate(prompts, GREEDY, use_tqdm="no")
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         stats = llm.stats()
         chat = llm.chat(convs, GREEDY, use_tqdm=False)
-        rich = llm.generate(prompts[:6], RICH, use_tqdm=False)
+        bars = []
+        rich = llm.generate(prompts[:6], RICH, use_tqdm=lambda **kw: bars.append(
+            tqdm(**kw, file=io.StringIO())) or bars[-1])
         # grammars compile on the replicas' own engines; steering travels in SamplingParams
         got_structured = llm.generate(*structured, use_tqdm=False) if structured else []
     finally:
@@ -166,6 +172,7 @@ def test_two_replicas_match_one_engine_and_transformers(tiny_model, reference):
     assert [o["text"] for o in chat] == [o["text"] for o in expected_chat]
     # n, logprobs and the penalties travel to the replicas as they are
     assert len(rich) == 6 and all(len(out["outputs"]) == RICH.n for out in rich)
+    assert len(bars) == 1 and bars[0].total == bars[0].n == 6  # the caller's bar counted them
     for out, want in zip(rich, expected_rich):
         assert [c["token_ids"] for c in out["outputs"]] == [c["token_ids"] for c in
                                                             want["outputs"]]

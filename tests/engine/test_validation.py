@@ -78,6 +78,34 @@ def test_malformed_call_is_rejected(llm):
     assert_idle_and_empty(llm)
 
 
+def test_use_tqdm_is_a_bool_or_a_bar_factory(llm):
+    """As vLLM: use_tqdm=False shows nothing, a callable makes the bar (tqdm's keywords); any
+    other value is refused before a request is queued."""
+    for bad in ("no", 0, None):
+        with pytest.raises(TypeError, match=rf"use_tqdm={bad!r}: expected a bool or a callable"):
+            llm.generate([GOOD], GREEDY, use_tqdm=bad)
+    assert_idle_and_empty(llm)
+    bars = []
+
+    class Bar:
+        def __init__(self, **kwargs):
+            self.kwargs, self.n, self.closed = kwargs, 0, False
+            bars.append(self)
+
+        def update(self, n):
+            self.n += n
+
+        def set_postfix(self, **kwargs):
+            pass
+
+        def close(self):
+            self.closed = True
+
+    outputs = llm.generate([GOOD, [7, 8, 9]], GREEDY, use_tqdm=Bar)
+    assert len(outputs) == 2 and len(bars) == 1
+    assert bars[0].kwargs["total"] == 2 and bars[0].n == 2 and bars[0].closed
+
+
 def test_rejected_call_changes_nothing(llm):
     before = llm.generate([GOOD, [7, 8, 9]], GREEDY, use_tqdm=False)
     # The bad request is last: with add-as-you-go the first two would already be queued.
