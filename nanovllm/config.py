@@ -10,7 +10,7 @@ from nanovllm.layers.backend_names import check_backend_name, resolve_attention_
 from nanovllm.layers.quantization import QuantConfig, resolve_quant_config
 from nanovllm.layers.rotary_embedding import rope_parameters
 from nanovllm.models.registry import architecture, decoder_spec, with_family_defaults
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import MAX_SEED, SamplingParams
 from nanovllm.utils.field_checks import INT32_MAX, check, check_int, check_real, is_int
 from nanovllm.utils.generation_config import sampling_defaults
 
@@ -59,6 +59,9 @@ class Config:
     # are the defaults of generate() without SamplingParams and of server fields left unset
     # (vLLM's default); "vllm": SamplingParams' own; or a folder holding such a file
     generation_config: str = "auto"
+    # the sampler's random draws (vLLM's default 0: a new engine repeats its samples); None:
+    # torch's global RNG, which torch.manual_seed governs
+    seed: int | None = 0
     sampling_defaults: dict = field(init=False, repr=False)
     hf_config: PretrainedConfig = field(init=False, repr=False)
     quant_config: QuantConfig | None = field(init=False, repr=False)
@@ -135,6 +138,9 @@ class Config:
         check("logprobs_mode", self.logprobs_mode, self.logprobs_mode in ("raw", "processed"),
               "'raw' or 'processed'")
         check_backend_name(self.attention_backend)
+        if self.seed is not None:
+            self.seed = check_int("seed", self.seed, 0, MAX_SEED,
+                                  f"None or an int in [0, {MAX_SEED}]")
 
     def _fill_needs(self) -> None:
         """FIELD_NEEDS: a field given without what it needs is refused; one not given takes

@@ -20,7 +20,7 @@ from nanovllm.layers.backend_names import check_backend_name
 from nanovllm.lora.adapter import load_adapter
 from nanovllm.lora.registry import lora_request_list
 from nanovllm.lora.request import LoRARequest
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import MAX_SEED, SamplingParams
 from nanovllm.utils.field_checks import check_int
 from nanovllm.utils.tokenizer import load_tokenizer
 
@@ -54,8 +54,11 @@ class DataParallelEngine:
         try:
             device, num_gpus = replica_device(ray, device, config.tensor_parallel_size, n)
             actor = ray.remote(num_cpus=0, num_gpus=num_gpus, max_restarts=0)(EngineReplica)
-            self.replicas += [actor.remote(config.model, dict(kwargs, device=device))
-                              for _ in range(n)]
+            # replica r draws from seed + r: replicas that shared one stream would draw the
+            # same noise for the requests each runs at the same step
+            self.replicas += [actor.remote(config.model, dict(
+                kwargs, device=device, seed=None if config.seed is None
+                else (config.seed + r) % (MAX_SEED + 1))) for r in range(n)]
             self.replica_info = self._call_all("info")
         except BaseException:
             self._stop(graceful=False)

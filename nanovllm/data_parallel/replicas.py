@@ -27,9 +27,9 @@ class EngineReplica:
         self.engine = LLMEngine(model, **kwargs)
 
     def info(self) -> dict:
-        """Where it runs and what requests it accepts."""
+        """Where it runs, what requests it accepts and the seed its sampler draws from."""
         return dict(pid=os.getpid(), host=socket.gethostname(),
-                    limits=self.engine.request_limits())
+                    limits=self.engine.request_limits(), seed=self.engine.config.seed)
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
                  loras: list | None = None) -> list[dict]:

@@ -13,12 +13,14 @@ from nanovllm.sequence import Sequence
 
 def prepare_sample(seqs: list[Sequence], lengths: list[int], token_counts: TokenCounts,
                    vocab_size: int, device: torch.device,
-                   temperatures: dict[tuple, torch.Tensor] | None = None) -> tuple[
+                   temperatures: dict[tuple, torch.Tensor] | None = None,
+                   generator: torch.Generator | None = None) -> tuple[
         torch.Tensor | SamplingTensors, Penalties | None, int | None, torch.Tensor | None]:
     """(temperatures or SamplingTensors, penalties, number of top logprobs, token bitmask of
     structured outputs) for the sampler; `lengths`: len(seq) at the step's launch;
     `temperatures`: the caller's cache of uploaded temperature rows, which the sampler only
-    reads (a batch that decodes on keeps its rows: no copy per step)."""
+    reads (a batch that decodes on keeps its rows: no copy per step); `generator`: the
+    sampler's, for the seeds of unseeded rows."""
     params = [seq.sampling_params for seq in seqs]
     upload = partial(to_device, device=device)
     if all(p.simple for p in params):  # no row steers either: nothing more is built
@@ -33,7 +35,7 @@ def prepare_sample(seqs: list[Sequence], lengths: list[int], token_counts: Token
     else:
         # seeded noise is keyed by the index the new token will have in its sequence
         sample_params = SamplingTensors.build(params, lengths, upload,
-                                              Steering.build(seqs, upload, lengths))
+                                              Steering.build(seqs, upload, lengths), generator)
     penalties = None
     if any(p.uses_penalties for p in params):
         # a sequence finished by the commit before a deferred sample has released its row:

@@ -150,6 +150,7 @@ def test_two_replicas_match_one_engine_and_transformers(tiny_model, reference):
 
     llm = LLM(tiny_model, data_parallel_size=2, num_kvcache_blocks=64)
     pids = [info["pid"] for info in llm.replica_info]
+    assert [info["seed"] for info in llm.replica_info] == [0, 1]  # independent draws
     try:
         assert vars(llm.get_default_sampling_params()) == vars(
             single.get_default_sampling_params())

@@ -2,10 +2,10 @@
 
 Fast path, when no row uses top-k/top-p/min-p/seed: the exponential race argmax(l / T - log E),
 E ~ Exp(1); on CUDA (FastPath.fused_sampler) one Triton kernel (kernels.sample) with Philox
-noise keyed by a per-step seed from torch's CPU RNG. Full path: l / T, then min_p, top_k and
-top_p as -inf masks, then the same draw with E = -log U, U a counter-based hash of (seed,
-position, vocab index): a seeded row draws the same noise whatever its batch. Greedy rows
-(T = 0) take argmax(l).
+noise keyed by a per-step seed from a CPU generator (Config.seed; None: torch's RNG). Full
+path: l / T, then min_p, top_k and top_p as -inf masks, then the same draw with E = -log U, U
+a counter-based hash of (seed, position, vocab index): a seeded row draws the same noise
+whatever its batch. Greedy rows (T = 0) take argmax(l).
 A structured output's token bitmask (layers.sampling.token_bitmask) sets disallowed tokens to
 -inf first; then steering (layers.sampling.steering: allowed_token_ids, bad_words, min_tokens,
 logit_bias), then the penalties (layers.sampling.penalties), in vLLM V1's order; they and
@@ -87,11 +87,13 @@ class SamplingTensors:
     @staticmethod
     def build(params: list[SamplingParams], positions: list[int],
               to_device: Callable[[list, torch.dtype], torch.Tensor],
-              steering: Steering | None = None) -> "SamplingTensors":
+              steering: Steering | None = None,
+              generator: torch.Generator | None = None) -> "SamplingTensors":
         """Pack rows into one float and one int64 tensor; `to_device(rows, dtype)` copies."""
         sampled = [p for p in params if p.temperature > 0]
-        # unseeded rows still draw from torch's (CPU) RNG, so torch.manual_seed governs them
-        fresh = torch.randint(MAX_SEED, (len(params),)).tolist()
+        # unseeded rows draw their seeds from the engine's CPU generator (Config.seed), or
+        # without one from torch's RNG, which torch.manual_seed governs
+        fresh = torch.randint(MAX_SEED, (len(params),), generator=generator).tolist()
         floats = to_device([[p.temperature for p in params], [p.top_p for p in params],
                             [p.min_p for p in params]], torch.float32)
         ints = to_device([[p.top_k for p in params],
@@ -140,19 +142,39 @@ class SamplerOutput:
 LOGPROBS_MODES = ("raw", "processed")
 
 
+class SamplerRNG:
+    """The sampler's generators: the draws' seeds (cpu) and the unfused race's noise (device,
+    the logits'). None, torch's global RNG, until seed() is given an int."""
+
+    def __init__(self) -> None:
+        self.cpu: torch.Generator | None = None
+        self.device: torch.Generator | None = None
+
+    def seed(self, seed: int | None, device: torch.device) -> None:
+        """Draw from generators seeded `seed` from now on (None: torch's global RNG)."""
+        if seed is None:
+            self.cpu = self.device = None
+            return
+        self.cpu = torch.Generator().manual_seed(seed)
+        self.device = (self.cpu if device.type == "cpu"
+                       else torch.Generator(device=device).manual_seed(seed))
+
+
 class Sampler(nn.Module):
     """logits [B, V] + temperatures [B] (fast path) or SamplingTensors -> token ids [B].
     logprobs_mode "raw": log_softmax of the model's logits (as vLLM's raw_logprobs: before
     the bitmask and steering); "processed": of the distribution sampled from (after them, the
     penalties, temperature and filters; greedy rows: after them and the penalties)."""
 
-    def __init__(self, logprobs_mode: str = "raw", fused: bool = False):
+    def __init__(self, logprobs_mode: str = "raw", fused: bool = False,
+                 rng: SamplerRNG | None = None):
         super().__init__()
         self.fused = fused  # the fast path's draw as one Triton kernel (FastPath.fused_sampler)
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={logprobs_mode!r} is invalid: expected one of "
                              f"{LOGPROBS_MODES}")
         self.logprobs_mode = logprobs_mode
+        self.rng = SamplerRNG() if rng is None else rng
 
     def forward(self, logits: torch.Tensor, params: torch.Tensor | SamplingTensors,
                 penalties: Penalties | None = None,
@@ -219,14 +241,16 @@ class Sampler(nn.Module):
         if self.fused:
             # Imported here: CPU-only runs never import Triton (as for the attention backends).
             from nanovllm.kernels.sample import race_sample
-            # The seed comes from torch's CPU RNG: torch.manual_seed governs it, and no sync.
-            return race_sample(logits, temperatures, int(torch.randint(2**31 - 1, (1,))))
+            # The seed comes from a CPU generator: no sync.
+            seed = int(torch.randint(2**31 - 1, (1,), generator=self.rng.cpu))
+            return race_sample(logits, temperatures, seed)
         logits = logits.float()
         greedy = logits.argmax(dim=-1)
         scaled = logits / temperatures.clamp(min=1e-5).unsqueeze(1)
         # argmax(p / E) with E ~ Exp(1) draws from p (the exponential race); taking logs,
         # argmax(l / T - log E): one pass over the logits, no softmax (its sum is a constant).
-        noise = torch.empty_like(scaled).exponential_(1).clamp_(min=1e-10)
+        noise = torch.empty_like(scaled).exponential_(1, generator=self.rng.device)
+        noise = noise.clamp_(min=1e-10)
         sampled = (scaled - noise.log()).argmax(dim=-1)
         return torch.where(temperatures == 0, greedy, sampled)
 
