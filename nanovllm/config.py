@@ -62,6 +62,8 @@ class Config:
     # the sampler's random draws (vLLM's default 0: a new engine repeats its samples); None:
     # torch's global RNG, which torch.manual_seed governs
     seed: int | None = 0
+    # False: no request reuses another's cached K/V blocks (vLLM's name; on by default)
+    enable_prefix_caching: bool = True
     sampling_defaults: dict = field(init=False, repr=False)
     hf_config: PretrainedConfig = field(init=False, repr=False)
     quant_config: QuantConfig | None = field(init=False, repr=False)
@@ -129,7 +131,8 @@ class Config:
             self.max_cpu_loras = self.max_loras
         self.max_cpu_loras = check_int("max_cpu_loras", self.max_cpu_loras, self.max_loras,
                                        None, f"None or an int >= max_loras={self.max_loras}")
-        for name in ("enforce_eager", "calculate_kv_scales", "enable_lora"):
+        for name in ("enforce_eager", "calculate_kv_scales", "enable_lora",
+                     "enable_prefix_caching"):
             check(name, getattr(self, name), isinstance(getattr(self, name), bool), "a bool")
         check("kv_cache_dtype", self.kv_cache_dtype, isinstance(self.kv_cache_dtype, str)
               and self.kv_cache_dtype in KV_CACHE_DTYPES, f"one of {list(KV_CACHE_DTYPES)}")

@@ -29,11 +29,12 @@ class BlockManager:
     block i implies the whole prefix up to it matches; block 0's "previous hash" is the
     sequence's LoRA adapter id (-1 for the base model), so K/V computed under one adapter is
     never reused by another. Freed blocks keep their hash and can be revived by a later hit
-    until they are handed out again."""
+    until they are handed out again. With enable_prefix_caching False no lookup hits."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         assert num_blocks > 0 and block_size > 0
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
         self.free_block_ids: deque[int] = deque(range(num_blocks))
@@ -74,8 +75,9 @@ class BlockManager:
         """Block ids of the longest cached prefix of the sequence's full blocks."""
         # The block holding the last token is never a hit: a prefill always has a row to sample.
         hits, h = [], self.chain_seed(seq)
-        if seq.num_prompt_logprobs is not None:
-            return hits  # prompt logprobs need every prompt position computed
+        # off, or prompt logprobs: they need every prompt position computed
+        if seq.num_prompt_logprobs is not None or not self.enable_prefix_caching:
+            return hits
         for i in range((seq.num_tokens - 1) // self.block_size):
             token_ids = seq.block(i)
             h = self.compute_hash(token_ids, h)

@@ -40,7 +40,8 @@ class LLMEngine:
                                    self.model_runner.num_kvcache_blocks,
                                    config.kvcache_block_size,
                                    self.model_runner.backend.longest_first,
-                                   config.max_loras if config.enable_lora else 0)
+                                   config.max_loras if config.enable_lora else 0,
+                                   config.enable_prefix_caching)
         self.loras = (LoRARegistry(config.hf_config, config.max_lora_rank, self.executor)
                       if config.enable_lora else None)
         self.stop_checker = StopStringChecker(self.tokenizer)

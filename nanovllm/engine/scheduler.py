@@ -22,14 +22,15 @@ class Scheduler:
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  eos_token_ids: tuple[int, ...], num_blocks: int, block_size: int,
-                 longest_first: bool = False, max_loras: int = 0):
+                 longest_first: bool = False, max_loras: int = 0,
+                 enable_prefix_caching: bool = True):
         self.max_num_seqs = max_num_seqs
         self.max_loras = max_loras  # adapters among the running and scheduled; 0: no LoRA
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.longest_first = longest_first
         self.eos_token_ids = eos_token_ids  # any of them ends a completion (unless ignore_eos)
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0

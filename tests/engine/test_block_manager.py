@@ -77,6 +77,22 @@ def test_can_allocate_counts_prefix_hits():
     assert bm.can_allocate(a2)
 
 
+def test_without_prefix_caching_a_shared_prefix_gets_blocks_of_its_own():
+    bm = BlockManager(8, BS, enable_prefix_caching=False)
+    a, b = seq(list(range(10))), seq(list(range(8)) + [50, 51, 52])
+    bm.allocate(a)
+    written(bm, a)
+    assert bm.can_allocate(b)
+    bm.allocate(b)
+    assert b.block_table == [3, 4, 5] and b.num_cached_tokens == 0
+    assert [bm.blocks[i].ref_count for i in range(6)] == [1] * 6
+    assert bm.num_cache_hit_blocks == 0
+    bm.free_all()
+    c = seq(list(range(9)))
+    bm.allocate(c)
+    assert c.num_cached_tokens == 0  # freed blocks are never revived either
+
+
 def test_hash_chain_depends_on_prefix():
     a = BlockManager.compute_hash([4, 5, 6, 7], BlockManager.compute_hash([0, 1, 2, 3]))
     b = BlockManager.compute_hash([4, 5, 6, 7], BlockManager.compute_hash([9, 1, 2, 3]))

@@ -48,6 +48,31 @@ def test_shared_two_block_prefix_counts(tiny_model):
     llm.shutdown()
 
 
+
+def test_without_prefix_caching_every_prompt_is_prefilled_whole(tiny_model):
+    """enable_prefix_caching=False (vLLM's name): the same workload hits no block, computes
+    every prompt token, and gives the cached engine's tokens."""
+    rng = random.Random(0)
+    prefix = rand_tokens(rng, 2 * BLOCK)
+    prompts = [prefix + rand_tokens(rng, 40 + i) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = {}
+    for caching in (True, False):
+        llm = LLM(tiny_model, num_kvcache_blocks=32, enable_prefix_caching=caching)
+        try:
+            first = llm.generate(prompts[:1], params, use_tqdm=False)
+            llm.reset_stats()
+            outs[caching] = first + llm.generate(prompts[1:], params, use_tqdm=False)
+            stats = llm.stats()
+        finally:
+            llm.shutdown()
+        hits = 3 * 2 if caching else 0
+        assert stats["cache_hit_blocks"] == hits
+        assert stats["prefill_tokens"] == sum(map(len, prompts[1:])) - hits * BLOCK
+    assert [o["token_ids"] for o in outs[False]] == [o["token_ids"] for o in outs[True]]
+    with pytest.raises(ValueError, match=r"enable_prefix_caching='no' is invalid: expected a bool"):
+        LLM(tiny_model, enable_prefix_caching="no")
+
 def test_preemption_in_a_tiny_pool(tiny_model):
     pool = 8
     llm = LLM(tiny_model, num_kvcache_blocks=pool)
