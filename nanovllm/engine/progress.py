@@ -10,8 +10,8 @@ def check_use_tqdm(use_tqdm: object) -> None:
 
 
 def progress_bar(use_tqdm, total: int):
-    """A bar over `total` requests: tqdm's (disabled when use_tqdm is False) or use_tqdm's."""
-    check_use_tqdm(use_tqdm)
+    """A bar over `total` requests: tqdm's (disabled when use_tqdm is False) or use_tqdm's
+    (generate() ran check_use_tqdm first, before any work)."""
     if callable(use_tqdm):  # called as vLLM calls it: no `disable`
         return use_tqdm(total=total, desc="Generating", dynamic_ncols=True)
     return tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
