@@ -154,7 +154,6 @@ class DataParallelLLM(LLM):
         self.data_parallel_size = data_parallel_size
         self.engine = DataParallelEngine(model, data_parallel_size, **kwargs)
         self.tokenizer, self.replica_info = self.engine.tokenizer, self.engine.replica_info
-        self.config = self.engine.config  # the driver's: get_default_sampling_params reads it
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -162,6 +161,9 @@ class DataParallelLLM(LLM):
                  lora_request: LoRARequest | list[LoRARequest | None] | None = None
                  ) -> list[dict]:
         return self.engine.generate(prompts, sampling_params, use_tqdm, lora_request)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.engine.config.default_sampling_params()
 
     def stats(self) -> dict:
         """The replicas' counters summed, each replica's own under "replicas"."""
