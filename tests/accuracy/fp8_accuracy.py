@@ -90,8 +90,10 @@ def teacher_forced(llm, batch: list[list[int]], forced: list[list[int]] | None
 def engine(path: str, backend: str, kv_cache_dtype: str, calculate: bool = False, **overrides):
     from nanovllm import LLM
     kwargs = dict(dtype="bfloat16", attention_backend=backend, kv_cache_dtype=kv_cache_dtype,
-                  calculate_kv_scales=calculate, max_model_len=2048, num_kvcache_blocks=64,
-                  max_num_seqs=16, max_num_batched_tokens=4096)
+                  max_model_len=2048, num_kvcache_blocks=64, max_num_seqs=16,
+                  max_num_batched_tokens=4096)
+    if kv_cache_dtype == "fp8":  # the engine refuses the flag for a 16-bit cache
+        kwargs["calculate_kv_scales"] = calculate
     return LLM(path, **{**kwargs, **overrides})
 
 
