@@ -17,7 +17,7 @@ from nanovllm.layers.fused_calibration import (
 )
 from nanovllm.layers.linear import tp_rank_and_size
 from nanovllm.layers.sampling.penalties import TokenCounts
-from nanovllm.layers.sampling.sampler import Sampler
+from nanovllm.layers.sampling.sampler import Sampler, SamplerRNG
 from nanovllm.lora.manager import LoRAManager
 from nanovllm.models.registry import build_model
 from nanovllm.runner.cuda_graphs import capture_decode_graphs, graph_batch_sizes
@@ -67,7 +67,9 @@ class ModelRunner:
         check_float32_matmuls(config.device, config.torch_dtype)
         self.use_cuda_graph = (config.device == "cuda" and not config.enforce_eager
                                and self.backend.cuda_graphs)
-        self.sampler = Sampler(config.logprobs_mode, self.backend.fast_path.fused_sampler)
+        self.sampler_rng = SamplerRNG()  # seeded once start-up's own steps are done
+        self.sampler = Sampler(config.logprobs_mode, self.backend.fast_path.fused_sampler,
+                               self.sampler_rng)
         self.vocab_size = hf_config.vocab_size  # read every step: a config attribute is slow
         self.token_counts = TokenCounts(self.vocab_size, self.device)  # penalties only
         self.temperatures: dict[tuple, torch.Tensor] = {}  # prepare_sample's uploaded rows
@@ -99,7 +101,7 @@ class ModelRunner:
         if self.use_cuda_graph:
             self._timed("capture", self.capture_cudagraph)
         # after start-up's own steps: however many it ran, the first request draws the same
-        self.sampler.rng.seed(config.seed, self.device)
+        self.sampler_rng.seed(config.seed, self.device)
         logger.info("start-up: %s (compile-ahead threads: %d)", ", ".join(
             f"{k} {v:.1f}s" for k, v in self.startup_s.items()), self.compile_threads)
 
@@ -246,7 +248,7 @@ class ModelRunner:
         # Prepared after the (asynchronous) forward was launched, so it overlaps the GPU.
         out = self.sampler(step.logits, *prepare_sample(
             step.seqs, step.lengths, self.token_counts, self.vocab_size, self.device,
-            self.temperatures, self.sampler.rng.cpu))
+            self.temperatures, self.sampler_rng.cpu))
         return SampledIds(out.token_ids, out.logprobs, step.prompt_logprobs, step.is_prefill)
 
     def wait_idle(self) -> None:

@@ -166,14 +166,15 @@ class Sampler(nn.Module):
     the bitmask and steering); "processed": of the distribution sampled from (after them, the
     penalties, temperature and filters; greedy rows: after them and the penalties)."""
 
-    def __init__(self, logprobs_mode: str = "raw", fused: bool = False):
+    def __init__(self, logprobs_mode: str = "raw", fused: bool = False,
+                 rng: SamplerRNG | None = None):
         super().__init__()
         self.fused = fused  # the fast path's draw as one Triton kernel (FastPath.fused_sampler)
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={logprobs_mode!r} is invalid: expected one of "
                              f"{LOGPROBS_MODES}")
         self.logprobs_mode = logprobs_mode
-        self.rng = SamplerRNG()  # the runner seeds it once start-up's own steps are done
+        self.rng = SamplerRNG() if rng is None else rng
 
     def forward(self, logits: torch.Tensor, params: torch.Tensor | SamplingTensors,
                 penalties: Penalties | None = None,
