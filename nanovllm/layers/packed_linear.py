@@ -3,7 +3,12 @@ with the fused decode kernels that take each packing whole."""
 import torch
 
 from nanovllm.kernels.linear.norm_prologue import PendingNorm
-from nanovllm.layers.linear import ColumnParallelLinear, divide, tp_rank_and_size
+from nanovllm.layers.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    divide,
+    tp_rank_and_size,
+)
 from nanovllm.layers.quantization.fp8 import Cols, Fp8Format, Rows
 
 
@@ -45,6 +50,21 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         from nanovllm.kernels.linear.gemv_gate_up import norm_gate_up_silu_gemv
         return norm_gate_up_silu_gemv(norm, self.weight, self.bias,
                                       self.fused_scales().get("w_scale"))
+
+    def runs_norm_gate_up_down(self, norm: PendingNorm, down: RowParallelLinear) -> bool:
+        """Whether norm_gate_up_down runs this step: runs_norm_gate_up's step, down_proj fused
+        in it too, 16-bit weights, and a kernel that holds both (kernels.linear.gemv_mlp)."""
+        from nanovllm.kernels.linear.gemv_mlp import runs_gate_up_down_gemv
+        return self.quant is None and down.quant is None and self.runs_norm_gate_up(norm) \
+            and down.runs_fused_decode(norm.residual) and down.lora_slots() is None \
+            and runs_gate_up_down_gemv(norm, self.weight, down.weight)
+
+    def norm_gate_up_down(self, norm: PendingNorm, down: RowParallelLinear, parity: int
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(down's split-K partials of gate_up_silu(h), the sum) for (h, the sum) = norm's add +
+        RMSNorm, in one kernel; parity: the layer's turn on the partial rows (gemv_mlp)."""
+        from nanovllm.kernels.linear.gemv_mlp import gate_up_down_gemv
+        return gate_up_down_gemv(norm, self.weight, self.bias, down.weight, parity)
 
     def shard(self, shard_id: int) -> tuple[Rows, Cols]:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size

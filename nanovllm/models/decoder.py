@@ -9,6 +9,7 @@ whether this step runs its fused decode kernel (runs_fused_decode) and then call
 """
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -116,8 +117,15 @@ def _o_proj_input(o: torch.Tensor | PendingMerge) -> torch.Tensor | PendingMerge
     return o if isinstance(o, PendingMerge) else o.flatten(1, -1)
 
 
+class DownPartials(NamedTuple):
+    """down_proj's split-K partials, computed inside gate_up_proj's kernel (a lone token's)."""
+
+    partials: torch.Tensor
+
+
 class DecoderMLP(nn.Module):
-    """Gated SiLU MLP, gate and up in one GEMM; DecoderLayer runs down_proj (project_add_norm)."""
+    """Gated SiLU MLP, gate and up in one GEMM; DecoderLayer runs down_proj (project_add_norm),
+    unless a lone token's gate_up kernel ran it too."""
 
     def __init__(self, config: PretrainedConfig, spec: DecoderSpec, prefix: str):
         super().__init__()
@@ -129,6 +137,9 @@ class DecoderMLP(nn.Module):
                                            quant=linear_format(spec.quant, [prefix + "down_proj"]))
         self.act_fn = SiluAndMul()
         self.act_fn.feeds = (self.down_proj,)  # it may take the output as TokenCodes
+        # this layer's turn (its index mod 2) on the partial rows the one-token MLP kernel adds
+        # into; set by DecoderModel where every layer may run that kernel, else None
+        self.down_parity: int | None = None
 
     def gated(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up: down_proj's input, [tokens, intermediate_size]."""
@@ -137,14 +148,22 @@ class DecoderMLP(nn.Module):
         return self.act_fn(self.gate_up_proj(x))
 
     def add_norm_gated(self, proj: RowParallelLinear, x: torch.Tensor, residual: torch.Tensor,
-                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gated(norm(proj(x) + residual)), proj(x) + residual)."""
-        # A lone token's gate_up GEMV may normalise proj's partials itself: no launch of the norm
+                       norm: RMSNorm) -> tuple[torch.Tensor | DownPartials, torch.Tensor]:
+        """(gated(norm(proj(x) + residual)), or down_proj's DownPartials of it; proj(x) +
+        residual)."""
+        # A lone token's gate_up GEMV may normalise proj's partials itself (no launch of the
+        # norm), and run down_proj too (no launch of down_proj)
+        gate_up = self.gate_up_proj
         hidden_states, residual = project_add_norm(proj, x, residual, norm,
-                                                   self.gate_up_proj.runs_norm_gate_up)
-        if isinstance(hidden_states, PendingNorm):
-            return self.gate_up_proj.norm_gate_up_silu(hidden_states)
-        return self.gated(hidden_states), residual
+                                                   gate_up.runs_norm_gate_up)
+        if not isinstance(hidden_states, PendingNorm):
+            return self.gated(hidden_states), residual
+        if self.down_parity is not None \
+                and gate_up.runs_norm_gate_up_down(hidden_states, self.down_proj):
+            partials, residual = gate_up.norm_gate_up_down(hidden_states, self.down_proj,
+                                                           self.down_parity)
+            return DownPartials(partials), residual
+        return gate_up.norm_gate_up_silu(hidden_states)
 
 
 def project_add_norm(proj: RowParallelLinear, x: torch.Tensor | PendingMerge,
@@ -157,7 +176,14 @@ def project_add_norm(proj: RowParallelLinear, x: torch.Tensor | PendingMerge,
     # PendingMerge is for proj's kernel (attend asked it: takes_pending_merge)
     if not isinstance(x, PendingMerge) and not proj.runs_fused_decode(x):
         return norm(proj(x), residual)
-    pending = norm.pending(proj.split_k_partials(x), residual)
+    return add_norm_partials(proj.split_k_partials(x), residual, norm, computes_norm)
+
+
+def add_norm_partials(partials: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                      computes_norm: Callable[[PendingNorm], bool] | None = None
+                      ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
+    """(norm(sum of partials + residual), that sum), the first a PendingNorm if computes_norm."""
+    pending = norm.pending(partials, residual)
     if computes_norm is not None and computes_norm(pending):
         return pending, residual
     return norm.add_partials(pending.partials, residual)
@@ -208,6 +234,8 @@ class DecoderLayer(nn.Module):
             return next_norm(self.mlp(hidden_states), residual)
         gated, residual = self.mlp.add_norm_gated(o_proj, o, residual, norm)
         next_qkv = next_norm.feeds[0].runs_norm_gemv_rows if next_norm.feeds else None
+        if isinstance(gated, DownPartials):
+            return add_norm_partials(gated.partials, residual, next_norm, next_qkv)
         return project_add_norm(self.mlp.down_proj, gated, residual, next_norm, next_qkv)
 
 
@@ -224,6 +252,13 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         # The norm each layer ends with (a tuple: the modules stay registered where they are)
         self.next_norms = (*(layer.input_layernorm for layer in self.layers[1:]), self.norm)
+        # The one-token MLP kernel's partial rows start at zero only if every layer of a step
+        # runs it, taking turns, and an even count of layers hands the first layer's turn on
+        mlps = [layer.mlp for layer in self.layers]
+        if len(mlps) % 2 == 0 and all(isinstance(mlp, DecoderMLP) and mlp.gate_up_proj.quant
+                                      is None and mlp.down_proj.quant is None for mlp in mlps):
+            for i, mlp in enumerate(mlps):
+                mlp.down_parity = i % 2
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         residual = self.embed_tokens(input_ids)

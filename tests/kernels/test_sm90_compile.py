@@ -19,6 +19,7 @@ from nanovllm.kernels.attention.decode import _decode_split_kernel
 from nanovllm.kernels.attention.qk_norm_rope import _qk_norm_rope_kernel
 from nanovllm.kernels.linear.gemv import _gemv_rows_kernel
 from nanovllm.kernels.linear.gemv_gate_up import _gate_up_silu_kernel
+from nanovllm.kernels.linear.gemv_mlp import _gate_up_down_kernel
 
 # (registers, stack frame bytes, local bytes) of the cubin, specialised as a launch is: pointers
 # and the integers it specialises divisible by 16 (as every one here is)
@@ -68,6 +69,10 @@ for fp8 in (False, True):
     print("norm rows", fp8, *cubin(_gemv_rows_kernel, dict(  # Qwen3-0.6B's qkv_proj
         BLOCK_N=32, K_P2=1024, W_SCALE=fp8, HAS_BIAS=False, PARTIALS=6,
         USE_PDL=True), {**types, "w_ptr": weight}, num_warps=8))
+print("mlp", *cubin(_gate_up_down_kernel, dict(  # Qwen3-0.6B's MLP
+    BLOCK_N=8, K_P2=1024, N_P2=1024, PARTIALS=4, NUM_SPLITS=6, CLEAR=16, HAS_BIAS=False,
+    USE_PDL=True), {**types, "part_ptr": "*fp32", "clear_ptr": "*fp32", "N": "i32",
+                    "stride_wd": "i32"}))
 print("qk", *cubin(_qk_norm_rope_kernel, dict(
     NUM_Q_HEADS=16, NUM_KV_HEADS=8, Q_HEADS_P2=16, KV_HEADS_P2=8, HEAD_DIM=128, STORE_KV=True,
     NORM=True, FP8=False, USE_PDL=True), types))
@@ -85,6 +90,6 @@ def test_one_token_kernels_compile_for_sm90() -> None:
     assert [name for name, *_ in lines] == [
         "decode False False", "decode False True", "gate_up False", "rows False",
         "norm rows False", "decode True False", "decode True True", "gate_up True",
-        "rows True", "norm rows True", "qk"], out.stdout
+        "rows True", "norm rows True", "mlp", "qk"], out.stdout
     for name, regs, stack, local in lines:
         assert 0 < int(regs) <= 255 and stack == local == "0", (name, out.stdout)

@@ -17,7 +17,13 @@ from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.kernels.attention import decode  # noqa: E402
 from nanovllm.kernels.attention.pending_merge import PendingMerge  # noqa: E402
 from nanovllm.kernels.linear import fused as fused_linear  # noqa: E402
-from nanovllm.kernels.linear import fused_gate_up, gemv, gemv_gate_up, split_k  # noqa: E402
+from nanovllm.kernels.linear import (  # noqa: E402
+    fused_gate_up,
+    gemv,
+    gemv_gate_up,
+    gemv_mlp,
+    split_k,
+)
 from nanovllm.layers.backends import (  # noqa: E402
     FUSED_GATE_UP_MAX_TOKENS,
     FUSED_QKV_MAX_TOKENS,
@@ -101,6 +107,7 @@ def spy_gemv(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             (fused_linear, "gemv_rows"),
             (gemv, "gemv_rows"),  # LinearBase.gemv_rows: Triton's decode takes the raw q, k, v
             (gemv_gate_up, "norm_gate_up_silu_gemv"),
+            (gemv_mlp, "gate_up_down_gemv"),  # the whole MLP in one kernel
             (gemv, "norm_gemv_rows"),  # QKVParallelLinear.norm_gemv_rows: the input norm inside
             (decode, "reduce_splits")):  # the splits' merge launch (o_proj's GEMV merges instead)
         spy_merges(monkeypatch, calls, module, name)
@@ -155,11 +162,12 @@ def test_fused_decode_same_tokens(checkpoint: str, monkeypatch: pytest.MonkeyPat
     finally:
         llm.shutdown()
     assert got == want and got_one == want_one
-    assert gemv_calls.count("gemv_partials") == 5 * mlps  # down_proj
     # o_proj, each layer: the decode's 2 splits merged inside its GEMV, no merge launch
     assert gemv_calls.count("gemv_partials+merge") == 5 * 2 and "reduce_splits" not in gemv_calls
-    # gate_up_proj with the norm before it (o_proj's partials summed in its programs)
-    assert gemv_calls.count("norm_gate_up_silu_gemv") == 5 * mlps
+    # the MLP in one kernel: gate_up_proj with the norm before it (o_proj's partials summed
+    # in its programs) and down_proj (2 dense layers take turns; test_one_token_mlp)
+    assert gemv_calls.count("gate_up_down_gemv") == 5 * mlps
+    assert gemv_calls.count("gemv_partials") == gemv_calls.count("norm_gate_up_silu_gemv") == 0
     assert gemv_calls.count("gate_up_silu_gemv") == 0
     # qkv_proj: 5 steps, 2 layers; layer 1's with its input norm after a dense layer 0
     chained = 5 if mlps else 0

@@ -39,6 +39,22 @@ def _pair_slices(w_ptr, cols, ks, K, inter, stride_w):
 
 
 @triton.jit
+def silu_of_pair(g, u, x, g_scale, u_scale, g_bias, u_bias, dtype: tl.constexpr,
+                 W_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """silu(gate) * up in dtype for x [1, K] and the gate and up rows g, u [BLOCK_N, K]
+    (scaled per channel with W_SCALE, biased with HAS_BIAS), rounded as the unfused path."""
+    gate = tl.sum(g.to(tl.float32) * x, 1)
+    up = tl.sum(u.to(tl.float32) * x, 1)
+    if W_SCALE:
+        gate *= g_scale
+        up *= u_scale
+    if HAS_BIAS:
+        gate += g_bias
+        up += u_bias
+    return silu_and_mul_rounded(gate, up, dtype)
+
+
+@triton.jit
 def _gate_up_silu_kernel(w_ptr, x_ptr, s_ptr, bias_ptr, out_ptr, K, inter, stride_w, res_ptr,
                          norm_w_ptr, res_out_ptr, eps, BLOCK_N: tl.constexpr,
                          K_P2: tl.constexpr, W_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -58,15 +74,8 @@ def _gate_up_silu_kernel(w_ptr, x_ptr, s_ptr, bias_ptr, out_ptr, K, inter, strid
     wait_then_release(USE_PDL)
     dtype = out_ptr.dtype.element_ty
     x = gemv_input(x_ptr, res_ptr, res_out_ptr, norm_w, ks, K, eps, dtype, PARTIALS)
-    gate = tl.sum(g.to(tl.float32) * x, 1)
-    up = tl.sum(u.to(tl.float32) * x, 1)
-    if W_SCALE:
-        gate *= g_scale
-        up *= u_scale
-    if HAS_BIAS:
-        gate += g_bias
-        up += u_bias
-    tl.store(out_ptr + cols, silu_and_mul_rounded(gate, up, dtype))
+    h = silu_of_pair(g, u, x, g_scale, u_scale, g_bias, u_bias, dtype, W_SCALE, HAS_BIAS)
+    tl.store(out_ptr + cols, h)
 
 
 def _pair_rows(inter: int, k: int, elem_bytes: int) -> int | None:
