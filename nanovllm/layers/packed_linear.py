@@ -2,6 +2,7 @@
 with the fused decode kernels that take each packing whole."""
 import torch
 
+from nanovllm.kernels.linear.mlp_partials import MlpPartials
 from nanovllm.kernels.linear.norm_prologue import PendingNorm
 from nanovllm.layers.linear import (
     ColumnParallelLinear,
@@ -59,12 +60,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             and down.runs_fused_decode(norm.residual) and down.lora_slots() is None \
             and runs_gate_up_down_gemv(norm, self.weight, down.weight)
 
-    def norm_gate_up_down(self, norm: PendingNorm, down: RowParallelLinear, parity: int
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    def norm_gate_up_down(self, norm: PendingNorm, down: RowParallelLinear, rows: MlpPartials,
+                          parity: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(down's split-K partials of gate_up_silu(h), the sum) for (h, the sum) = norm's add +
-        RMSNorm, in one kernel; parity: the layer's turn on the partial rows (gemv_mlp)."""
+        RMSNorm, in one kernel; the layer's turn (parity) on the model's rows (mlp_partials)."""
         from nanovllm.kernels.linear.gemv_mlp import gate_up_down_gemv
-        return gate_up_down_gemv(norm, self.weight, self.bias, down.weight, parity)
+        return gate_up_down_gemv(norm, self.weight, self.bias, down.weight, rows, parity)
 
     def shard(self, shard_id: int) -> tuple[Rows, Cols]:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size

@@ -7,23 +7,27 @@ sliding windows, the RoPE variant and which layers are sparse mixtures of expert
 Kernels are chosen in layers.backends and bound to the layers; the decoder only asks a layer
 whether this step runs its fused decode kernel (runs_fused_decode) and then calls it by name.
 """
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, PendingMerge
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.fused_moe import SparseMoeBlock, expert_weight_target
 from nanovllm.layers.layernorm import PendingNorm, RMSNorm
 from nanovllm.layers.linear import RowParallelLinear, divide, tp_rank_and_size
-from nanovllm.layers.packed_linear import MergedColumnParallelLinear, QKVParallelLinear
+from nanovllm.layers.packed_linear import QKVParallelLinear
 from nanovllm.layers.quantization import QuantConfig, linear_format
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
+from nanovllm.models.decoder_mlp import (
+    DecoderMLP,
+    DownPartials,
+    MlpTurns,
+    add_norm_partials,
+    project_add_norm,
+)
 
 
 @dataclass(frozen=True)
@@ -117,78 +121,6 @@ def _o_proj_input(o: torch.Tensor | PendingMerge) -> torch.Tensor | PendingMerge
     return o if isinstance(o, PendingMerge) else o.flatten(1, -1)
 
 
-class DownPartials(NamedTuple):
-    """down_proj's split-K partials, computed inside gate_up_proj's kernel (a lone token's)."""
-
-    partials: torch.Tensor
-
-
-class DecoderMLP(nn.Module):
-    """Gated SiLU MLP, gate and up in one GEMM; DecoderLayer runs down_proj (project_add_norm),
-    unless a lone token's gate_up kernel ran it too."""
-
-    def __init__(self, config: PretrainedConfig, spec: DecoderSpec, prefix: str):
-        super().__init__()
-        gate_up = linear_format(spec.quant, [prefix + "gate_proj", prefix + "up_proj"])
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2, bias=spec.mlp_bias, quant=gate_up)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
-                                           bias=spec.mlp_bias,
-                                           quant=linear_format(spec.quant, [prefix + "down_proj"]))
-        self.act_fn = SiluAndMul()
-        self.act_fn.feeds = (self.down_proj,)  # it may take the output as TokenCodes
-        # this layer's turn (its index mod 2) on the partial rows the one-token MLP kernel adds
-        # into; set by DecoderModel where every layer may run that kernel, else None
-        self.down_parity: int | None = None
-
-    def gated(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up: down_proj's input, [tokens, intermediate_size]."""
-        if self.gate_up_proj.runs_fused_decode(x):
-            return self.gate_up_proj.gate_up_silu(x)  # SiLU-and-mul in the GEMM's epilogue
-        return self.act_fn(self.gate_up_proj(x))
-
-    def add_norm_gated(self, proj: RowParallelLinear, x: torch.Tensor, residual: torch.Tensor,
-                       norm: RMSNorm) -> tuple[torch.Tensor | DownPartials, torch.Tensor]:
-        """(gated(norm(proj(x) + residual)), or down_proj's DownPartials of it; proj(x) +
-        residual)."""
-        # A lone token's gate_up GEMV may normalise proj's partials itself (no launch of the
-        # norm), and run down_proj too (no launch of down_proj)
-        gate_up = self.gate_up_proj
-        hidden_states, residual = project_add_norm(proj, x, residual, norm,
-                                                   gate_up.runs_norm_gate_up)
-        if not isinstance(hidden_states, PendingNorm):
-            return self.gated(hidden_states), residual
-        if self.down_parity is not None \
-                and gate_up.runs_norm_gate_up_down(hidden_states, self.down_proj):
-            partials, residual = gate_up.norm_gate_up_down(hidden_states, self.down_proj,
-                                                           self.down_parity)
-            return DownPartials(partials), residual
-        return gate_up.norm_gate_up_silu(hidden_states)
-
-
-def project_add_norm(proj: RowParallelLinear, x: torch.Tensor | PendingMerge,
-                     residual: torch.Tensor, norm: RMSNorm,
-                     computes_norm: Callable[[PendingNorm], bool] | None = None
-                     ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
-    """(norm(proj(x) + residual), proj(x) + residual); the first a PendingNorm if computes_norm."""
-    # In the decode steps bound to split-K, norm sums proj's partials (no launch of its own),
-    # or the projection norm feeds does, where computes_norm takes their PendingNorm; a
-    # PendingMerge is for proj's kernel (attend asked it: takes_pending_merge)
-    if not isinstance(x, PendingMerge) and not proj.runs_fused_decode(x):
-        return norm(proj(x), residual)
-    return add_norm_partials(proj.split_k_partials(x), residual, norm, computes_norm)
-
-
-def add_norm_partials(partials: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
-                      computes_norm: Callable[[PendingNorm], bool] | None = None
-                      ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
-    """(norm(sum of partials + residual), that sum), the first a PendingNorm if computes_norm."""
-    pending = norm.pending(partials, residual)
-    if computes_norm is not None and computes_norm(pending):
-        return pending, residual
-    return norm.add_partials(pending.partials, residual)
-
-
 class DecoderLayer(nn.Module):
     """Pre-norm block that ends with the next layer's input_layernorm, or the final norm."""
 
@@ -211,7 +143,7 @@ class DecoderLayer(nn.Module):
                                       moe.intermediate_size, moe.norm_topk_prob,
                                       linear_format(spec.quant, experts))
         else:
-            self.mlp = DecoderMLP(config, spec, prefix)
+            self.mlp = DecoderMLP(config, spec.mlp_bias, spec.quant, prefix)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         # the projections these norms feed: a decode step may compute their LoRA shrink with
@@ -252,19 +184,14 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         # The norm each layer ends with (a tuple: the modules stay registered where they are)
         self.next_norms = (*(layer.input_layernorm for layer in self.layers[1:]), self.norm)
-        # The one-token MLP kernel's partial rows start at zero only if every layer of a step
-        # runs it, taking turns, and an even count of layers hands the first layer's turn on
-        mlps = [layer.mlp for layer in self.layers]
-        if len(mlps) % 2 == 0 and all(isinstance(mlp, DecoderMLP) and mlp.gate_up_proj.quant
-                                      is None and mlp.down_proj.quant is None for mlp in mlps):
-            for i, mlp in enumerate(mlps):
-                mlp.down_parity = i % 2
+        self.mlp_turns = MlpTurns([layer.mlp for layer in self.layers])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         residual = self.embed_tokens(input_ids)
         hidden_states = self.layers[0].input_layernorm(residual)
-        for layer, next_norm in zip(self.layers, self.next_norms):
-            hidden_states, residual = layer(positions, hidden_states, residual, next_norm)
+        with self.mlp_turns.step():
+            for layer, next_norm in zip(self.layers, self.next_norms):
+                hidden_states, residual = layer(positions, hidden_states, residual, next_norm)
         return hidden_states
 
 

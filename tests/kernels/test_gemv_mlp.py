@@ -13,11 +13,10 @@ import pytest  # noqa: E402
 
 from nanovllm.kernels.linear.gemv_gate_up import norm_gate_up_silu_gemv  # noqa: E402
 from nanovllm.kernels.linear.gemv_mlp import (  # noqa: E402
-    SPLITS,
-    MlpPartials,
     gate_up_down_gemv,
     runs_gate_up_down_gemv,
 )
+from nanovllm.kernels.linear.mlp_partials import SPLITS, MlpPartials  # noqa: E402
 from nanovllm.kernels.linear.norm_prologue import PendingNorm  # noqa: E402
 from tests.kernels.gemv_cases import DEVICE, DTYPES, gemv_weight, token_row  # noqa: E402
 
@@ -54,10 +53,11 @@ def test_partials_sum_to_down_proj_of_the_gemv(dtype, splits) -> None:
     gate_up, bias, down, down_f32 = _layer(dtype, 0)
     norm = _norm(dtype, splits, 1)
     assert runs_gate_up_down_gemv(norm, gate_up, down)
-    rows = MlpPartials.get(DEVICE, HIDDEN)
-    rows[0].zero_()
-    rows[1].fill_(7.0)  # what the layer before left: this kernel clears it
-    part, res = gate_up_down_gemv(norm, gate_up, bias, down, 0)
+    partials = MlpPartials()
+    partials.pair(0, norm.residual)
+    rows = partials.rows
+    rows[1].fill_(7.0)  # as the layer before left it: this kernel clears it
+    part, res = gate_up_down_gemv(norm, gate_up, bias, down, partials, 0)
     want, want_res = _want(norm, gate_up, bias, down_f32)
     assert part.shape == (SPLITS, 1, HIDDEN) and part.data_ptr() == rows[0].data_ptr()
     assert torch.equal(res, want_res)
@@ -72,17 +72,16 @@ def test_layers_take_turns_over_steps() -> None:
     zero, so each equals its reference."""
     dtype = torch.bfloat16
     layers = [_layer(dtype, seed) for seed in range(4)]
-    rows = MlpPartials.get(DEVICE, HIDDEN)
-    rows.zero_()
+    partials = MlpPartials()
     for step in range(2):
         norm = _norm(dtype, 4, 10 + step)
         for i, (gate_up, bias, down, down_f32) in enumerate(layers):
-            part, res = gate_up_down_gemv(norm, gate_up, bias, down, i % 2)
+            part, res = gate_up_down_gemv(norm, gate_up, bias, down, partials, i % 2)
             want, want_res = _want(norm, gate_up, bias, down_f32)
             torch.testing.assert_close(part.sum(0), want, atol=1e-4, rtol=1e-4)
             assert torch.equal(res, want_res)
             norm = norm._replace(partials=part.clone(), residual=res)  # the next layer's
-        assert torch.count_nonzero(rows[0]) == 0  # the first layer's turn: clear
+        assert torch.count_nonzero(partials.rows[0]) == 0  # the first layer's turn: clear
 
 
 def test_refuses_what_it_cannot_hold() -> None:

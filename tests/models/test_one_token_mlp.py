@@ -10,10 +10,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 
 import pytest  # noqa: E402
+from transformers import PretrainedConfig  # noqa: E402
 
 from benchmarks.random_checkpoints import build_checkpoint  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.models.decoder import DecoderMLP  # noqa: E402
+from nanovllm.models.decoder_mlp import DecoderMLP, MlpTurns  # noqa: E402
 from tests.models.test_fused_decode import DEVICE, MOE, SHAPE, _rebind, spy_gemv  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -42,13 +43,15 @@ def test_lone_token_mlp_in_one_kernel(eager: bool, tmp_path,
     prompt = [[(13 * j) % 300 + 1 for j in range(21)]]
     params = SamplingParams(temperature=0.0, max_tokens=STEPS + 1, ignore_eos=True, logprobs=3)
     try:
-        assert [mlp.down_parity for mlp in _mlps(llm)] == [0, 1, 0, 1]
+        assert [mlp.turn[1] for mlp in _mlps(llm)] == [0, 1, 0, 1]
         _rebind(llm, True)
         calls = spy_gemv(monkeypatch)
         got = [llm.generate(prompt, params, use_tqdm=False)[0] for _ in range(2)]
         on = list(calls)
         for mlp in _mlps(llm):
-            mlp.down_parity = None
+            mlp.turn = None
+        if not eager:  # graphs captured with the kernel: again without it
+            llm.model_runner.capture_cudagraph()
         want = llm.generate(prompt, params, use_tqdm=False)[0]
         off = calls[len(on):]
     finally:
@@ -76,7 +79,33 @@ def test_models_it_cannot_hold_keep_two_kernels(fields: dict, tmp_path) -> None:
     path = build_checkpoint(str(tmp_path), family=family, **SHAPE, **fields)
     llm = _engine(path)
     try:
-        parities = [getattr(mlp, "down_parity", None) for mlp in _mlps(llm)]
+        parities = [getattr(mlp, "turn", None) for mlp in _mlps(llm)]
     finally:
         llm.shutdown()
     assert parities == [None] * fields["num_hidden_layers"]
+
+
+def test_turns_reset_the_rows_when_a_step_breaks_them() -> None:
+    """A step whose layers did not all take their turn is a RuntimeError, and one that stops
+    between layers re-raises; either way the rows are zeroed again. An odd count: no turns."""
+    config = PretrainedConfig(hidden_size=8, intermediate_size=16)
+    mlps = [DecoderMLP(config, False, None, f"model.layers.{i}.mlp.") for i in range(2)]
+    turns = MlpTurns(mlps)
+    assert [mlp.turn for mlp in mlps] == [(turns.rows, 0), (turns.rows, 1)]
+    like = torch.zeros(1, 8)
+    turns.rows.pair(0, like)
+    for took, error in (([True, False], RuntimeError), ([True, True], KeyError)):
+        turns.rows.rows.fill_(1.0)
+        with pytest.raises(error):
+            with turns.step():
+                for mlp, turn in zip(mlps, took):
+                    mlp.took_turn = turn
+                if error is KeyError:
+                    raise KeyError("stopped between layers")
+        assert torch.count_nonzero(turns.rows.rows) == 0
+    with turns.step():  # every layer, or none: the rows stay as the kernels left them
+        turns.rows.rows.fill_(1.0)
+    assert torch.count_nonzero(turns.rows.rows) == turns.rows.rows.numel()
+    odd = [DecoderMLP(config, False, None, f"model.layers.{i}.mlp.") for i in range(3)]
+    MlpTurns(odd)
+    assert [mlp.turn for mlp in odd] == [None] * 3

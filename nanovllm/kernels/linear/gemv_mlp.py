@@ -3,13 +3,7 @@ SiLU (kernels.linear.gemv_gate_up's programs) and down_proj, each program multip
 SiLU outputs by their rows of the k-major down weight and adding the product, a whole output
 row, into one of SPLITS float32 partial rows with atomics. Those rows are down_proj's split-K
 partials as the next layer's qkv_proj GEMV (or the final norm) sums them, so the down GEMV's
-launch goes.
-
-Atomics need rows that start at zero, and no launch clears them: the layers take turns on two
-pairs of rows (MlpPartials), and each layer's kernel clears the pair the next layer adds into,
-whose last reader (this layer's qkv_proj) finished before this kernel's wait. That holds when
-every layer of a step runs this kernel, the layer count is even, and a step leaves the pair of
-its last layer for the next step's first layer to clear.
+launch goes. How the rows start at zero: kernels.linear.mlp_partials.
 """
 import torch
 import triton
@@ -17,10 +11,10 @@ import triton.language as tl
 
 from nanovllm.kernels.linear.gemv import gemv_input, rms_weight, row_values, rows_slice
 from nanovllm.kernels.linear.gemv_gate_up import _pair_rows, _pair_slices, silu_of_pair
+from nanovllm.kernels.linear.mlp_partials import SPLITS, MlpPartials
 from nanovllm.kernels.linear.norm_prologue import PendingNorm, cheap_enough, takes_norm
 from nanovllm.kernels.pdl import launch_options, wait_then_release
 
-SPLITS = 6  # partial rows the programs spread their adds over (down_proj's split-K count)
 MAX_DOWN_BYTES = 32 * 1024  # down weight bytes a program holds beside its gate and up rows
 
 
@@ -54,21 +48,6 @@ def _gate_up_down_kernel(w_ptr, wd_ptr, bias_ptr, part_ptr, clear_ptr, x_ptr, K,
     tl.atomic_add(part_ptr + (pid % NUM_SPLITS) * N + ns, y, mask=ns < N, sem="relaxed")
 
 
-class MlpPartials:
-    """The two pairs of zeroed float32 partial rows [2, SPLITS, 1, N] the layers take turns on,
-    one per device and width, kept for the process (a CUDA graph reads them in place)."""
-
-    _rows: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-    @classmethod
-    def get(cls, device: torch.device, n: int) -> torch.Tensor:
-        """The rows for (device, n), allocated zeroed on first use."""
-        key = (torch.device(device), n)
-        if key not in cls._rows:
-            cls._rows[key] = torch.zeros(2, SPLITS, 1, n, dtype=torch.float32, device=device)
-        return cls._rows[key]
-
-
 def _down_rows_ok(down_weight: torch.Tensor, block_n: int, dtype: torch.dtype) -> bool:
     """Whether a program's block_n rows of the k-major down weight [N, inter] fit."""
     n = down_weight.shape[0]
@@ -91,16 +70,15 @@ def runs_gate_up_down_gemv(norm: PendingNorm, weight: torch.Tensor,
 
 
 def gate_up_down_gemv(norm: PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None,
-                      down_weight: torch.Tensor, parity: int
+                      down_weight: torch.Tensor, rows: MlpPartials, parity: int
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """(down_proj's float32 partials [SPLITS, 1, N] of silu(gate) * up of the normed sum, the
-    sum) for a step runs_gate_up_down_gemv takes; parity: the layer's index mod 2."""
+    sum) for a step runs_gate_up_down_gemv takes: the model's rows, the layer's parity."""
     residual = norm.residual
     inter, k = weight.shape[0] // 2, weight.shape[1]
     n = down_weight.shape[0]
     block_n = _pair_rows(inter, k, weight.element_size())
-    rows = MlpPartials.get(residual.device, n)
-    part, clear = rows[parity], rows[1 - parity]
+    part, clear = rows.pair(parity, residual)
     programs = inter // block_n
     res_out = torch.empty_like(residual)
     _gate_up_down_kernel[(programs,)](
