@@ -54,9 +54,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def runs_norm_gate_up_down(self, norm: PendingNorm, down: RowParallelLinear) -> bool:
         """Whether norm_gate_up_down runs this step: runs_norm_gate_up's step, down_proj fused
-        in it too, 16-bit weights, and a kernel that holds both (kernels.linear.gemv_mlp)."""
+        in it too, and a kernel that holds both (kernels.linear.gemv_mlp: 16-bit weights in the
+        activations' dtype, so no FP8 layer)."""
         from nanovllm.kernels.linear.gemv_mlp import runs_gate_up_down_gemv
-        return self.quant is None and down.quant is None and self.runs_norm_gate_up(norm) \
+        return self.runs_norm_gate_up(norm) \
             and down.runs_fused_decode(norm.residual) and down.lora_slots() is None \
             and runs_gate_up_down_gemv(norm, self.weight, down.weight)
 
