@@ -35,7 +35,7 @@ def _engine(path: str, eager: bool = True) -> LLM:
 def test_lone_token_mlp_in_one_kernel(eager: bool, tmp_path,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Four dense layers: each decode step runs the MLP kernel in every layer (taking turns on
-    the partial rows), and gives the two-kernel MLP's tokens; logprobs within float32 sums'
+    the partial rows), and gives the two-kernel MLP's tokens; logprobs within a float16 logit's
     rounding (the partials are added in another order)."""
     monkeypatch.setenv("NANOVLLM_FUSED_LIMITS", "fixed")
     path = build_checkpoint(str(tmp_path), family="Qwen3", **SHAPE, num_hidden_layers=4)
@@ -63,12 +63,14 @@ def test_lone_token_mlp_in_one_kernel(eager: bool, tmp_path,
         assert on.count("norm_gate_up_silu_gemv") == 0
         assert off.count("gate_up_down_gemv") == 0 and partials(off) == 2 * STEPS * 4
         assert off.count("norm_gate_up_silu_gemv") == STEPS * 4
+    # The partials' other summing order can flip a float16 rounding of the residual, and that
+    # moves a float16 logit by about one unit in its last place: 0.0156 for |logit| in [16, 32).
     for run in got:  # the second run starts from the rows the first one left
         assert run["token_ids"] == want["token_ids"]
         for step, want_step in zip(run["logprobs"], want["logprobs"]):
             assert step.keys() == want_step.keys()
             for token, logprob in step.items():
-                assert abs(logprob - want_step[token]) < 2e-3, (token, logprob, want_step)
+                assert abs(logprob - want_step[token]) < 2e-2, (token, logprob, want_step)
 
 
 @pytest.mark.parametrize("fields", [dict(num_hidden_layers=3),
