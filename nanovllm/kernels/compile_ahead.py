@@ -8,7 +8,8 @@ executor, but a launch still waits for its own kernel (JITFunction.run, Triton 3
 compile, run nothing) returns at once. So the compile-only pass turns every launch into a
 warmup launch, and AsyncCompileMode's exit waits for all compiles and puts each kernel in its
 JIT cache. Threads are enough: Triton releases the GIL in its MLIR and LLVM passes, and ptxas
-is a subprocess.
+is a subprocess. Each pool thread builds its kernel's launcher right after compiling it, so gcc
+runs while other kernels still compile.
 
 In that pass no kernel writes its outputs, so a step must not branch on them on the host:
 start-up's steps (warm-up, fused-limit calibration, graph capture) only copy sampled ids back,
@@ -17,9 +18,11 @@ constexprs, never on values, so the pass reaches the ones the real pass runs (ch
 the interpreter by tests/runner/test_warmup_variants.py); the real pass compiles any it missed.
 Triton is imported when called: CPU-only installs may lack it.
 """
+import logging
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -27,6 +30,8 @@ import torch
 
 ENV = "NANOVLLM_PARALLEL_COMPILE"  # "0": compile serially, as kernels launch (A/B runs)
 MAX_THREADS = 32  # a pass has a few dozen variants at most
+
+logger = logging.getLogger(__name__)
 
 # Set while this thread's launches only compile: another thread's launches still run.
 _compile_only: ContextVar[bool] = ContextVar("nanovllm_compile_only", default=False)
@@ -75,29 +80,66 @@ def compile_in_parallel(steps: Iterable[Callable[[], object]], threads: int,
     devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
     with (torch.random.fork_rng(devices),
           ThreadPoolExecutor(threads, thread_name_prefix="nanovllm-compile") as pool):
-        mode = triton.AsyncCompileMode(pool)
+        mode = triton.AsyncCompileMode(_CompileThenBuild(pool))
         try:
             with mode, launches_compile_only(kernel_type or JITFunction):
                 for step in steps:
                     step()
-                # read before the exit: newer Triton empties the record there
-                compiles = list(getattr(mode, "future_kernels", {}).values())
         finally:
             # Triton 3.6's exit deactivates the mode only once every compile succeeded: after
             # an error this thread's launches would otherwise keep queueing compiles.
             if _async_compile.active_mode.get() is mode:
                 _async_compile.active_mode.set(None)
-        build_launchers([future.result() for future in compiles], pool)
 
 
-def build_launchers(kernels: Iterable[object], pool: ThreadPoolExecutor) -> None:
-    """Build each compiled kernel's launcher on the pool, where its first launch would build
-    it on this thread: Triton 3.6 compiles a C launcher per kernel signature with gcc (~0.3 s
+class _CompileThenBuild:
+    """The pool as AsyncCompileMode's executor: a thread that compiled a kernel then builds its
+    launcher (build_launcher), while other threads still compile."""
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        self.pool = pool
+
+    def submit(self, compile_fn: Callable[..., object], /, *args, **kwargs) -> Future:
+        return self.pool.submit(_compile_then_build, compile_fn, args, kwargs)
+
+
+def _compile_then_build(compile_fn: Callable[..., object], args: tuple, kwargs: dict) -> object:
+    kernel = compile_fn(*args, **kwargs)
+    build_launcher(kernel)
+    return kernel
+
+
+def build_launcher(kernel: object) -> None:
+    """Build a compiled kernel's launcher here, where its first launch would build it on the
+    launching thread: Triton 3.6 compiles a C launcher per kernel signature with gcc (~0.3 s
     each, a quarter of a cold start-up serially) and caches it in TRITON_CACHE_DIR, where the
     launch then finds it. Newer Triton's launchers build nothing: this costs nothing there."""
-    todo = [k for k in kernels if getattr(k, "module", None) is None and hasattr(k, "src")]
-    if not todo:  # (the driver is looked up only for real kernels: CPU tests have none)
-        return
+    if getattr(kernel, "module", None) is not None or not hasattr(kernel, "src"):
+        return  # loaded already, or not a real kernel (the driver is looked up only for one)
     from triton.runtime import driver
-    make = driver.active.launcher_cls
-    list(pool.map(lambda k: make(k.src, k.metadata), todo))  # errors raise here
+    driver.active.launcher_cls(kernel.src, kernel.metadata)
+
+
+def start_prewarm(threads: int) -> threading.Thread | None:
+    """With compile threads, start on a thread what the first compile waits for: the CUDA
+    driver's utilities (gcc on an empty cache), the compile target and Triton's cache key (a
+    hash of its own sources), so they overlap loading the weights; join it before compiling."""
+    if not threads:
+        return None
+    thread = threading.Thread(target=_prewarm, name="nanovllm-prewarm", daemon=True)
+    thread.start()
+    return thread
+
+
+def _prewarm() -> None:
+    try:
+        import triton
+        from triton.runtime import driver
+        try:
+            from triton.runtime.cache import triton_key
+        except ImportError:  # older Triton
+            from triton.compiler.compiler import triton_key
+        triton.compiler.make_backend(driver.active.get_current_target()).hash()
+        triton_key()
+    except Exception:  # the first compile redoes this work and raises what it raises
+        logger.debug("compiler prewarm failed", exc_info=True)

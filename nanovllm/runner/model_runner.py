@@ -7,7 +7,7 @@ from time import perf_counter
 import torch
 
 from nanovllm.config import Config
-from nanovllm.kernels.compile_ahead import compile_threads
+from nanovllm.kernels.compile_ahead import compile_threads, start_prewarm
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.backends import bind_backend, measures_fused_limits, select_backend
 from nanovllm.layers.fused_calibration import (
@@ -51,6 +51,9 @@ class ModelRunner:
                                f"{tp_rank_and_size()}")
         if config.device == "cuda":
             torch.cuda.set_device(self.device)
+        # > 0: each start-up phase compiles its kernels on threads first (kernels.compile_ahead)
+        self.compile_threads = compile_threads(config.device, self.world_size)
+        prewarm = start_prewarm(self.compile_threads)  # overlaps loading the weights
         hf_config = config.hf_config
         t0 = perf_counter()
         self.model = self.build_shard()
@@ -81,8 +84,8 @@ class ModelRunner:
         self.decode_inputs = DecodeInputs(config.max_num_seqs, self.max_num_blocks,
                                           self.block_size, pin=config.device == "cuda",
                                           max_loras=self.max_loras)
-        # > 0: each start-up phase compiles its kernels on threads first (kernels.compile_ahead)
-        self.compile_threads = compile_threads(config.device, self.world_size)
+        if prewarm is not None:
+            prewarm.join()
         self.start_up()
 
     def start_up(self) -> None:

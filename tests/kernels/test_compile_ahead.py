@@ -24,6 +24,7 @@ from nanovllm.kernels.compile_ahead import (  # noqa: E402
     compile_in_parallel,
     compile_threads,
     launches_compile_only,
+    start_prewarm,
 )
 
 
@@ -176,6 +177,7 @@ class Launchers:
         self.built: list[str] = []
         self.barrier = threading.Barrier(parties, timeout=2) if parties else None
         self.fail = fail
+        self.built_one = threading.Event()
 
     def launcher_cls(self, src: str, metadata: dict) -> str:
         if src == self.fail:
@@ -183,6 +185,7 @@ class Launchers:
         if self.barrier:
             self.barrier.wait()
         self.built.append(metadata["name"])
+        self.built_one.set()
         return "launcher"
 
 
@@ -201,6 +204,37 @@ def test_launchers_build_on_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
                Kernel("c", lambda: Compiled("c", module="loaded"))]
     _compiled_by(kernels, launchers, 2, monkeypatch)
     assert sorted(launchers.built) == ["a", "b"]
+
+
+def test_a_launcher_builds_while_other_kernels_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thread that compiled a kernel builds its launcher at once: here b's compile ends only
+    once a's launcher is built, which a build after the last compile would never see."""
+    launchers = Launchers()
+
+    def compile_b() -> Compiled:
+        assert launchers.built_one.wait(timeout=2), "a's launcher waited for b's compile"
+        return Compiled("b")
+    kernels = [Kernel("a", lambda: Compiled("a")), Kernel("b", compile_b)]
+    _compiled_by(kernels, launchers, 2, monkeypatch)
+    assert launchers.built == ["a", "b"]
+
+
+def test_prewarm_runs_on_a_thread_only_with_compile_threads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With compile threads, the prewarm looks up the driver's target on its own thread (a
+    failure there is left to the first compile); without, nothing starts."""
+    from triton.runtime import driver
+    seen = []
+
+    class Driver:
+        def get_current_target(self):
+            seen.append(threading.current_thread().name)
+            raise RuntimeError("no GPU here")
+    monkeypatch.setattr(driver, "_active", Driver())
+    assert start_prewarm(0) is None
+    thread = start_prewarm(4)
+    thread.join(timeout=5)
+    assert seen == ["nanovllm-prewarm"] and not thread.is_alive()
 
 
 def test_a_launcher_error_raises(monkeypatch: pytest.MonkeyPatch) -> None:
