@@ -9,6 +9,8 @@ No untimed generate() runs first: the first timed run is what a user's first cal
 variant is named by its kernel and the argument attributes of its specialisation (divisibility
 by 16, equal to 1, constants); every one listed is a compile start-up's warm-up missed.
 
+--profile: also each start-up phase's burst of compiles (benchmarks.compile_bursts).
+
 --ab: LLM()'s start-up phases alone, with start-up's kernels compiled ahead on threads
 (kernels.compile_ahead) and serially (NANOVLLM_PARALLEL_COMPILE=0), alternated for ROUNDS
 rounds (default 1), each in a fresh process on its own empty Triton cache.
@@ -26,6 +28,7 @@ import glob  # noqa: E402
 import re  # noqa: E402
 
 from benchmarks import cli, workloads  # noqa: E402
+from benchmarks.compile_bursts import BurstRecorder  # noqa: E402
 from benchmarks.runs import measure, start_engine  # noqa: E402
 
 # bench.py flags this script never reads: refused rather than ignored.
@@ -77,6 +80,7 @@ def main() -> None:
     p = argparse.ArgumentParser(add_help=False)  # the rest is bench.py's
     p.add_argument("--ab", type=int, nargs="?", const=1, default=0, metavar="ROUNDS")
     p.add_argument("--startup-only", action="store_true")  # a child of --ab
+    p.add_argument("--profile", action="store_true")
     for flag in UNREAD:  # declared here to be refused, abbreviations too
         p.add_argument(flag, nargs="?", default=None, const="")
     own, rest = p.parse_known_args()
@@ -85,6 +89,8 @@ def main() -> None:
         p.error(f"{given[0]} is bench.py's and would be ignored here: cold_compiles runs the "
                 "standard workload once cold and once warm, and prints its own lines")
     if own.ab:
+        if own.profile:
+            p.error("--profile prints one start-up's bursts: run it without --ab")
         _ab(own.ab, rest)
         return
     cache = os.environ["TRITON_CACHE_DIR"]
@@ -97,11 +103,16 @@ def main() -> None:
     size = cli.standard_size(args)
     prompts, params = workloads.standard(**size, max_id=workloads.max_token_id(path),
                                          seed=args.seed)
+    recorder = BurstRecorder() if own.profile else None
+    if recorder is not None:
+        recorder.install()
     llm, startup_s = start_engine(path, args)
     parts = ", ".join(f"{k} {v:.1f} s" for k, v in llm.model_runner.startup_s.items())
     print(f"LLM() on an empty Triton cache: {startup_s:.1f} s ({parts}); "
           f"{len(_variants(cache))} variants compiled; backend {llm.config.attention_backend}; "
           f"compile-ahead threads {llm.model_runner.compile_threads}")
+    if recorder is not None:
+        print(recorder.table(startup_s))
     if own.startup_only:
         llm.shutdown()
         return

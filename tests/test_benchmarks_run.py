@@ -25,6 +25,7 @@ ELSEWHERE = {
     "fp8.py": ("tests/test_fp8_bench.py", "fp8.run_engine"),
     "decode_step.py": ("tests/test_decode_step.py", "benchmarks.decode_step"),
     "ab.py": ("tests/test_ab.py", "benchmarks.ab"),
+    "compile_bursts.py": ("tests/test_compile_bursts.py", "benchmarks.compile_bursts"),
 }
 
 
@@ -46,6 +47,13 @@ def cold_compiles(tmp_path: Path) -> None:
                TRITON_CACHE_DIR=str(tmp_path / "triton"))
     ok(proc, "LLM() on an empty Triton cache:", "first run: ", "compiled inside it: 0",
        "first run / warm run:")
+    proc = run(sys.executable, "-m", "benchmarks.cold_compiles", "--tiny", "--profile",
+               "--num-seqs", "2", tmp_path=tmp_path, TRITON_CACHE_DIR=str(tmp_path / "profiled"))
+    ok(proc, "| phase | s | variants |", "compile bursts 0.00 s of LLM()'s",
+       "compiles outside the phases: 0")
+    proc = run(sys.executable, "-m", "benchmarks.cold_compiles", "--ab", "--profile", "--tiny",
+               tmp_path=tmp_path)
+    assert proc.returncode == 2 and "run it without --ab" in proc.stderr, proc.stderr
     proc = run(sys.executable, "-m", "benchmarks.cold_compiles", "--ab", "--tiny",
                tmp_path=tmp_path)
     ok(proc, "round 1 parallel: LLM() on an empty Triton cache:",
