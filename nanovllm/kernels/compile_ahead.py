@@ -120,21 +120,24 @@ def build_launcher(kernel: object) -> None:
     driver.active.launcher_cls(kernel.src, kernel.metadata)
 
 
-def start_prewarm(threads: int) -> threading.Thread | None:
+def start_prewarm(threads: int, device: torch.device) -> threading.Thread | None:
     """With compile threads, start on a thread what the first compile waits for: the CUDA
     driver's utilities (gcc on an empty cache), the compile target and Triton's cache key (a
     hash of its own sources), so they overlap loading the weights; join it before compiling."""
     if not threads:
         return None
-    thread = threading.Thread(target=_prewarm, name="nanovllm-prewarm", daemon=True)
+    thread = threading.Thread(target=_prewarm, args=(device,), name="nanovllm-prewarm",
+                              daemon=True)
     thread.start()
     return thread
 
 
-def _prewarm() -> None:
+def _prewarm(device: torch.device) -> None:
     try:
         import triton
         from triton.runtime import driver
+        # a thread starts on device 0: a rank of another GPU would open a context there
+        torch.cuda.set_device(device)
         try:
             from triton.runtime.cache import triton_key
         except ImportError:  # older Triton

@@ -53,7 +53,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         # > 0: each start-up phase compiles its kernels on threads first (kernels.compile_ahead)
         self.compile_threads = compile_threads(config.device, self.world_size)
-        prewarm = start_prewarm(self.compile_threads)  # overlaps loading the weights
+        prewarm = start_prewarm(self.compile_threads, self.device)  # beside the weights' load
         hf_config = config.hf_config
         t0 = perf_counter()
         self.model = self.build_shard()

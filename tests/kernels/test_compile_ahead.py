@@ -221,7 +221,8 @@ def test_a_launcher_builds_while_other_kernels_compile(monkeypatch: pytest.Monke
 
 def test_prewarm_runs_on_a_thread_only_with_compile_threads(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """With compile threads, the prewarm looks up the driver's target on its own thread (a
+    """With compile threads, the prewarm selects the rank's GPU on its own thread (else a
+    rank of another GPU opens a context on GPU 0), then looks up the driver's target (a
     failure there is left to the first compile); without, nothing starts."""
     from triton.runtime import driver
     seen = []
@@ -231,10 +232,12 @@ def test_prewarm_runs_on_a_thread_only_with_compile_threads(
             seen.append(threading.current_thread().name)
             raise RuntimeError("no GPU here")
     monkeypatch.setattr(driver, "_active", Driver())
-    assert start_prewarm(0) is None
-    thread = start_prewarm(4)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: seen.append(device))
+    gpu = torch.device("cuda:1")
+    assert start_prewarm(0, gpu) is None
+    thread = start_prewarm(4, gpu)
     thread.join(timeout=5)
-    assert seen == ["nanovllm-prewarm"] and not thread.is_alive()
+    assert seen == [gpu, "nanovllm-prewarm"] and not thread.is_alive()
 
 
 def test_a_launcher_error_raises(monkeypatch: pytest.MonkeyPatch) -> None:
