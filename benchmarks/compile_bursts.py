@@ -2,9 +2,10 @@
 rest (loading, the steps themselves, the graphs). `python -m benchmarks.cold_compiles --profile`.
 
 A compile is timed by Triton's compile listener (triton.knobs.compilation.listener: its stage
-times, reported as it ends); a phase by ModelRunner._timed. Compiles run on start-up's threads
-(kernels.compile_ahead), so a burst's span is from its first compile's start to its last one's
-end, not the compiles' summed time.
+times, reported as it ends), its launcher's build by wrapping kernels.compile_ahead's
+build_launcher (gcc on Triton 3.6, right after the compile on the same thread), a phase by
+ModelRunner._timed. Compiles run on start-up's threads, so a burst spans from its first
+compile's start to the end of its last compile or launcher build, not their summed time.
 """
 import threading
 import time
@@ -24,23 +25,25 @@ class Phase(NamedTuple):
 
 
 class BurstRow(NamedTuple):
-    """One phase: its seconds, its compiles, and when they start and end within it."""
+    """One phase: its seconds, its compiles, and when its burst starts and ends within it."""
 
     phase: str
     wall_s: float
     variants: int
     first_start_s: float  # from the phase's start; 0 without compiles
-    last_end_s: float
+    last_end_s: float  # the last compile's or launcher build's end
     span_s: float
 
 
-def burst_rows(phases: list[Phase], compiles: list[Compile]) -> list[BurstRow]:
-    """A row per phase, with the compiles that ended inside it."""
+def burst_rows(phases: list[Phase], compiles: list[Compile],
+               launchers: list[Compile] | None = None) -> list[BurstRow]:
+    """A row per phase, with the compiles and launcher builds that ended inside it."""
     rows = []
     for phase in phases:
         own = [c for c in compiles if phase.start <= c.end <= phase.end]
-        first = min((c.start for c in own), default=phase.start) - phase.start
-        last = max((c.end for c in own), default=phase.start) - phase.start
+        work = own + [b for b in launchers or () if phase.start <= b.end <= phase.end]
+        first = min((c.start for c in work), default=phase.start) - phase.start
+        last = max((c.end for c in work), default=phase.start) - phase.start
         rows.append(BurstRow(phase.name, phase.end - phase.start, len(own), first, last,
                              last - first))
     return rows
@@ -49,7 +52,7 @@ def burst_rows(phases: list[Phase], compiles: list[Compile]) -> list[BurstRow]:
 def burst_table(rows: list[BurstRow], outside: int, total_s: float) -> str:
     """The rows as a markdown table, the bursts' total against total_s (LLM()'s seconds), and
     how many compiles ended outside every phase (0 expected)."""
-    lines = ["| phase | s | variants | first compile starts | last compile ends | burst s |",
+    lines = ["| phase | s | variants | burst starts | burst ends | burst s |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {r.phase} | {r.wall_s:.2f} | {r.variants} | +{r.first_start_s:.2f} | "
               f"+{r.last_end_s:.2f} | {r.span_s:.2f} |" for r in rows]
@@ -64,17 +67,28 @@ class BurstRecorder:
 
     def __init__(self) -> None:
         self.compiles: list[Compile] = []
+        self.launchers: list[Compile] = []  # build_launcher's calls
         self.phases: list[Phase] = []
         self._lock = threading.Lock()
 
     def install(self) -> None:
-        """Listen to Triton's compiles and time ModelRunner's phases (before LLM())."""
+        """Listen to Triton's compiles, time the launcher builds and ModelRunner's phases
+        (before LLM())."""
         from triton import knobs
 
+        from nanovllm.kernels import compile_ahead
         from nanovllm.runner.model_runner import ModelRunner
         if not hasattr(knobs, "compilation") or not hasattr(knobs.compilation, "listener"):
             raise SystemExit("--profile needs Triton's compile listener (Triton 3.4 or newer)")
         knobs.compilation.listener = self.listen
+        build = compile_ahead.build_launcher  # looked up at each call: the wrapper is seen
+
+        def timed_build(kernel) -> None:
+            start = time.perf_counter()
+            build(kernel)
+            with self._lock:
+                self.launchers.append(Compile(start, time.perf_counter(), "launcher"))
+        compile_ahead.build_launcher = timed_build
         timed = ModelRunner._timed
 
         def timed_phase(runner, phase: str, run, *args) -> None:
@@ -96,6 +110,6 @@ class BurstRecorder:
 
     def table(self, total_s: float) -> str:
         """burst_table of what was recorded, against LLM()'s total_s seconds."""
-        rows = burst_rows(self.phases, self.compiles)
+        rows = burst_rows(self.phases, self.compiles, self.launchers)
         outside = len(self.compiles) - sum(r.variants for r in rows)
         return burst_table(rows, outside, total_s)

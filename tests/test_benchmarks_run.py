@@ -47,6 +47,8 @@ def cold_compiles(tmp_path: Path) -> None:
                TRITON_CACHE_DIR=str(tmp_path / "triton"))
     ok(proc, "LLM() on an empty Triton cache:", "first run: ", "compiled inside it: 0",
        "first run / warm run:")
+    # the table prints (interpreted kernels compile nothing: its attribution is
+    # tests/test_compile_bursts.py's)
     proc = run(sys.executable, "-m", "benchmarks.cold_compiles", "--tiny", "--profile",
                "--num-seqs", "2", tmp_path=tmp_path, TRITON_CACHE_DIR=str(tmp_path / "profiled"))
     ok(proc, "| phase | s | variants |", "compile bursts 0.00 s of LLM()'s",

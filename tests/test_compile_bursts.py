@@ -1,5 +1,6 @@
-"""benchmarks.compile_bursts: compiles grouped by the start-up phase they end in, each burst
-from its first compile's start to its last one's end; the listener skips cache hits."""
+"""benchmarks.compile_bursts: compiles and launcher builds grouped by the start-up phase they
+end in, each burst from its first compile's start to the last end; the listener skips cache
+hits."""
 from types import SimpleNamespace
 
 from pytest import approx
@@ -18,15 +19,16 @@ def test_bursts_by_phase() -> None:
               Phase("capture", 15.0, 18.0)]
     compiles = [Compile(10.5, 11.5, "a"), Compile(10.6, 11.8, "b"),  # overlapping threads
                 Compile(15.2, 16.0, "c"), Compile(19.0, 19.5, "late")]
-    rows = burst_rows(phases, compiles)
+    launchers = [Compile(11.8, 12.0, "launcher")]  # after the last compile, on its thread
+    rows = burst_rows(phases, compiles, launchers)
     assert [(r.phase, r.variants) for r in rows] == [("warmup", 2), ("calibrate", 0),
                                                      ("capture", 1)]
     warmup, calibrate, capture = rows
-    assert (warmup.first_start_s, warmup.last_end_s, warmup.span_s) == approx((0.5, 1.8, 1.3))
+    assert (warmup.first_start_s, warmup.last_end_s, warmup.span_s) == approx((0.5, 2.0, 1.5))
     assert calibrate.span_s == 0.0 and (capture.span_s, capture.wall_s) == approx((0.8, 3.0))
     table = burst_table(rows, outside=1, total_s=9.0)
-    assert "| warmup | 2.00 | 2 | +0.50 | +1.80 | 1.30 |" in table
-    assert "compile bursts 2.10 s of LLM()'s 9.00 s (the rest 6.90 s)" in table
+    assert "| warmup | 2.00 | 2 | +0.50 | +2.00 | 1.50 |" in table
+    assert "compile bursts 2.30 s of LLM()'s 9.00 s (the rest 6.70 s)" in table
     assert table.endswith("compiles outside the phases: 1")
 
 
@@ -41,3 +43,21 @@ def test_the_listener_records_compiles_not_cache_hits() -> None:
     assert compile_.end - compile_.start == approx(0.25)
     recorder.phases.append(Phase("warmup", compile_.start - 1, compile_.end + 1))
     assert "| warmup | 2.25 | 1 | +1.00 | +1.25 | 0.25 |" in recorder.table(3.0)
+
+
+def test_install_times_the_launcher_builds(monkeypatch) -> None:
+    """Installed, the recorder times each build_launcher call made where start-up makes it
+    (the compiling thread, through the module's name), and listens to Triton's compiles."""
+    from triton import knobs
+
+    from nanovllm.kernels import compile_ahead
+    from nanovllm.runner.model_runner import ModelRunner
+    for owner, name in ((compile_ahead, "build_launcher"), (ModelRunner, "_timed"),
+                        (knobs.compilation, "listener")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))  # restored after the test
+    recorder = BurstRecorder()
+    recorder.install()
+    assert knobs.compilation.listener == recorder.listen
+    assert compile_ahead._compile_then_build(lambda: "binary", (), {}) == "binary"
+    [build] = recorder.launchers
+    assert build.kernel == "launcher" and build.end >= build.start

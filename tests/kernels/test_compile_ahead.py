@@ -244,20 +244,3 @@ def test_a_launcher_error_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     kernels = [Kernel("a", lambda: Compiled("a")), Kernel("b", lambda: Compiled("b"))]
     with pytest.raises(RuntimeError, match="gcc failed on b"):
         _compiled_by(kernels, Launchers(fail="b"), 2, monkeypatch)
-
-
-def test_launchers_build_when_the_mode_forgets_its_compiles(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Newer Triton empties AsyncCompileMode's record of its compiles on exit: the launchers
-    still build from the record read before it."""
-    exit_mode = triton.AsyncCompileMode.__exit__
-
-    def forgetful_exit(self, *args):
-        try:
-            return exit_mode(self, *args)
-        finally:
-            self.future_kernels.clear()
-    monkeypatch.setattr(triton.AsyncCompileMode, "__exit__", forgetful_exit)
-    launchers = Launchers()
-    _compiled_by([Kernel("a", lambda: Compiled("a"))], launchers, 2, monkeypatch)
-    assert launchers.built == ["a"]
