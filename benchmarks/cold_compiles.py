@@ -104,7 +104,7 @@ def main() -> None:
     prompts, params = workloads.standard(**size, max_id=workloads.max_token_id(path),
                                          seed=args.seed)
     recorder = BurstRecorder() if own.profile else None
-    if recorder is not None:
+    if recorder is not None:  # before LLM(): it times start-up's phases and compiles
         recorder.install()
     llm, startup_s = start_engine(path, args)
     parts = ", ".join(f"{k} {v:.1f} s" for k, v in llm.model_runner.startup_s.items())

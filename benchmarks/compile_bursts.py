@@ -32,7 +32,10 @@ class BurstRow(NamedTuple):
     variants: int
     first_start_s: float  # from the phase's start; 0 without compiles
     last_end_s: float  # the last compile's or launcher build's end
-    span_s: float
+
+    @property
+    def span_s(self) -> float:
+        return self.last_end_s - self.first_start_s
 
 
 def burst_rows(phases: list[Phase], compiles: list[Compile],
@@ -44,8 +47,7 @@ def burst_rows(phases: list[Phase], compiles: list[Compile],
         work = own + [b for b in launchers or () if phase.start <= b.end <= phase.end]
         first = min((c.start for c in work), default=phase.start) - phase.start
         last = max((c.end for c in work), default=phase.start) - phase.start
-        rows.append(BurstRow(phase.name, phase.end - phase.start, len(own), first, last,
-                             last - first))
+        rows.append(BurstRow(phase.name, phase.end - phase.start, len(own), first, last))
     return rows
 
 
