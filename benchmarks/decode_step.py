@@ -1,7 +1,8 @@
 """Where a small-batch decode step's time goes: host phases, GPU time, and the floor.
 
 python -m benchmarks.decode_step [--shape NAME] [--weight-format F] [--batch 1] [--tokens 256]
-                                 [--lora-rank R] [--attention-backend B] [--profile] [--tiny]
+                                 [--lora-rank R] [--attention-backend B] [--max-model-len N]
+                                 [--profile] [--tiny]
 
 One engine (dummy weights of a benchmarks/shapes.py shape), `batch` prompts of 128 tokens, each
 decoding `tokens` tokens (greedy, ignore_eos). After the prefill step every host method a decode
@@ -214,6 +215,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--lora-rank", type=int, default=0)
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--max-model-len", type=int,
+                   help="default 4096 (1024 with --tiny); a CUDA graph's decode splits follow "
+                        "its block table's width, so a lone token's split count does too")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--bandwidth", type=float, default=4.27e12, help="bytes/s (H200 copy)")
     p.add_argument("--tiny", action="store_true")
@@ -226,10 +230,11 @@ def open_llm(args: argparse.Namespace):
     from benchmarks.shapes import write_shape
     from nanovllm import LLM
     root = tempfile.mkdtemp(prefix="nanovllm-decode-step-")
-    kwargs = dict(max_model_len=4096, attention_backend=args.attention_backend)
+    kwargs = dict(max_model_len=args.max_model_len or (1024 if args.tiny else 4096),
+                  attention_backend=args.attention_backend)
     if args.tiny:
         path = build_checkpoint(os.path.join(root, "model"))
-        kwargs.update(num_kvcache_blocks=64, max_model_len=1024)
+        kwargs.update(num_kvcache_blocks=64)
     else:
         path = write_shape(args.shape, os.path.join(root, "model"), args.weight_format)
         kwargs.update(load_format="dummy", gpu_memory_utilization=0.85)
@@ -250,6 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
     llm, shape, lora = open_llm(args)
     max_id = shape["vocab_size"] - 1
     limits = dict(llm.model_runner.fused_limits)
+    max_model_len = llm.model_runner.config.max_model_len
     try:
         run = run_decode(llm, args.batch, args.tokens, max_id, lora)
         kernels, per_kernel = (kernel_phases(llm, args.batch, 16, max_id, lora)
@@ -261,7 +267,8 @@ def main(argv: list[str] | None = None) -> dict:
     floor_us = 1e6 * (weight_bytes(shape, args.batch, wbytes)
                       + args.batch * context * kv_bytes_per_token(shape)) / args.bandwidth
     print(f"\n{'tiny' if args.tiny else f'{args.shape} {args.weight_format}'}, batch "
-          f"{args.batch}{f', LoRA rank {args.lora_rank}' if args.lora_rank else ''}: "
+          f"{args.batch}{f', LoRA rank {args.lora_rank}' if args.lora_rank else ''}, "
+          f"max_model_len {max_model_len}: "
           f"{run['wall_us']:.0f} us a decode step over {run['steps']} steps (median "
           f"{run['wall_median_us']:.0f}); GPU "
           f"{run['gpu_us']:.0f} us a step (median), idle {run['gap_us']:.0f} us between steps; "
@@ -287,7 +294,8 @@ def main(argv: list[str] | None = None) -> dict:
         top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:12]
         for name, (us, n) in top:
             print(f"| {name[:70]} | {us:.1f} | {n:g} |")
-    return dict(run, kernels=dict(kernels), per_kernel=per_kernel, floor_us=floor_us)
+    return dict(run, kernels=dict(kernels), per_kernel=per_kernel, floor_us=floor_us,
+                max_model_len=max_model_len)
 
 
 if __name__ == "__main__":

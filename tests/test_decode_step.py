@@ -34,6 +34,12 @@ def test_tiny_run_times_every_phase(lora_rank, capsys):
     assert "| - - - pack |" in out and "(median " in out
 
 
+def test_max_model_len_reaches_the_engine():
+    """--max-model-len sets the engine's (a graph's decode splits follow it); 1024 for --tiny."""
+    assert main(["--tiny", "--tokens", "3", "--max-model-len", "640"])["max_model_len"] == 640
+    assert main(["--tiny", "--tokens", "3"])["max_model_len"] == 1024
+
+
 def test_wrapped_methods_are_restored():
     class Owner:
         def method(self):
