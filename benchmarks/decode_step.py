@@ -267,12 +267,11 @@ def main(argv: list[str] | None = None) -> dict:
     floor_us = 1e6 * (weight_bytes(shape, args.batch, wbytes)
                       + args.batch * context * kv_bytes_per_token(shape)) / args.bandwidth
     print(f"\n{'tiny' if args.tiny else f'{args.shape} {args.weight_format}'}, batch "
-          f"{args.batch}{f', LoRA rank {args.lora_rank}' if args.lora_rank else ''}, "
-          f"max_model_len {max_model_len}: "
+          f"{args.batch}{f', LoRA rank {args.lora_rank}' if args.lora_rank else ''}: "
           f"{run['wall_us']:.0f} us a decode step over {run['steps']} steps (median "
           f"{run['wall_median_us']:.0f}); GPU "
           f"{run['gpu_us']:.0f} us a step (median), idle {run['gap_us']:.0f} us between steps; "
-          f"floor {floor_us:.0f} us")
+          f"floor {floor_us:.0f} us; max_model_len {max_model_len}")
     if limits:  # start-up measures them: a step's kernels depend on them
         print("fused decode projections up to (tokens, measured at start-up): "
               + ", ".join(f"{name}: {n}" for name, n in limits.items()))
