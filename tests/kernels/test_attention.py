@@ -20,6 +20,7 @@ from nanovllm.kernels.attention.decode import (  # noqa: E402
     _num_splits,
     decode_attention_triton,
 )
+from nanovllm.kernels.attention.decode_reduce import reduce_splits  # noqa: E402
 from nanovllm.kernels.attention.prefill import prefill_attention_triton  # noqa: E402
 from nanovllm.kernels.attention.reference import (  # noqa: E402
     decode_attention_torch,
@@ -224,6 +225,25 @@ def test_decode_triton_long_context_splits(num_splits: int | None) -> None:
     ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     out = decode_attention_triton(q, k_cache, v_cache, ctx, tables, 0.2, num_splits=num_splits)
     _close(out, decode_attention_torch(q, k_cache, v_cache, ctx, tables, 0.2), torch.float32)
+
+
+def test_decode_triton_splits_past_the_context_store_empty_partials() -> None:
+    """Splits past a short context (a wide CUDA graph's) store m=-inf, l=0, acc=0, which
+    merge to the reference; a padding row's splits are all empty."""
+    lens, block_size, head_dim, heads, splits = [37, 5, 0], 32, 32, 2 * KV_HEADS, 16
+    k_cache, v_cache, tables = _paged_cache(lens, block_size, head_dim, torch.float32)
+    q = torch.randn(len(lens), heads, head_dim, device=DEVICE)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    pending = decode_attention_triton(q, k_cache, v_cache, ctx, tables, 0.2, num_splits=splits,
+                                      defer_merge=True)
+    live = [2, 1, 0]  # splits of 32 keys holding a key of each context
+    for row, n in enumerate(live):
+        assert (pending.part_m[row, :, n:] == float("-inf")).all()
+        assert (pending.part_l[row, :, n:] == 0).all() and (pending.part_acc[row, :, n:] == 0).all()
+        assert (pending.part_m[row, :, :n] > float("-inf")).all()
+    reduce_splits(*pending)
+    _close(pending.out, decode_attention_torch(q, k_cache, v_cache, ctx, tables, 0.2),
+           torch.float32)
 
 
 # Sliding windows (Mistral, Qwen2): smaller than a key tile, not a multiple of any block size,

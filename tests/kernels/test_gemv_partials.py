@@ -53,8 +53,9 @@ def _merged(part_m, part_l, part_acc, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("splits,empty", [(3, 0), (16, 5), (40, 7), (64, 0), (21, 21)])
 def test_gemv_partials_merges_a_pending_decode(dtype, fmt, heads, splits, empty) -> None:
     """A PendingMerge's partials, merged inside the GEMV (chunks of 16 splits), give the GEMV of
-    the merged output; empty splits (m = -inf) weigh nothing. To one rounding of the output:
-    the float32 sums' order is the kernel's own."""
+    the merged output; empty splits (m = -inf) weigh nothing, and those past the last live one
+    are never read. To one rounding of the output: the float32 sums' order is the kernel's
+    own."""
     torch.manual_seed(splits + heads)
     head_dim, rows = 128, 64
     k = heads * head_dim  # 512-row K slices (16-bit k-major, FP8 [N, K] at K 512): 4 heads
@@ -66,6 +67,9 @@ def test_gemv_partials_merges_a_pending_decode(dtype, fmt, heads, splits, empty)
     expected = gemv_partials(_merged(part_m, part_l, part_acc, dtype), weight, scale)
     torch.testing.assert_close(merged, expected, atol=2e-2, rtol=2e-2)
     assert merged.any() != (empty == splits)
+    if empty:  # splits past the last live one (a short context's) are never read
+        part_acc[:, :, splits - empty:] = float("nan")
+        torch.testing.assert_close(gemv_partials(pending, weight, scale), merged, atol=0, rtol=0)
     if 0 < empty < splits:  # the heads in their order: swapped halves must fail
         swapped = _merged(part_m, part_l, part_acc, dtype).view(1, 2, -1).flip(1).flatten(1)
         assert not torch.allclose(merged, gemv_partials(swapped, weight, scale), atol=2e-2)

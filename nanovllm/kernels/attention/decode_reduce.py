@@ -51,13 +51,16 @@ def merged_heads(part_m_ptr, part_l_ptr, part_acc_ptr, head0, num_splits, dtype:
                 mask=splits[None, :] < num_splits, other=float("-inf"))
     m_max = tl.max(m, axis=1)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty
+    # Splits past the last holding a key (m = -inf: a CUDA graph's split count is its widest
+    # block table's, so most of a short context's are empty) weigh 0: their acc is not read
+    live_end = tl.max(tl.max(tl.where(m > float("-inf"), splits[None, :] + 1, 0), axis=1))
     denom = tl.zeros([HEADS], tl.float32)
     o = tl.zeros([HEADS, HEAD_DIM], tl.float32)
     offs_c = tl.arange(0, CHUNK)
     offs_d = tl.arange(0, HEAD_DIM)
-    for s0 in range(0, num_splits, CHUNK):
+    for s0 in range(0, live_end, CHUNK):
         part = heads[:, None] * num_splits + s0 + offs_c[None, :]  # [HEADS, CHUNK]
-        live = s0 + offs_c[None, :] < num_splits
+        live = s0 + offs_c[None, :] < live_end
         m_c = tl.load(part_m_ptr + part, mask=live, other=float("-inf"))
         l_c = tl.load(part_l_ptr + part, mask=live, other=0.0)
         acc = tl.load(part_acc_ptr + part[:, :, None] * HEAD_DIM + offs_d[None, None, :],
