@@ -146,13 +146,14 @@ class MultiprocExecutor(Executor):
         self.lock = threading.Lock()  # orders the watchdog's verdict against shutdown
         self.abort_lock = threading.Lock()  # the communicator is aborted once, by one thread
         self.aborted = False
+        self.watchdog = threading.Thread(target=self._watchdog, name="nanovllm-tp-watchdog",
+                                         daemon=True)
         try:
             for process in self.processes:
                 process.start()
             self._wait_until_joined()
             init_process_group(self.device, self.store, 0, self.world_size)
-            threading.Thread(target=self._watchdog, name="nanovllm-tp-watchdog",
-                             daemon=True).start()
+            self.watchdog.start()
             with self.guard():  # agrees on the KV pool size with the workers' runners
                 self.runner = ModelRunner(config, 0)
             self.runner.peer_died = self.worker_died
@@ -267,6 +268,10 @@ class MultiprocExecutor(Executor):
         self.channel.close()
         self.store = None
         torch.set_num_threads(self.saved_num_threads)
+        # The watchdog's target holds this executor: left to end on its own, it may drop the last
+        # reference at interpreter exit, on a daemon thread, where freeing a tensor aborts
+        if self.watchdog.is_alive() and self.watchdog is not threading.current_thread():
+            self.watchdog.join(2 * PARENT_POLL_S)  # it ends once the workers have
 
     def _leave_group(self) -> None:
         """Free rank 0's runner, then leave the group; every rank is alive and does the same."""

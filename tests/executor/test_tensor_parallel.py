@@ -1,4 +1,5 @@
 """Tensor parallelism on CPU (gloo): parity with TP=1 and transformers, failures, lifecycles."""
+import gc
 import glob
 import json
 import multiprocessing as mp
@@ -8,7 +9,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -216,6 +219,28 @@ def test_two_engines_one_after_the_other_in_one_process(tiny_model, monkeypatch)
         assert_nothing_left(names[-1])
     assert results[0] == results[1] and len(set(names)) == 3
     assert not any(segment_exists(name) for name in names)
+
+
+def test_shutdown_waits_for_the_watchdog(tiny_model, monkeypatch):
+    """The watchdog's target holds the executor: shutdown returns once that thread has ended,
+    so the engine is freed where its user drops it. Left to a daemon thread at interpreter
+    exit, freeing the runner's tensors aborted the process ("terminate called without an
+    active exception")."""
+    real_wait = worker.wait
+
+    def late_wait(objects, timeout=None):
+        ready = real_wait(objects, timeout)
+        time.sleep(0.2)  # the watchdog scheduled late, as on a loaded machine
+        return ready
+
+    monkeypatch.setattr(worker, "wait", late_wait)
+    llm = LLM(tiny_model, tensor_parallel_size=2, num_kvcache_blocks=16)
+    executor = weakref.ref(llm.executor)
+    llm.shutdown()
+    assert not [t for t in threading.enumerate() if t.name == "nanovllm-tp-watchdog"]
+    del llm
+    gc.collect()
+    assert executor() is None
 
 
 @pytest.mark.slow
