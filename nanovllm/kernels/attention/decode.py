@@ -18,6 +18,7 @@ from nanovllm.kernels.attention.decode_reduce import (
 from nanovllm.kernels.attention.new_token import (
     NewToken,
     cached_end,
+    empty_state,
     new_token_args,
     new_token_inputs,
     new_token_steps,
@@ -166,11 +167,10 @@ def _decode_split_kernel(
         pos_ptr, slot_ptr, cs_ptr, stride_cs, qn_w_ptr, kn_w_ptr, seq, HEAD_DIM, NORM, NEW_KV)
     wait_then_release(USE_PDL)
     if start >= ctx:  # past the context (a short one's splits in a wide CUDA graph): empty
-        store_split(tl.full([GROUP_P2], float("-inf"), tl.float32),
-                    tl.zeros([GROUP_P2], tl.float32), tl.zeros([GROUP_P2, HEAD_DIM], tl.float32),
-                    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, seq, kv_head, split,
-                    num_splits, stride_ob, stride_oh, v_scale, GROUP, GROUP_P2, NUM_KV_HEADS,
-                    HEAD_DIM, SINGLE_SPLIT)
+        m_i, l_i, acc = empty_state(GROUP_P2, HEAD_DIM)
+        store_split(m_i, l_i, acc, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, seq, kv_head,
+                    split, num_splits, stride_ob, stride_oh, v_scale, GROUP, GROUP_P2,
+                    NUM_KV_HEADS, HEAD_DIM, SINGLE_SPLIT)
         return
     # GQA packing: [GROUP_P2, D] queries (padded to >= 16 rows for tl.dot) share each K/V load.
     q = query_tile(q_ptr, seq, stride_qb, stride_qh, kv_head, cos, sin, qw1, qw2, eps, GROUP,

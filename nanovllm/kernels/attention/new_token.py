@@ -112,15 +112,20 @@ def new_key_step(q, m_i, l_i, acc, k_ptr, v_ptr, row, k_cache_ptr, v_cache_ptr, 
 
 
 @triton.jit
+def empty_state(GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """(m, l, acc) of a split that has seen no key: -inf, 0, 0."""
+    return (tl.full([GROUP_P2], float("-inf"), tl.float32), tl.zeros([GROUP_P2], tl.float32),
+            tl.zeros([GROUP_P2, HEAD_DIM], tl.float32))
+
+
+@triton.jit
 def new_token_steps(q, tile, holds_new, k_ptr, v_ptr, row, k_cache_ptr, v_cache_ptr, slot,
                     kv_head, cos, sin, w1, w2, eps, k_inv_scale, v_inv_scale, qk_scale,
                     GROUP_P2: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                     PRECISION: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
                     NEW_KV: tl.constexpr):
     """(m, l, acc) a split's loop starts from: empty, or NEW_KV's after `tile` and the new key."""
-    m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_P2], tl.float32)
-    acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
+    m_i, l_i, acc = empty_state(GROUP_P2, HEAD_DIM)
     if NEW_KV:
         # The tile first, its registers then free for the new key's step. All its keys may be
         # hidden (an empty split; a window of 1, the new key alone): MAY_BE_HIDDEN then keeps
