@@ -105,6 +105,54 @@ def pair_gemm(w_desc, x_desc, row_a, row_b, tok0, K, s_ptr, stride_s, scale_rows
     return acc_a, acc_b
 
 
+@triton.jit
+def _head_norm_weights(qn_w_ptr, kn_w_ptr, head, lo, NUM_Q_HEADS: tl.constexpr,
+                       HALF: tl.constexpr, NORM: tl.constexpr):
+    """The two halves [HALF, 1] of a q or k head's norm weight, float32 (zeros without NORM)."""
+    if head < NUM_Q_HEADS:
+        nw = qn_w_ptr
+    else:
+        nw = kn_w_ptr
+    if NORM:
+        w1 = tl.load(nw + lo).to(tl.float32)
+        w2 = tl.load(nw + HALF + lo).to(tl.float32)
+    else:
+        w1 = tl.zeros([HALF, 1], tl.float32)
+        w2 = tl.zeros([HALF, 1], tl.float32)
+    return w1, w2
+
+
+@triton.jit
+def _store_head(x1, x2, head, toks, tok_ok, slot, lo, w1, w2, cos, sin, eps, q_out_ptr,
+                k_cache_ptr, v_cache_ptr, k_inv_scale, v_inv_scale, NUM_Q_HEADS: tl.constexpr,
+                NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr,
+                FP8: tl.constexpr):
+    """One head's two float32 halves [HEAD_DIM / 2, tokens], rounded as the projection's output
+    is, to where they go: a q head normed and rotated into q_out, a k head normed and rotated
+    into the cache, a v head into the cache (slot < 0: a padding row, not written)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    dtype = q_out_ptr.dtype.element_ty
+    x1 = x1.to(dtype)
+    x2 = x2.to(dtype)
+    kv_ok = tok_ok & (slot >= 0)
+    kv_dtype = k_cache_ptr.dtype.element_ty
+    if head < NUM_Q_HEADS + NUM_KV_HEADS:
+        x1, x2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, dtype, HEAD_DIM, NORM, 0)
+        if head < NUM_Q_HEADS:
+            q_dst = q_out_ptr + (toks * NUM_Q_HEADS + head) * HEAD_DIM + lo
+            tl.store(q_dst, x1, mask=tok_ok)
+            tl.store(q_dst + HALF, x2, mask=tok_ok)
+        else:  # (names differ per branch: Triton types a name once, and caches may be FP8)
+            k_dst = k_cache_ptr + (slot * NUM_KV_HEADS + head - NUM_Q_HEADS) * HEAD_DIM + lo
+            tl.store(k_dst, quantize_kv(x1, k_inv_scale, kv_dtype, FP8), mask=kv_ok)
+            tl.store(k_dst + HALF, quantize_kv(x2, k_inv_scale, kv_dtype, FP8), mask=kv_ok)
+    else:
+        kv_head = head - NUM_Q_HEADS - NUM_KV_HEADS
+        v_dst = v_cache_ptr + (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM + lo
+        tl.store(v_dst, quantize_kv(x1, v_inv_scale, kv_dtype, FP8), mask=kv_ok)
+        tl.store(v_dst + HALF, quantize_kv(x2, v_inv_scale, kv_dtype, FP8), mask=kv_ok)
+
+
 # M, the step's token count, only masks: specialising on it (1, multiple of 16) would compile
 # variants per batch size.
 @triton.jit(do_not_specialize=["M"])
@@ -140,16 +188,7 @@ def _qkv_rope_store_kernel(w_desc, x_desc, bias_ptr, q_out_ptr, qn_w_ptr, kn_w_p
     pos = tl.load(pos_ptr + toks, mask=tok_ok, other=0).to(tl.int64)
     cos = tl.load(cs_ptr + pos * stride_cs + lo)
     sin = tl.load(cs_ptr + pos * stride_cs + HALF + lo)
-    if head < NUM_Q_HEADS:
-        nw = qn_w_ptr
-    else:
-        nw = kn_w_ptr
-    if NORM:
-        w1 = tl.load(nw + lo).to(tl.float32)
-        w2 = tl.load(nw + HALF + lo).to(tl.float32)
-    else:
-        w1 = tl.zeros([HALF, 1], tl.float32)
-        w2 = tl.zeros([HALF, 1], tl.float32)
+    w1, w2 = _head_norm_weights(qn_w_ptr, kn_w_ptr, head, lo, NUM_Q_HEADS, HALF, NORM)
     if HAS_BIAS:
         b1 = tl.load(bias_ptr + head * HEAD_DIM + lo).to(tl.float32)
         b2 = tl.load(bias_ptr + head * HEAD_DIM + HALF + lo).to(tl.float32)
@@ -164,26 +203,9 @@ def _qkv_rope_store_kernel(w_desc, x_desc, bias_ptr, q_out_ptr, qn_w_ptr, kn_w_p
     if HAS_BIAS:
         x1 += b1
         x2 += b2
-    dtype = q_out_ptr.dtype.element_ty
-    x1 = x1.to(dtype)  # rounded as the projection's output is
-    x2 = x2.to(dtype)
-    kv_ok = tok_ok & (slot >= 0)
-    kv_dtype = k_cache_ptr.dtype.element_ty
-    if head < NUM_Q_HEADS + NUM_KV_HEADS:
-        x1, x2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, dtype, HEAD_DIM, NORM, 0)
-        if head < NUM_Q_HEADS:
-            q_dst = q_out_ptr + (toks * NUM_Q_HEADS + head) * HEAD_DIM + lo
-            tl.store(q_dst, x1, mask=tok_ok)
-            tl.store(q_dst + HALF, x2, mask=tok_ok)
-        else:  # (names differ per branch: Triton types a name once, and caches may be FP8)
-            k_dst = k_cache_ptr + (slot * NUM_KV_HEADS + head - NUM_Q_HEADS) * HEAD_DIM + lo
-            tl.store(k_dst, quantize_kv(x1, k_inv_scale, kv_dtype, FP8), mask=kv_ok)
-            tl.store(k_dst + HALF, quantize_kv(x2, k_inv_scale, kv_dtype, FP8), mask=kv_ok)
-    else:
-        kv_head = head - NUM_Q_HEADS - NUM_KV_HEADS
-        v_dst = v_cache_ptr + (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM + lo
-        tl.store(v_dst, quantize_kv(x1, v_inv_scale, kv_dtype, FP8), mask=kv_ok)
-        tl.store(v_dst + HALF, quantize_kv(x2, v_inv_scale, kv_dtype, FP8), mask=kv_ok)
+    _store_head(x1, x2, head, toks, tok_ok, slot, lo, w1, w2, cos, sin, eps, q_out_ptr,
+                k_cache_ptr, v_cache_ptr, k_inv_scale, v_inv_scale, NUM_Q_HEADS, NUM_KV_HEADS,
+                HEAD_DIM, NORM, FP8)
 
 
 # fits_*: dtype is the activations', weight_dtype (None: the same) and w_block as fits_weight's
