@@ -129,6 +129,31 @@ def _split_bounds(context_lens_ptr, seq, split, num_splits, window, BLOCK_N: tl.
     return lo, start, end, ctx
 
 
+@triton.jit
+def _attend_pages(q, k_cache_ptr, v_cache_ptr, block_tables_ptr, pages, seq, stride_bt, start,
+                  end_cached, end_page, lo, kv_head, m_i, l_i, acc, qk_scale,
+                  NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, PAGES_PER_CHUNK: tl.constexpr,
+                  PRECISION: tl.constexpr, SLIDING: tl.constexpr, NEW_KV: tl.constexpr):
+    """The softmax state (m, l, acc) after the split's cached keys from start (with NEW_KV, its
+    first tile is done: new_token_steps) to end_cached; `pages`: the first chunk's entries."""
+    # The split's block-table entries come PAGES_PER_CHUNK at a time into registers, so the row
+    # held stays small at any context length; each chunk's tiles are one pipelined loop. The
+    # first chunk came before the wait; each pass asks for the next before its tiles (past
+    # the end: no bytes).
+    for page0 in range(start // BLOCK_SIZE, end_page, PAGES_PER_CHUNK):
+        next_pages = _chunk_pages(block_tables_ptr, seq, stride_bt, page0 + PAGES_PER_CHUNK,
+                                  end_page, PAGES_PER_CHUNK)
+        m_i, l_i, acc = _attend_chunk(
+            q, k_cache_ptr, v_cache_ptr, pages, page0,
+            tl.maximum(start + NEW_KV * BLOCK_N, page0 * BLOCK_SIZE),
+            tl.minimum(end_cached, (page0 + PAGES_PER_CHUNK) * BLOCK_SIZE), lo, kv_head, m_i,
+            l_i, acc, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PAGES_PER_CHUNK,
+            PRECISION, SLIDING)
+        pages = next_pages
+    return m_i, l_i, acc
+
+
 # num_splits is a plain argument, not specialised: the split count depends on the batch size,
 # and a constant would compile a variant per CUDA-graph size (seconds of cold start-up); so is
 # stride_bt, the block tables' width, which an eager step takes from its longest sequence.
@@ -182,20 +207,10 @@ def _decode_split_kernel(
         seq * stride_nb + kv_head * HEAD_DIM, k_cache_ptr, v_cache_ptr, slot, kv_head, cos, sin,
         kw1, kw2, eps, k_inv_scale, v_inv_scale, qk_scale, GROUP_P2, NUM_KV_HEADS, HEAD_DIM,
         PRECISION, NORM, FP8, NEW_KV)
-    # The split's block-table entries come PAGES_PER_CHUNK at a time into registers, so the row
-    # held stays small at any context length; each chunk's tiles are one pipelined loop. The
-    # first chunk came before the wait; each pass asks for the next before its tiles (past
-    # the end: no bytes). With NEW_KV the first tile is done (new_token_steps).
-    for page0 in range(start // BLOCK_SIZE, end_page, PAGES_PER_CHUNK):
-        next_pages = _chunk_pages(block_tables_ptr, seq, stride_bt, page0 + PAGES_PER_CHUNK,
-                                  end_page, PAGES_PER_CHUNK)
-        m_i, l_i, acc = _attend_chunk(
-            q, k_cache_ptr, v_cache_ptr, pages, page0,
-            tl.maximum(start + NEW_KV * BLOCK_N, page0 * BLOCK_SIZE),
-            tl.minimum(end_cached, (page0 + PAGES_PER_CHUNK) * BLOCK_SIZE), lo, kv_head, m_i,
-            l_i, acc, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PAGES_PER_CHUNK,
-            PRECISION, SLIDING)
-        pages = next_pages
+    m_i, l_i, acc = _attend_pages(
+        q, k_cache_ptr, v_cache_ptr, block_tables_ptr, pages, seq, stride_bt, start, end_cached,
+        end_page, lo, kv_head, m_i, l_i, acc, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+        BLOCK_N, PAGES_PER_CHUNK, PRECISION, SLIDING, NEW_KV)
     store_split(m_i, l_i, acc, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, seq, kv_head,
                 split, num_splits, stride_ob, stride_oh, v_scale, GROUP, GROUP_P2,
                 NUM_KV_HEADS, HEAD_DIM, SINGLE_SPLIT)
