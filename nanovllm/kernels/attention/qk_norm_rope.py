@@ -24,14 +24,15 @@ def _load_heads(src, stride_h, HEADS: tl.constexpr, HEADS_P2: tl.constexpr,
 
 
 @triton.jit
-def _load_weight(w_ptr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
-    """The norm weight's halves [1, D/2] in float32 (zeros without NORM: unused)."""
+def load_norm_weight(w_ptr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr, AXIS: tl.constexpr):
+    """The norm weight's halves in float32, along AXIS as _norm_rope takes them: [1, D/2] with
+    AXIS 1, [D/2, 1] with AXIS 0 (zeros without NORM: unused)."""
     HALF: tl.constexpr = HEAD_DIM // 2
-    lo = tl.arange(0, HALF)[None, :]
+    lo = tl.expand_dims(tl.arange(0, HALF), 1 - AXIS)
     if NORM:
         return tl.load(w_ptr + lo).to(tl.float32), tl.load(w_ptr + HALF + lo).to(tl.float32)
     else:
-        return tl.zeros([1, HALF], tl.float32), tl.zeros([1, HALF], tl.float32)
+        return tl.zeros(lo.shape, tl.float32), tl.zeros(lo.shape, tl.float32)
 
 
 @triton.jit
@@ -44,8 +45,8 @@ def _token_inputs(pos_ptr, slot_ptr, cache_ptr, stride_cache, q_w_ptr, k_w_ptr, 
     lo = tl.arange(0, HALF)[None, :]
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64) if STORE_KV else tok * 0
-    qw1, qw2 = _load_weight(q_w_ptr, HEAD_DIM, NORM)
-    kw1, kw2 = _load_weight(k_w_ptr, HEAD_DIM, NORM)
+    qw1, qw2 = load_norm_weight(q_w_ptr, HEAD_DIM, NORM, 1)
+    kw1, kw2 = load_norm_weight(k_w_ptr, HEAD_DIM, NORM, 1)
     cos = tl.load(cache_ptr + pos * stride_cache + lo)
     sin = tl.load(cache_ptr + pos * stride_cache + HALF + lo)
     return cos, sin, slot, qw1, qw2, kw1, kw2

@@ -20,7 +20,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanovllm.kernels.attention.kv_quant import FP8_DTYPE
-from nanovllm.kernels.attention.qk_norm_rope import _norm_rope, qk_norm_rope
+from nanovllm.kernels.attention.qk_norm_rope import _norm_rope, load_norm_weight, qk_norm_rope
 from nanovllm.kernels.attention.store_kvcache import quantize_kv
 from nanovllm.kernels.linear.fused_fp8 import (
     K_STEP,
@@ -106,23 +106,6 @@ def pair_gemm(w_desc, x_desc, row_a, row_b, tok0, K, s_ptr, stride_s, scale_rows
 
 
 @triton.jit
-def _head_norm_weights(qn_w_ptr, kn_w_ptr, head, lo, NUM_Q_HEADS: tl.constexpr,
-                       HALF: tl.constexpr, NORM: tl.constexpr):
-    """The two halves [HALF, 1] of a q or k head's norm weight, float32 (zeros without NORM)."""
-    if head < NUM_Q_HEADS:
-        nw = qn_w_ptr
-    else:
-        nw = kn_w_ptr
-    if NORM:
-        w1 = tl.load(nw + lo).to(tl.float32)
-        w2 = tl.load(nw + HALF + lo).to(tl.float32)
-    else:
-        w1 = tl.zeros([HALF, 1], tl.float32)
-        w2 = tl.zeros([HALF, 1], tl.float32)
-    return w1, w2
-
-
-@triton.jit
 def _store_head(x1, x2, head, toks, tok_ok, slot, lo, w1, w2, cos, sin, eps, q_out_ptr,
                 k_cache_ptr, v_cache_ptr, k_inv_scale, v_inv_scale, NUM_Q_HEADS: tl.constexpr,
                 NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr,
@@ -188,7 +171,11 @@ def _qkv_rope_store_kernel(w_desc, x_desc, bias_ptr, q_out_ptr, qn_w_ptr, kn_w_p
     pos = tl.load(pos_ptr + toks, mask=tok_ok, other=0).to(tl.int64)
     cos = tl.load(cs_ptr + pos * stride_cs + lo)
     sin = tl.load(cs_ptr + pos * stride_cs + HALF + lo)
-    w1, w2 = _head_norm_weights(qn_w_ptr, kn_w_ptr, head, lo, NUM_Q_HEADS, HALF, NORM)
+    if head < NUM_Q_HEADS:
+        nw = qn_w_ptr
+    else:
+        nw = kn_w_ptr
+    w1, w2 = load_norm_weight(nw, HEAD_DIM, NORM, 0)
     if HAS_BIAS:
         b1 = tl.load(bias_ptr + head * HEAD_DIM + lo).to(tl.float32)
         b2 = tl.load(bias_ptr + head * HEAD_DIM + HALF + lo).to(tl.float32)
