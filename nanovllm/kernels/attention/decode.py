@@ -19,6 +19,7 @@ from nanovllm.kernels.attention.new_token import (
     NewToken,
     cached_end,
     empty_state,
+    new_kv_heads,
     new_token_args,
     new_token_inputs,
     new_token_steps,
@@ -197,16 +198,18 @@ def _decode_split_kernel(
                     split, num_splits, stride_ob, stride_oh, v_scale, GROUP, GROUP_P2,
                     NUM_KV_HEADS, HEAD_DIM, SINGLE_SPLIT)
         return
+    holds_new = (start <= ctx - 1) & (ctx - 1 < end)
+    new_kv = new_kv_heads(k_new_ptr, v_new_ptr, seq * stride_nb + kv_head * HEAD_DIM, holds_new,
+                          HEAD_DIM, NEW_KV)
     # GQA packing: [GROUP_P2, D] queries (padded to >= 16 rows for tl.dot) share each K/V load.
     q = query_tile(q_ptr, seq, stride_qb, stride_qh, kv_head, cos, sin, qw1, qw2, eps, GROUP,
                    GROUP_P2, HEAD_DIM, NORM, NEW_KV)
     if FP16_DOT:  # an FP8 cache widens to fp16 in one instruction per pair, exactly
         q = q.to(tl.float16)
     m_i, l_i, acc = new_token_steps(
-        q, tile, (start <= ctx - 1) & (ctx - 1 < end), k_new_ptr, v_new_ptr,
-        seq * stride_nb + kv_head * HEAD_DIM, k_cache_ptr, v_cache_ptr, slot, kv_head, cos, sin,
-        kw1, kw2, eps, k_inv_scale, v_inv_scale, qk_scale, GROUP_P2, NUM_KV_HEADS, HEAD_DIM,
-        PRECISION, NORM, FP8, NEW_KV)
+        q, tile, holds_new, new_kv, k_cache_ptr, v_cache_ptr, slot, kv_head, cos, sin, kw1, kw2,
+        eps, k_inv_scale, v_inv_scale, qk_scale, GROUP_P2, NUM_KV_HEADS, HEAD_DIM, PRECISION,
+        NORM, FP8, NEW_KV)
     m_i, l_i, acc = _attend_pages(
         q, k_cache_ptr, v_cache_ptr, block_tables_ptr, pages, seq, stride_bt, start, end_cached,
         end_page, lo, kv_head, m_i, l_i, acc, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,

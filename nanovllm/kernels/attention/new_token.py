@@ -87,15 +87,34 @@ def query_tile(q_ptr, seq, stride_qb, stride_qh, kv_head, cos, sin, w1, w2, eps,
 
 
 @triton.jit
-def new_key_step(q, m_i, l_i, acc, k_ptr, v_ptr, row, k_cache_ptr, v_cache_ptr, slot, kv_head,
-                 cos, sin, w1, w2, eps, k_inv_scale, v_inv_scale, qk_scale,
-                 NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
-                 NORM: tl.constexpr, FP8: tl.constexpr):
-    """The new token's K/V of kv_head (raw, at k_ptr + row and v_ptr + row) to its cache
-    slot, k normalised and rotated, and its online-softmax step."""
-    k1, k2 = _load_heads(k_ptr + row, 0, 1, 1, HEAD_DIM)
-    v1, v2 = _load_heads(v_ptr + row, 0, 1, 1, HEAD_DIM)
-    k1, k2 = _norm_rope(k1, k2, w1, w2, cos, sin, eps, k_ptr.dtype.element_ty, HEAD_DIM, NORM, 1)
+def new_kv_heads(k_ptr, v_ptr, row, holds_new, HEAD_DIM: tl.constexpr, NEW_KV: tl.constexpr):
+    """The new token's raw k and v of one kv head (at k_ptr + row, v_ptr + row) as halves
+    [1, D/2], read only by the split that holds it (zeros elsewhere, and without NEW_KV)."""
+    # Called right after the PDL wait, beside q's loads: inside new_key_step, after the first
+    # tile's softmax step and its barriers, they were a second round trip on the critical split.
+    HALF: tl.constexpr = HEAD_DIM // 2
+    lo = tl.arange(0, HALF)[None, :]
+    if NEW_KV:
+        mask = (lo < HALF) & holds_new
+        k1 = tl.load(k_ptr + row + lo, mask=mask, other=0.0)
+        k2 = tl.load(k_ptr + row + HALF + lo, mask=mask, other=0.0)
+        v1 = tl.load(v_ptr + row + lo, mask=mask, other=0.0)
+        v2 = tl.load(v_ptr + row + HALF + lo, mask=mask, other=0.0)
+    else:
+        k1 = tl.zeros([1, HALF], k_ptr.dtype.element_ty)
+        k2, v1, v2 = k1, k1, k1
+    return k1, k2, v1, v2
+
+
+@triton.jit
+def new_key_step(q, m_i, l_i, acc, new_kv, k_cache_ptr, v_cache_ptr, slot, kv_head, cos, sin,
+                 w1, w2, eps, k_inv_scale, v_inv_scale, qk_scale, NUM_KV_HEADS: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr,
+                 FP8: tl.constexpr):
+    """The new token's K/V of kv_head (new_kv: new_kv_heads' raw halves) to its cache slot, k
+    normalised and rotated, and its online-softmax step."""
+    k1, k2, v1, v2 = new_kv
+    k1, k2 = _norm_rope(k1, k2, w1, w2, cos, sin, eps, k1.dtype, HEAD_DIM, NORM, 1)
     head = tl.full([1, 1], kv_head, tl.int32)
     k1, k2 = store_kv_heads(k_cache_ptr, slot, head, k1, k2, k_inv_scale, NUM_KV_HEADS,
                             HEAD_DIM, FP8)
@@ -119,8 +138,8 @@ def empty_state(GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def new_token_steps(q, tile, holds_new, k_ptr, v_ptr, row, k_cache_ptr, v_cache_ptr, slot,
-                    kv_head, cos, sin, w1, w2, eps, k_inv_scale, v_inv_scale, qk_scale,
+def new_token_steps(q, tile, holds_new, new_kv, k_cache_ptr, v_cache_ptr, slot, kv_head, cos,
+                    sin, w1, w2, eps, k_inv_scale, v_inv_scale, qk_scale,
                     GROUP_P2: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                     PRECISION: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
                     NEW_KV: tl.constexpr):
@@ -134,10 +153,10 @@ def new_token_steps(q, tile, holds_new, k_ptr, v_ptr, row, k_cache_ptr, v_cache_
         m_i, l_i, acc = softmax_step(q, k_t.to(q.dtype), v.to(q.dtype), visible[None, :], m_i,
                                       l_i, acc, qk_scale, PRECISION, MAY_BE_HIDDEN=True)
         if holds_new:
-            m_i, l_i, acc = new_key_step(q, m_i, l_i, acc, k_ptr, v_ptr, row, k_cache_ptr,
-                                         v_cache_ptr, slot, kv_head, cos, sin, w1, w2, eps,
-                                         k_inv_scale, v_inv_scale, qk_scale, NUM_KV_HEADS,
-                                         HEAD_DIM, PRECISION, NORM, FP8)
+            m_i, l_i, acc = new_key_step(q, m_i, l_i, acc, new_kv, k_cache_ptr, v_cache_ptr,
+                                         slot, kv_head, cos, sin, w1, w2, eps, k_inv_scale,
+                                         v_inv_scale, qk_scale, NUM_KV_HEADS, HEAD_DIM,
+                                         PRECISION, NORM, FP8)
     return m_i, l_i, acc
 
 
