@@ -109,8 +109,7 @@ def new_kv_heads(k_ptr, v_ptr, row, holds_new, HEAD_DIM: tl.constexpr, NEW_KV: t
 @triton.jit
 def new_key_step(q, m_i, l_i, acc, new_kv, k_cache_ptr, v_cache_ptr, slot, kv_head, cos, sin,
                  w1, w2, eps, k_inv_scale, v_inv_scale, qk_scale, NUM_KV_HEADS: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr,
-                 FP8: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr):
     """The new token's K/V of kv_head (new_kv: new_kv_heads' raw halves) to its cache slot, k
     normalised and rotated, and its online-softmax step."""
     k1, k2, v1, v2 = new_kv
@@ -120,14 +119,18 @@ def new_key_step(q, m_i, l_i, acc, new_kv, k_cache_ptr, v_cache_ptr, slot, kv_he
                             HEAD_DIM, FP8)
     v1, v2 = store_kv_heads(v_cache_ptr, slot, head, v1, v2, v_inv_scale, NUM_KV_HEADS,
                             HEAD_DIM, FP8)
-    # The key as the cache holds it, in a 16-key tile of which it is key 0, through
-    # softmax_step as a cache tile goes (tl.dot wants 16 keys)
-    first = (tl.arange(0, 16) == 0)[None, :]  # [1, 16]
-    k = tl.trans(_join_halves(k1, k2, 1, HEAD_DIM)).to(q.dtype)  # [D, 1]
+    # The key as the cache holds it, on CUDA cores: one key needs no MMA, whose 16-key tile
+    # staged q, k and p through shared memory behind ~10 barriers. p rounds to v's dtype as
+    # the tile's PV product does, so acc's update is the same product and sum.
+    k = _join_halves(k1, k2, 1, HEAD_DIM).to(q.dtype).to(tl.float32)  # [1, D]
     v = _join_halves(v1, v2, 1, HEAD_DIM).to(q.dtype)  # [1, D]
-    k_t = k * first.to(q.dtype)  # [D, 16]
-    v_t = tl.trans(first).to(q.dtype) * v  # [16, D]
-    return softmax_step(q, k_t, v_t, first, m_i, l_i, acc, qk_scale, PRECISION)
+    qk = tl.sum(q.to(tl.float32) * k, axis=1) * qk_scale
+    m_new = tl.maximum(m_i, qk)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new)
+    l_i = l_i * alpha + p
+    acc = acc * alpha[:, None] + p.to(v.dtype).to(tl.float32)[:, None] * v.to(tl.float32)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -155,8 +158,8 @@ def new_token_steps(q, tile, holds_new, new_kv, k_cache_ptr, v_cache_ptr, slot, 
         if holds_new:
             m_i, l_i, acc = new_key_step(q, m_i, l_i, acc, new_kv, k_cache_ptr, v_cache_ptr,
                                          slot, kv_head, cos, sin, w1, w2, eps, k_inv_scale,
-                                         v_inv_scale, qk_scale, NUM_KV_HEADS, HEAD_DIM,
-                                         PRECISION, NORM, FP8)
+                                         v_inv_scale, qk_scale, NUM_KV_HEADS, HEAD_DIM, NORM,
+                                         FP8)
     return m_i, l_i, acc
 
 
