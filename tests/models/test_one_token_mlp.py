@@ -65,12 +65,14 @@ def test_lone_token_mlp_in_one_kernel(eager: bool, tmp_path,
         assert off.count("norm_gate_up_silu_gemv") == STEPS * 4
     # The partials' other summing order can flip a float16 rounding of the residual, and that
     # moves a float16 logit by about one unit in its last place: 0.0156 for |logit| in [16, 32).
+    # A logprob is its logit less the log-sum, which the top logit dominates and which may move
+    # the other way: up to two units, 0.031.
     for run in got:  # the second run starts from the rows the first one left
         assert run["token_ids"] == want["token_ids"]
         for step, want_step in zip(run["logprobs"], want["logprobs"]):
             assert step.keys() == want_step.keys()
             for token, logprob in step.items():
-                assert abs(logprob - want_step[token]) < 2e-2, (token, logprob, want_step)
+                assert abs(logprob - want_step[token]) < 3.2e-2, (token, logprob, want_step)
 
 
 @pytest.mark.parametrize("fields", [dict(num_hidden_layers=3),
