@@ -241,7 +241,7 @@ def test_decode_triton_splits_past_the_context_store_empty_partials() -> None:
         assert (pending.part_m[row, :, n:] == float("-inf")).all()
         assert (pending.part_l[row, :, n:] == 0).all() and (pending.part_acc[row, :, n:] == 0).all()
         assert (pending.part_m[row, :, :n] > float("-inf")).all()
-    reduce_splits(*pending)
+    reduce_splits(pending.part_m, pending.part_l, pending.part_acc, pending.out)
     _close(pending.out, decode_attention_torch(q, k_cache, v_cache, ctx, tables, 0.2),
            torch.float32)
 

@@ -11,13 +11,21 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from nanovllm.kernels.attention.decode import decode_attention_triton  # noqa: E402
+from nanovllm.kernels.attention.reference import decode_attention_torch  # noqa: E402
 from nanovllm.kernels.linear.gemv_partials import (  # noqa: E402
     _partials_tiles,
     gemv_partials,
     runs_gemv,
     runs_merge_gemv,
 )
-from tests.kernels.gemv_cases import DTYPES, gemv_weight, pending_merge, token_row  # noqa: E402
+from tests.kernels.gemv_cases import (  # noqa: E402
+    DEVICE,
+    DTYPES,
+    gemv_weight,
+    pending_merge,
+    token_row,
+)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -62,7 +70,7 @@ def test_gemv_partials_merges_a_pending_decode(dtype, fmt, heads, splits, empty)
     weight, scale, _ = gemv_weight(rows, k, fmt, dtype)
     assert runs_merge_gemv(dtype, head_dim, weight, scale)
     pending = pending_merge(1, heads, splits, empty, head_dim, dtype)
-    part_m, part_l, part_acc, _ = pending
+    part_m, part_l, part_acc = pending.part_m, pending.part_l, pending.part_acc
     merged = gemv_partials(pending, weight, scale)
     expected = gemv_partials(_merged(part_m, part_l, part_acc, dtype), weight, scale)
     torch.testing.assert_close(merged, expected, atol=2e-2, rtol=2e-2)
@@ -73,6 +81,32 @@ def test_gemv_partials_merges_a_pending_decode(dtype, fmt, heads, splits, empty)
     if 0 < empty < splits:  # the heads in their order: swapped halves must fail
         swapped = _merged(part_m, part_l, part_acc, dtype).view(1, 2, -1).flip(1).flatten(1)
         assert not torch.allclose(merged, gemv_partials(swapped, weight, scale), atol=2e-2)
+
+
+@pytest.mark.parametrize("ctx,window,splits", [(1, None, 16), (37, None, 16), (200, 45, 16),
+                                               (600, None, 16), (1000, None, 40)])
+def test_gemv_partials_merges_the_splits_its_context_fills(ctx, window, splits) -> None:
+    """A lone token's decode left unmerged, with its context lengths: the GEMV counts the splits
+    holding a key from them, before its wait, and merges only those (the rest poisoned with
+    NaN change nothing) into the GEMV of the reference attention's output; past 16 live
+    splits, chunk by chunk."""
+    torch.manual_seed(ctx)
+    block_size, kv_heads, heads, head_dim = 32, 2, 4, 128
+    blocks = -(-ctx // block_size)
+    table = torch.randperm(blocks + 2, device=DEVICE)[:blocks].to(torch.int32)[None]
+    cache = [torch.randn(blocks + 2, block_size, kv_heads, head_dim, device=DEVICE)
+             for _ in range(2)]
+    q = torch.randn(1, heads, head_dim, device=DEVICE)
+    lens = torch.tensor([ctx], dtype=torch.int32, device=DEVICE)
+    pending = decode_attention_triton(q, *cache, lens, table, 0.1, num_splits=splits,
+                                      sliding_window=window, defer_merge=True)
+    live = int((pending.part_m[0, 0] > float("-inf")).sum())
+    assert pending.context_lens is lens and 1 <= live < splits
+    pending.part_acc[:, :, live:] = float("nan")
+    weight, _, _ = gemv_weight(64, heads * head_dim, "k-major", torch.float32)
+    reference = decode_attention_torch(q, *cache, lens, table, 0.1, sliding_window=window)
+    torch.testing.assert_close(gemv_partials(pending, weight),
+                               gemv_partials(reference.flatten(1), weight), atol=1e-4, rtol=1e-4)
 
 
 def test_merge_only_where_programs_take_whole_heads() -> None:

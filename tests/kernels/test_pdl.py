@@ -43,6 +43,7 @@ PRE_WAIT_HELPERS = {
     "_weight_slice", "rows_slice", "_pair_slices", "row_values", "rms_weight",  # GEMVs
     "_token_inputs",  # qk_norm_rope: positions, slots, cos/sin rows, norm weights
     "_split_bounds", "_chunk_pages", "cached_end",  # decode: context lengths, block tables
+    "live_splits",  # a merge inside o_proj: context lengths, as _split_bounds
     "new_token_inputs",  # decode's new token: as _token_inputs
     # decode's new token: the split's first cache tile, rows before the new position, which
     # only earlier steps wrote (the kernel writes the new position's row after its wait)

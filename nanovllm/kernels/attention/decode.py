@@ -294,4 +294,6 @@ def decode_attention_triton(
     )
     if num_splits > 1 and not defer_merge:
         reduce_splits(part_m, part_l, part_acc, out)
-    return PendingMerge(part_m, part_l, part_acc, out) if num_splits > 1 and defer_merge else out
+    if num_splits > 1 and defer_merge:
+        return PendingMerge(part_m, part_l, part_acc, out, context_lens, window, block_n)
+    return out

@@ -39,35 +39,62 @@ MERGE_ROWS_CHUNK = tl.constexpr(2)
 
 
 @triton.jit
-def merged_heads(part_m_ptr, part_l_ptr, part_acc_ptr, head0, num_splits, dtype: tl.constexpr,
-                 HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr,
-                 CHUNK: tl.constexpr):
-    """float32 [HEADS * D]: heads head0.. of a one-token decode, merged from their splits by
-    decode_reduce_kernel's formula (its float32 sums in chunks of CHUNK splits, so their order
-    may differ) and rounded to dtype as its output is."""
-    heads = head0 + tl.arange(0, HEADS)
+def live_splits(context_lens_ptr, num_splits, window, BLOCK_N: tl.constexpr,
+                KNOWN: tl.constexpr):
+    """With KNOWN, the splits of a one-token decode of context_lens[0] keys that hold one:
+    decode._split_bounds's arithmetic on the step's inputs, so a merge may take it before its
+    PDL wait. Without, num_splits (merged_heads then finds them from the maxima)."""
+    live = num_splits
+    if KNOWN:
+        ctx = tl.load(context_lens_ptr)
+        first = tl.where(window > 0, tl.maximum(ctx - window, 0) // BLOCK_N * BLOCK_N, 0)
+        keys = tl.maximum(ctx - first, 0)
+        split_len = tl.cdiv(keys, num_splits * BLOCK_N) * BLOCK_N
+        live = tl.cdiv(keys, tl.maximum(split_len, 1))
+    return live
+
+
+@triton.jit
+def _live_end(part_m_ptr, heads, num_splits, SPLITS_P2: tl.constexpr):
+    """One past the last split of `heads` holding a key (m > -inf), from their maxima."""
     splits = tl.arange(0, SPLITS_P2)
     m = tl.load(part_m_ptr + heads[:, None] * num_splits + splits[None, :],
                 mask=splits[None, :] < num_splits, other=float("-inf"))
-    m_max = tl.max(m, axis=1)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty
-    # Splits past the last holding a key (m = -inf: a CUDA graph's split count is its widest
-    # block table's, so most of a short context's are empty) weigh 0: their acc is not read
-    live_end = tl.max(tl.max(tl.where(m > float("-inf"), splits[None, :] + 1, 0), axis=1))
+    return tl.max(tl.max(tl.where(m > float("-inf"), splits[None, :] + 1, 0), axis=1))
+
+
+@triton.jit
+def merged_heads(part_m_ptr, part_l_ptr, part_acc_ptr, head0, num_splits, live,
+                 dtype: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 SPLITS_P2: tl.constexpr, CHUNK: tl.constexpr, KNOWN: tl.constexpr):
+    """float32 [HEADS * D]: heads head0.. of a one-token decode, merged from their splits by
+    decode_reduce_kernel's formula and rounded to dtype as its output is. With KNOWN, `live`
+    splits hold a key (live_splits); else the splits' maxima say which do (one more round
+    trip). Up to CHUNK live splits the float32 sums are the reduce's; beyond, each chunk
+    rescales the sums so far to its running max, so roundings may differ."""
+    heads = head0 + tl.arange(0, HEADS)
+    # Splits past the last holding a key (a CUDA graph's split count is its widest block
+    # table's, so most of a short context's are empty) weigh 0: their partials are not read
+    live_end = live if KNOWN else _live_end(part_m_ptr, heads, num_splits, SPLITS_P2)
+    m_run = tl.full([HEADS], float("-inf"), tl.float32)
     denom = tl.zeros([HEADS], tl.float32)
     o = tl.zeros([HEADS, HEAD_DIM], tl.float32)
     offs_c = tl.arange(0, CHUNK)
     offs_d = tl.arange(0, HEAD_DIM)
     for s0 in range(0, live_end, CHUNK):
         part = heads[:, None] * num_splits + s0 + offs_c[None, :]  # [HEADS, CHUNK]
-        live = s0 + offs_c[None, :] < live_end
-        m_c = tl.load(part_m_ptr + part, mask=live, other=float("-inf"))
-        l_c = tl.load(part_l_ptr + part, mask=live, other=0.0)
+        used = s0 + offs_c[None, :] < live_end
+        m_c = tl.load(part_m_ptr + part, mask=used, other=float("-inf"))
+        l_c = tl.load(part_l_ptr + part, mask=used, other=0.0)
         acc = tl.load(part_acc_ptr + part[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                      mask=live[:, :, None], other=0.0)
-        w = tl.exp2(m_c - m_max[:, None])  # empty splits (m = -inf) weigh 0
-        denom += tl.sum(w * l_c, axis=1)
-        o += tl.sum(w[:, :, None] * acc, axis=1)
+                      mask=used[:, :, None], other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m_c, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: weights 0
+        alpha = tl.exp2(m_run - m_ref)
+        w = tl.exp2(m_c - m_ref[:, None])  # empty splits (m = -inf) weigh 0
+        denom = denom * alpha + tl.sum(w * l_c, axis=1)
+        o = o * alpha[:, None] + tl.sum(w[:, :, None] * acc, axis=1)
+        m_run = m_new
     o = o / tl.where(denom == 0.0, 1.0, denom)[:, None]
     return tl.reshape(o.to(dtype).to(tl.float32), [HEADS * HEAD_DIM])
 

@@ -15,3 +15,9 @@ class PendingMerge(NamedTuple):
     part_l: torch.Tensor
     part_acc: torch.Tensor
     out: torch.Tensor
+    # How the decode spread a lone token's keys over the splits (decode._split_bounds), so that
+    # a merge knows which hold a key from the step's inputs, before its PDL wait; None: it
+    # finds them from the splits' maxima after the wait
+    context_lens: torch.Tensor | None = None
+    window: int = 0  # a sliding window's keys (0: none)
+    block_n: int = 0  # keys per tile

@@ -11,6 +11,7 @@ import triton.language as tl
 from nanovllm.kernels.attention.decode_reduce import (
     MAX_SPLITS,
     MERGE_CHUNK,
+    live_splits,
     merged_heads,
 )
 from nanovllm.kernels.attention.pending_merge import PendingMerge
@@ -37,27 +38,30 @@ def _weight_slice(w_ptr, rows, ks, stride_w, K_MAJOR: tl.constexpr):
     return w
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "window"])
 def _gemv_partials_kernel(w_ptr, x_ptr, s_ptr, part_ptr, N, stride_w, m_ptr, l_ptr, acc_ptr,
-                          num_splits, BLOCK_N: tl.constexpr, K_SPLIT: tl.constexpr,
-                          K_MAJOR: tl.constexpr, W_SCALE: tl.constexpr, MERGE: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr,
-                          CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+                          num_splits, ctx_ptr, window, BLOCK_N: tl.constexpr,
+                          K_SPLIT: tl.constexpr, K_MAJOR: tl.constexpr, W_SCALE: tl.constexpr,
+                          MERGE: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr,
+                          CHUNK: tl.constexpr, KEYS_N: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (N / BLOCK_N, K / K_SPLIT): part[split, 0, rows] = x[ks] . W[rows, ks], W stored
     [K, N] when K_MAJOR (16-bit RowParallelLinear weights), else [N, K]; W_SCALE: per-channel
     FP8 scales s[rows]. MERGE: x is a decode's output left as num_splits softmax partials
     (m, l, acc), which each program merges for its K_SPLIT / HEAD_DIM heads (x_ptr: the
-    output's dtype, never read): the merge needs no launch of its own."""
+    output's dtype, never read): the merge needs no launch of its own. KEYS_N > 0: the
+    decode's keys per tile, and which splits hold a key follows from context_lens (ctx_ptr)
+    and window before the wait (decode_reduce.live_splits)."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = split * K_SPLIT + tl.arange(0, K_SPLIT)
     w = _weight_slice(w_ptr, rows, ks, stride_w, K_MAJOR)
     scale = row_values(s_ptr, rows, W_SCALE)
+    live = live_splits(ctx_ptr, num_splits, window, KEYS_N, KEYS_N > 0)
     wait_then_release(USE_PDL)
     if MERGE:
-        x = merged_heads(m_ptr, l_ptr, acc_ptr, split * (K_SPLIT // HEAD_DIM), num_splits,
+        x = merged_heads(m_ptr, l_ptr, acc_ptr, split * (K_SPLIT // HEAD_DIM), num_splits, live,
                          x_ptr.dtype.element_ty, K_SPLIT // HEAD_DIM, HEAD_DIM, SPLITS_P2,
-                         CHUNK)
+                         CHUNK, KEYS_N > 0)
     else:
         x = tl.load(x_ptr + ks).to(tl.float32)
     if K_MAJOR:
@@ -117,14 +121,27 @@ def gemv_partials(x: torch.Tensor | PendingMerge, weight: torch.Tensor,
     k_major = not weight.is_contiguous()
     stored = weight.t() if k_major else weight
     block_n, k_split = _partials_tiles(n, k, weight.element_size(), k_major)
-    merge = isinstance(x, PendingMerge)
-    part_m, part_l, part_acc, x = x if merge else (x, x, x, x)
+    merge = x if isinstance(x, PendingMerge) else None
+    if merge is not None:
+        x = merge.out
     assert x.shape[0] == 1, "one token's partials (a PendingMerge too)"
     part = torch.empty(k // k_split, 1, n, dtype=torch.float32, device=x.device)
     _gemv_partials_kernel[(n // block_n, k // k_split)](
-        stored, x, weight if w_scale is None else w_scale, part, n, stored.stride(0), part_m,
-        part_l, part_acc, part_acc.shape[2] if merge else 1, BLOCK_N=block_n, K_SPLIT=k_split,
-        K_MAJOR=k_major, W_SCALE=w_scale is not None, MERGE=merge,
-        HEAD_DIM=x.shape[-1] if merge else 1, SPLITS_P2=MAX_SPLITS, CHUNK=MERGE_CHUNK,
-        num_warps=4, **launch_options())
+        stored, x, weight if w_scale is None else w_scale, part, n, stored.stride(0),
+        **_merge_args(merge, x), BLOCK_N=block_n, K_SPLIT=k_split, K_MAJOR=k_major,
+        W_SCALE=w_scale is not None, MERGE=merge is not None,
+        HEAD_DIM=x.shape[-1] if merge is not None else 1, SPLITS_P2=MAX_SPLITS,
+        CHUNK=MERGE_CHUNK, num_warps=4, **launch_options())
     return part
+
+
+def _merge_args(merge: PendingMerge | None, x: torch.Tensor) -> dict:
+    """_gemv_partials_kernel's arguments of a PendingMerge (none: x as placeholders, never
+    read)."""
+    if merge is None:
+        return dict(m_ptr=x, l_ptr=x, acc_ptr=x, num_splits=1, ctx_ptr=x, window=0, KEYS_N=0)
+    known = merge.context_lens is not None
+    return dict(m_ptr=merge.part_m, l_ptr=merge.part_l, acc_ptr=merge.part_acc,
+                num_splits=merge.part_acc.shape[2],
+                ctx_ptr=merge.context_lens if known else merge.part_m, window=merge.window,
+                KEYS_N=merge.block_n if known else 0)
