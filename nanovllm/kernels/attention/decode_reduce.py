@@ -64,26 +64,20 @@ def _live_end(part_m_ptr, heads, num_splits, SPLITS_P2: tl.constexpr):
 
 
 @triton.jit
-def merged_heads(part_m_ptr, part_l_ptr, part_acc_ptr, head0, num_splits, live,
-                 dtype: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 SPLITS_P2: tl.constexpr, CHUNK: tl.constexpr, KNOWN: tl.constexpr):
-    """float32 [HEADS * D]: heads head0.. of a one-token decode, merged from their splits by
-    decode_reduce_kernel's formula and rounded to dtype as its output is. With KNOWN, `live`
-    splits hold a key (live_splits); else the splits' maxima say which do (one more round
-    trip). Up to CHUNK live splits the float32 sums are the reduce's; beyond, each chunk
-    rescales the sums so far to its running max, so roundings may differ."""
-    heads = head0 + tl.arange(0, HEADS)
-    # Splits past the last holding a key (a CUDA graph's split count is its widest block
-    # table's, so most of a short context's are empty) weigh 0: their partials are not read
-    live_end = live if KNOWN else _live_end(part_m_ptr, heads, num_splits, SPLITS_P2)
-    m_run = tl.full([HEADS], float("-inf"), tl.float32)
-    denom = tl.zeros([HEADS], tl.float32)
-    o = tl.zeros([HEADS, HEAD_DIM], tl.float32)
+def _merge_chunks(part_m_ptr, part_l_ptr, part_acc_ptr, first, rows_live, end,
+                  ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr):
+    """float32 [ROWS, HEAD_DIM]: each row's splits 0..end (its partials from index first[row];
+    rows not rows_live read nothing, zeros) merged CHUNK at a time, each chunk one round
+    trip: the sums so far rescale to the running max (decode_reduce_kernel's formula; past
+    one chunk, float32 roundings may differ)."""
     offs_c = tl.arange(0, CHUNK)
     offs_d = tl.arange(0, HEAD_DIM)
-    for s0 in range(0, live_end, CHUNK):
-        part = heads[:, None] * num_splits + s0 + offs_c[None, :]  # [HEADS, CHUNK]
-        used = s0 + offs_c[None, :] < live_end
+    m_run = tl.full([ROWS], float("-inf"), tl.float32)
+    denom = tl.zeros([ROWS], tl.float32)
+    o = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    for s0 in range(0, end, CHUNK):
+        part = first[:, None] + s0 + offs_c[None, :]  # [ROWS, CHUNK]
+        used = rows_live[:, None] & (s0 + offs_c[None, :] < end)
         m_c = tl.load(part_m_ptr + part, mask=used, other=float("-inf"))
         l_c = tl.load(part_l_ptr + part, mask=used, other=0.0)
         acc = tl.load(part_acc_ptr + part[:, :, None] * HEAD_DIM + offs_d[None, None, :],
@@ -95,7 +89,23 @@ def merged_heads(part_m_ptr, part_l_ptr, part_acc_ptr, head0, num_splits, live,
         denom = denom * alpha + tl.sum(w * l_c, axis=1)
         o = o * alpha[:, None] + tl.sum(w[:, :, None] * acc, axis=1)
         m_run = m_new
-    o = o / tl.where(denom == 0.0, 1.0, denom)[:, None]
+    return o / tl.where(denom == 0.0, 1.0, denom)[:, None]
+
+
+@triton.jit
+def merged_heads(part_m_ptr, part_l_ptr, part_acc_ptr, head0, num_splits, live,
+                 dtype: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 SPLITS_P2: tl.constexpr, CHUNK: tl.constexpr, KNOWN: tl.constexpr):
+    """float32 [HEADS * D]: heads head0.. of a one-token decode, merged from their splits
+    (_merge_chunks) and rounded to dtype as decode_reduce_kernel's output is. With KNOWN,
+    `live` splits hold a key (live_splits); else the splits' maxima say which do (one more
+    round trip)."""
+    heads = head0 + tl.arange(0, HEADS)
+    # Splits past the last holding a key (a CUDA graph's split count is its widest block
+    # table's, so most of a short context's are empty) weigh 0: their partials are not read
+    live_end = live if KNOWN else _live_end(part_m_ptr, heads, num_splits, SPLITS_P2)
+    o = _merge_chunks(part_m_ptr, part_l_ptr, part_acc_ptr, heads * num_splits,
+                      tl.full([HEADS], True, tl.int1), live_end, HEADS, HEAD_DIM, CHUNK)
     return tl.reshape(o.to(dtype).to(tl.float32), [HEADS * HEAD_DIM])
 
 
@@ -104,32 +114,13 @@ def merged_rows(part_m_ptr, part_l_ptr, part_acc_ptr, tok0, head, num_tokens, nu
                 num_splits, dtype: tl.constexpr, BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr,
                 CHUNK: tl.constexpr):
     """[BLOCK_T, HEAD_DIM] in dtype: head `head` of tokens tok0.. (zeros from num_tokens on)
-    of a decode's output, merged from its splits CHUNK at a time and rounded to dtype as
-    decode_reduce_kernel's output is (each chunk rescales the sums so far to its running max,
-    so that a chunk's loads are one round trip: float32 roundings may differ)."""
+    of a decode's output, merged from its splits (_merge_chunks) and rounded to dtype as
+    decode_reduce_kernel's output is."""
     toks = tok0 + tl.arange(0, BLOCK_T)
     live = toks < num_tokens
     row = (toks * num_heads + head) * num_splits  # [BLOCK_T]: the first split's partial
-    offs_c = tl.arange(0, CHUNK)
-    offs_d = tl.arange(0, HEAD_DIM)
-    m_run = tl.full([BLOCK_T], float("-inf"), tl.float32)
-    denom = tl.zeros([BLOCK_T], tl.float32)
-    o = tl.zeros([BLOCK_T, HEAD_DIM], tl.float32)
-    for s0 in range(0, num_splits, CHUNK):
-        part = row[:, None] + s0 + offs_c[None, :]  # [BLOCK_T, CHUNK]
-        used = live[:, None] & (s0 + offs_c[None, :] < num_splits)
-        m_c = tl.load(part_m_ptr + part, mask=used, other=float("-inf"))
-        l_c = tl.load(part_l_ptr + part, mask=used, other=0.0)
-        acc = tl.load(part_acc_ptr + part[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                      mask=used[:, :, None], other=0.0)
-        m_new = tl.maximum(m_run, tl.max(m_c, axis=1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: weights 0
-        alpha = tl.exp2(m_run - m_ref)
-        w = tl.exp2(m_c - m_ref[:, None])  # empty splits (m = -inf) weigh 0
-        denom = denom * alpha + tl.sum(w * l_c, axis=1)
-        o = o * alpha[:, None] + tl.sum(w[:, :, None] * acc, axis=1)
-        m_run = m_new
-    o = o / tl.where(denom == 0.0, 1.0, denom)[:, None]
+    o = _merge_chunks(part_m_ptr, part_l_ptr, part_acc_ptr, row, live, num_splits, BLOCK_T,
+                      HEAD_DIM, CHUNK)
     return o.to(dtype)
 
 

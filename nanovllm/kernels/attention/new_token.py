@@ -92,16 +92,11 @@ def new_kv_heads(k_ptr, v_ptr, row, holds_new, HEAD_DIM: tl.constexpr, NEW_KV: t
     [1, D/2], read only by the split that holds it (zeros elsewhere, and without NEW_KV)."""
     # Called right after the PDL wait, beside q's loads: inside new_key_step, after the first
     # tile's softmax step and its barriers, they were a second round trip on the critical split.
-    HALF: tl.constexpr = HEAD_DIM // 2
-    lo = tl.arange(0, HALF)[None, :]
     if NEW_KV:
-        mask = (lo < HALF) & holds_new
-        k1 = tl.load(k_ptr + row + lo, mask=mask, other=0.0)
-        k2 = tl.load(k_ptr + row + HALF + lo, mask=mask, other=0.0)
-        v1 = tl.load(v_ptr + row + lo, mask=mask, other=0.0)
-        v2 = tl.load(v_ptr + row + HALF + lo, mask=mask, other=0.0)
+        k1, k2 = _load_heads(k_ptr + row, 0, 1, 1, HEAD_DIM, holds_new)
+        v1, v2 = _load_heads(v_ptr + row, 0, 1, 1, HEAD_DIM, holds_new)
     else:
-        k1 = tl.zeros([1, HALF], k_ptr.dtype.element_ty)
+        k1 = tl.zeros([1, HEAD_DIM // 2], k_ptr.dtype.element_ty)
         k2, v1, v2 = k1, k1, k1
     return k1, k2, v1, v2
 

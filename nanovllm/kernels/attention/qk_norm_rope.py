@@ -12,13 +12,14 @@ from nanovllm.kernels.pdl import launch_options, wait_then_release
 
 @triton.jit
 def _load_heads(src, stride_h, HEADS: tl.constexpr, HEADS_P2: tl.constexpr,
-                HEAD_DIM: tl.constexpr):
-    """One token's heads [HEADS, D] as two halves [HEADS_P2, D/2] (padding rows 0): neox RoPE
-    pairs element i with i + D/2, so the kernel works on the halves separately."""
+                HEAD_DIM: tl.constexpr, present=True):
+    """One token's heads [HEADS, D] as two halves [HEADS_P2, D/2] (padding rows 0, and all rows
+    0 where not `present`): neox RoPE pairs element i with i + D/2, so the kernel works on the
+    halves separately."""
     HALF: tl.constexpr = HEAD_DIM // 2
     heads = tl.arange(0, HEADS_P2)[:, None]
     lo = tl.arange(0, HALF)[None, :]
-    mask = heads < HEADS
+    mask = (heads < HEADS) & present
     return (tl.load(src + heads * stride_h + lo, mask=mask, other=0.0),
             tl.load(src + heads * stride_h + HALF + lo, mask=mask, other=0.0))
 
