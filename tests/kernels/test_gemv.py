@@ -165,6 +165,9 @@ def test_norm_in_whole_rows_only_where_its_reads_are_cheap() -> None:
     assert not runs_norm_gemv_rows(_pending(9, 1024, torch.bfloat16), weight)
     codes, scales = weight.to(FP8_DTYPE), torch.ones(4096, 1, device=DEVICE)
     assert _partials_tiles(1024, 3072, 1, False) == (16, 1024)  # FP8 down_proj: 3 partials
+    # Qwen3-0.6B's o_proj: 16 columns of 512 K rows, 32 where the program merges 4 heads
+    assert _partials_tiles(1024, 2048, 2, True) == (16, 512)
+    assert _partials_tiles(1024, 2048, 2, True, merge=True) == (32, 512)
     assert _rows_per_program(codes, _pending(3, 1024, torch.bfloat16)) == 32
     assert runs_norm_gemv_rows(_pending(3, 1024, torch.bfloat16), codes, scales)
     assert runs_norm_gemv_rows(_pending(4, 1024, torch.bfloat16), codes, scales)

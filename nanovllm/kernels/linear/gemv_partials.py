@@ -25,6 +25,9 @@ ROW_BYTES = 2048  # the widest K slice of one row a partials program takes
 MERGE_HEADS = 4
 K_MAJOR_ROWS = 16  # output columns of a k-major program: one 32-byte sector of each weight
 # row, so a program takes 512 K rows (16-bit) and the norm after sums half the partials of 32
+# A merging k-major program takes twice the columns over the same K rows: each head's splits
+# are then merged by half as many programs (o_proj's 32 KB a program: docs/design.md)
+MERGE_ROWS = 2 * K_MAJOR_ROWS
 
 
 # Loads before the PDL wait: only weights and their scales (kernels.pdl)
@@ -73,27 +76,29 @@ def _gemv_partials_kernel(w_ptr, x_ptr, s_ptr, part_ptr, N, stride_w, m_ptr, l_p
     tl.store(part_ptr + split * N + rows, y)
 
 
-def _partials_tiles(n: int, k: int, elem_bytes: int, k_major: bool) -> tuple[int, int] | None:
+def _partials_tiles(n: int, k: int, elem_bytes: int, k_major: bool, merge: bool = False
+                    ) -> tuple[int, int] | None:
     """(BLOCK_N, K_SPLIT) filling SLICE_BYTES: for [N, K] weights the widest power-of-two K
     slice up to ROW_BYTES that divides K (few partials for the norm after to sum); k-major,
-    K_MAJOR_ROWS columns (whole 32-byte sectors) of the widest K slice up to SLICE_BYTES that
-    divides K. None when they do not divide the weight."""
+    K_MAJOR_ROWS columns (whole 32-byte sectors; MERGE_ROWS for a merge) of the widest K slice
+    up to SLICE_BYTES / K_MAJOR_ROWS that divides K. None when they do not divide the weight."""
     k_split = SLICE_BYTES // (K_MAJOR_ROWS * elem_bytes) if k_major else ROW_BYTES // elem_bytes
     while k % k_split and k_split > 16:
         k_split //= 2
-    block_n = K_MAJOR_ROWS if k_major else SLICE_BYTES // (k_split * elem_bytes)
+    block_n = ((MERGE_ROWS if merge else K_MAJOR_ROWS) if k_major
+               else SLICE_BYTES // (k_split * elem_bytes))
     if k % k_split or block_n > 64 or n % block_n or k // k_split > MAX_PARTIALS:
         return None
     return block_n, k_split
 
 
-def _stored_tiles(weight: torch.Tensor) -> tuple[int, int] | None:
+def _stored_tiles(weight: torch.Tensor, merge: bool = False) -> tuple[int, int] | None:
     """_partials_tiles of a weight stored [N, K], or k-major (weight.t() contiguous)."""
     n, k = weight.shape
     k_major = not weight.is_contiguous()
     if k_major and not weight.t().is_contiguous():
         return None
-    return _partials_tiles(n, k, weight.element_size(), k_major)
+    return _partials_tiles(n, k, weight.element_size(), k_major, merge)
 
 
 def runs_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None = None,
@@ -107,7 +112,7 @@ def runs_merge_gemv(x_dtype: torch.dtype, head_dim: int, weight: torch.Tensor,
                     w_scale: torch.Tensor | None = None, w_block=None) -> bool:
     """Whether gemv_partials takes a PendingMerge of x_dtype heads of head_dim: a weight
     runs_gemv takes, each program's K slice whole heads, at most MERGE_HEADS."""
-    tiles = _stored_tiles(weight) if dtype_ok(x_dtype, weight, w_scale, w_block) else None
+    tiles = _stored_tiles(weight, True) if dtype_ok(x_dtype, weight, w_scale, w_block) else None
     return tiles is not None and tiles[1] % head_dim == 0 \
         and tiles[1] // head_dim <= MERGE_HEADS
 
@@ -120,8 +125,8 @@ def gemv_partials(x: torch.Tensor | PendingMerge, weight: torch.Tensor,
     n, k = weight.shape
     k_major = not weight.is_contiguous()
     stored = weight.t() if k_major else weight
-    block_n, k_split = _partials_tiles(n, k, weight.element_size(), k_major)
     merge = x if isinstance(x, PendingMerge) else None
+    block_n, k_split = _partials_tiles(n, k, weight.element_size(), k_major, merge is not None)
     if merge is not None:
         x = merge.out
     assert x.shape[0] == 1, "one token's partials (a PendingMerge too)"
