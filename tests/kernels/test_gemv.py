@@ -168,6 +168,9 @@ def test_norm_in_whole_rows_only_where_its_reads_are_cheap() -> None:
     # Qwen3-0.6B's o_proj: 16 columns of 512 K rows, 32 where the program merges 4 heads
     assert _partials_tiles(1024, 2048, 2, True) == (16, 512)
     assert _partials_tiles(1024, 2048, 2, True, merge=True) == (32, 512)
+    # 48 columns: unmerged programs of 16 fit, merging ones of 32 do not (the merge launches)
+    assert _partials_tiles(48, 512, 2, True) == (16, 512)
+    assert _partials_tiles(48, 512, 2, True, merge=True) is None
     assert _rows_per_program(codes, _pending(3, 1024, torch.bfloat16)) == 32
     assert runs_norm_gemv_rows(_pending(3, 1024, torch.bfloat16), codes, scales)
     assert runs_norm_gemv_rows(_pending(4, 1024, torch.bfloat16), codes, scales)
