@@ -12,6 +12,7 @@ from nanovllm.kernels.attention import prefill  # dot_precision looked up per ca
 from nanovllm.kernels.attention.decode_reduce import (
     MAX_SPLITS,
     reduce_splits,
+    split_len,
     split_partials,
     store_split,
 )
@@ -124,9 +125,9 @@ def _split_bounds(context_lens_ptr, seq, split, num_splits, window, BLOCK_N: tl.
     if SLIDING:
         lo = tl.maximum(ctx - window, 0)
     first = lo // BLOCK_N * BLOCK_N
-    split_len = (ctx - first + num_splits * BLOCK_N - 1) // (num_splits * BLOCK_N) * BLOCK_N
-    start = first + split * split_len
-    end = tl.minimum(start + split_len, ctx)
+    keys = split_len(ctx, first, num_splits, BLOCK_N)
+    start = first + split * keys
+    end = tl.minimum(start + keys, ctx)
     return lo, start, end, ctx
 
 

@@ -39,18 +39,23 @@ MERGE_ROWS_CHUNK = tl.constexpr(2)
 
 
 @triton.jit
+def split_len(ctx, first, num_splits, BLOCK_N: tl.constexpr):
+    """Keys per split of a one-token decode whose query sees keys from `first` (a tile
+    boundary) to ctx - 1, spread evenly over num_splits splits in whole BLOCK_N tiles."""
+    return tl.cdiv(ctx - first, num_splits * BLOCK_N) * BLOCK_N
+
+
+@triton.jit
 def live_splits(context_lens_ptr, num_splits, window, BLOCK_N: tl.constexpr,
                 KNOWN: tl.constexpr):
     """With KNOWN, the splits of a one-token decode of context_lens[0] keys that hold one:
-    decode._split_bounds's arithmetic on the step's inputs, so a merge may take it before its
-    PDL wait. Without, num_splits (merged_heads then finds them from the maxima)."""
+    the decode's own split_len on the step's inputs, so a merge may take it before its PDL
+    wait. Without, num_splits (merged_heads then finds them from the maxima)."""
     live = num_splits
     if KNOWN:
         ctx = tl.load(context_lens_ptr)
         first = tl.where(window > 0, tl.maximum(ctx - window, 0) // BLOCK_N * BLOCK_N, 0)
-        keys = tl.maximum(ctx - first, 0)
-        split_len = tl.cdiv(keys, num_splits * BLOCK_N) * BLOCK_N
-        live = tl.cdiv(keys, tl.maximum(split_len, 1))
+        live = tl.cdiv(ctx - first, tl.maximum(split_len(ctx, first, num_splits, BLOCK_N), 1))
     return live
 
 
