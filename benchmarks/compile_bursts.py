@@ -2,10 +2,11 @@
 rest (loading, the steps themselves, the graphs). `python -m benchmarks.cold_compiles --profile`.
 
 A compile is timed by Triton's compile listener (triton.knobs.compilation.listener: its stage
-times, reported as it ends), its launcher's build by wrapping kernels.compile_ahead's
-build_launcher (gcc on Triton 3.6, right after the compile on the same thread), a phase by
+times, reported as it ends), its load by wrapping kernels.compile_ahead's load (the launcher's
+build, gcc on Triton 3.6, and the module's load onto the GPU, right after the compile on the
+same thread), a phase by
 ModelRunner._timed. Compiles run on start-up's threads, so a burst spans from its first
-compile's start to the end of its last compile or launcher build, not their summed time.
+compile's start to the end of its last compile or load, not their summed time.
 """
 import threading
 import time
@@ -31,7 +32,7 @@ class BurstRow(NamedTuple):
     wall_s: float
     variants: int
     first_start_s: float  # from the phase's start; 0 without compiles
-    last_end_s: float  # the last compile's or launcher build's end
+    last_end_s: float  # the last compile's or load's end
 
     @property
     def span_s(self) -> float:
@@ -39,12 +40,12 @@ class BurstRow(NamedTuple):
 
 
 def burst_rows(phases: list[Phase], compiles: list[Compile],
-               launchers: list[Compile] | None = None) -> list[BurstRow]:
-    """A row per phase, with the compiles and launcher builds that ended inside it."""
+               loads: list[Compile] | None = None) -> list[BurstRow]:
+    """A row per phase, with the compiles and loads that ended inside it."""
     rows = []
     for phase in phases:
         own = [c for c in compiles if phase.start <= c.end <= phase.end]
-        work = own + [b for b in launchers or () if phase.start <= b.end <= phase.end]
+        work = own + [b for b in loads or () if phase.start <= b.end <= phase.end]
         first = min((c.start for c in work), default=phase.start) - phase.start
         last = max((c.end for c in work), default=phase.start) - phase.start
         rows.append(BurstRow(phase.name, phase.end - phase.start, len(own), first, last))
@@ -69,12 +70,12 @@ class BurstRecorder:
 
     def __init__(self) -> None:
         self.compiles: list[Compile] = []
-        self.launchers: list[Compile] = []  # build_launcher's calls
+        self.loads: list[Compile] = []  # compile_ahead.load's calls
         self.phases: list[Phase] = []
         self._lock = threading.Lock()
 
     def install(self) -> None:
-        """Listen to Triton's compiles, time the launcher builds and ModelRunner's phases
+        """Listen to Triton's compiles, time the kernels' loads and ModelRunner's phases
         (before LLM())."""
         from triton import knobs
 
@@ -83,14 +84,14 @@ class BurstRecorder:
         if not hasattr(knobs, "compilation") or not hasattr(knobs.compilation, "listener"):
             raise SystemExit("--profile needs Triton's compile listener (Triton 3.4 or newer)")
         knobs.compilation.listener = self.listen
-        build = compile_ahead.build_launcher  # looked up at each call: the wrapper is seen
+        load = compile_ahead.load  # looked up at each call: the wrapper is seen
 
-        def timed_build(kernel) -> None:
+        def timed_load(kernel) -> None:
             start = time.perf_counter()
-            build(kernel)
+            load(kernel)
             with self._lock:
-                self.launchers.append(Compile(start, time.perf_counter(), "launcher"))
-        compile_ahead.build_launcher = timed_build
+                self.loads.append(Compile(start, time.perf_counter(), "load"))
+        compile_ahead.load = timed_load
         timed = ModelRunner._timed
 
         def timed_phase(runner, phase: str, run, *args) -> None:
@@ -112,6 +113,6 @@ class BurstRecorder:
 
     def table(self, total_s: float) -> str:
         """burst_table of what was recorded, against LLM()'s total_s seconds."""
-        rows = burst_rows(self.phases, self.compiles, self.launchers)
+        rows = burst_rows(self.phases, self.compiles, self.loads)
         outside = len(self.compiles) - sum(r.variants for r in rows)
         return burst_table(rows, outside, total_s)

@@ -1,4 +1,4 @@
-"""benchmarks.compile_bursts: compiles and launcher builds grouped by the start-up phase they
+"""benchmarks.compile_bursts: compiles and kernel loads grouped by the start-up phase they
 end in, each burst from its first compile's start to the last end; the listener skips cache
 hits."""
 from types import SimpleNamespace
@@ -19,8 +19,8 @@ def test_bursts_by_phase() -> None:
               Phase("capture", 15.0, 18.0)]
     compiles = [Compile(10.5, 11.5, "a"), Compile(10.6, 11.8, "b"),  # overlapping threads
                 Compile(15.2, 16.0, "c"), Compile(19.0, 19.5, "late")]
-    launchers = [Compile(11.8, 12.0, "launcher")]  # after the last compile, on its thread
-    rows = burst_rows(phases, compiles, launchers)
+    loads = [Compile(11.8, 12.0, "load")]  # after the last compile, on its thread
+    rows = burst_rows(phases, compiles, loads)
     assert [(r.phase, r.variants) for r in rows] == [("warmup", 2), ("calibrate", 0),
                                                      ("capture", 1)]
     warmup, calibrate, capture = rows
@@ -45,19 +45,19 @@ def test_the_listener_records_compiles_not_cache_hits() -> None:
     assert "| warmup | 2.25 | 1 | +1.00 | +1.25 | 0.25 |" in recorder.table(3.0)
 
 
-def test_install_times_the_launcher_builds(monkeypatch) -> None:
-    """Installed, the recorder times each build_launcher call made where start-up makes it
+def test_install_times_the_loads(monkeypatch) -> None:
+    """Installed, the recorder times each compile_ahead.load call made where start-up makes it
     (the compiling thread, through the module's name), and listens to Triton's compiles."""
     from triton import knobs
 
     from nanovllm.kernels import compile_ahead
     from nanovllm.runner.model_runner import ModelRunner
-    for owner, name in ((compile_ahead, "build_launcher"), (ModelRunner, "_timed"),
+    for owner, name in ((compile_ahead, "load"), (ModelRunner, "_timed"),
                         (knobs.compilation, "listener")):
         monkeypatch.setattr(owner, name, getattr(owner, name))  # restored after the test
     recorder = BurstRecorder()
     recorder.install()
     assert knobs.compilation.listener == recorder.listen
-    assert compile_ahead._compile_then_build(lambda: "binary", (), {}) == "binary"
-    [build] = recorder.launchers
-    assert build.kernel == "launcher" and build.end >= build.start
+    assert compile_ahead._compile_then_load(lambda: "binary", (), {}) == "binary"
+    [build] = recorder.loads
+    assert build.kernel == "load" and build.end >= build.start

@@ -8,8 +8,9 @@ executor, but a launch still waits for its own kernel (JITFunction.run, Triton 3
 compile, run nothing) returns at once. So the compile-only pass turns every launch into a
 warmup launch, and AsyncCompileMode's exit waits for all compiles and puts each kernel in its
 JIT cache. Threads are enough: Triton releases the GIL in its MLIR and LLVM passes, and ptxas
-is a subprocess. Each pool thread builds its kernel's launcher right after compiling it, so gcc
-runs while other kernels still compile.
+is a subprocess. Each pool thread then loads its kernel on the GPU (its launcher built with gcc
+on Triton 3.6, its module loaded) while other kernels still compile, so a CUDA graph's capture
+needs no eager run to load them (runner/cuda_graphs.py).
 
 In that pass no kernel writes its outputs, so a step must not branch on them on the host:
 start-up's steps (warm-up, fused-limit calibration, graph capture) only copy sampled ids back,
@@ -78,9 +79,12 @@ def compile_in_parallel(steps: Iterable[Callable[[], object]], threads: int,
     # The RNG states are restored: the sampler seeds its kernel from torch's CPU generator, and
     # a start-up with the pass must leave it as one without does.
     devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+    # Pool threads load each kernel on this thread's device (Triton loads on the current one).
+    init = (torch.cuda.set_device, tuple(devices)) if devices else (None, ())
     with (torch.random.fork_rng(devices),
-          ThreadPoolExecutor(threads, thread_name_prefix="nanovllm-compile") as pool):
-        mode = triton.AsyncCompileMode(_CompileThenBuild(pool))
+          ThreadPoolExecutor(threads, thread_name_prefix="nanovllm-compile",
+                             initializer=init[0], initargs=init[1]) as pool):
+        mode = triton.AsyncCompileMode(_CompileThenLoad(pool))
         try:
             with mode, launches_compile_only(kernel_type or JITFunction):
                 for step in steps:
@@ -92,21 +96,32 @@ def compile_in_parallel(steps: Iterable[Callable[[], object]], threads: int,
                 _async_compile.active_mode.set(None)
 
 
-class _CompileThenBuild:
-    """The pool as AsyncCompileMode's executor: a thread that compiled a kernel then builds its
-    launcher (build_launcher), while other threads still compile."""
+class _CompileThenLoad:
+    """The pool as AsyncCompileMode's executor: a thread that compiled a kernel then loads it
+    (load), while other threads still compile."""
 
     def __init__(self, pool: ThreadPoolExecutor) -> None:
         self.pool = pool
 
     def submit(self, compile_fn: Callable[..., object], /, *args, **kwargs) -> Future:
-        return self.pool.submit(_compile_then_build, compile_fn, args, kwargs)
+        return self.pool.submit(_compile_then_load, compile_fn, args, kwargs)
 
 
-def _compile_then_build(compile_fn: Callable[..., object], args: tuple, kwargs: dict) -> object:
+def _compile_then_load(compile_fn: Callable[..., object], args: tuple, kwargs: dict) -> object:
     kernel = compile_fn(*args, **kwargs)
-    build_launcher(kernel)
+    load(kernel)
     return kernel
+
+
+def load(kernel: object) -> None:
+    """Load a compiled kernel onto the GPU (its module, and its launcher, built with gcc on
+    Triton 3.6) here, where its first launch would: a CUDA graph's capture then needs no eager
+    run first for its Triton kernels. Without Triton's private loader: the launcher only."""
+    init_handles = getattr(kernel, "_init_handles", None)
+    if init_handles is None or not hasattr(kernel, "src") or not torch.cuda.is_initialized():
+        build_launcher(kernel)
+        return
+    init_handles()
 
 
 def build_launcher(kernel: object) -> None:

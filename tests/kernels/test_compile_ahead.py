@@ -6,6 +6,7 @@ that do what JITFunction.run does with `warmup` (Triton 3.6, runtime/jit.py): a 
 under AsyncCompileMode submits its compile and returns the future; any other launch runs.
 The warm-up's own steps under a compile-only pass are tested in
 tests/runner/test_warmup_variants.py."""
+import contextlib
 import inspect
 import os
 import threading
@@ -244,3 +245,38 @@ def test_a_launcher_error_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     kernels = [Kernel("a", lambda: Compiled("a")), Kernel("b", lambda: Compiled("b"))]
     with pytest.raises(RuntimeError, match="gcc failed on b"):
         _compiled_by(kernels, Launchers(fail="b"), 2, monkeypatch)
+
+
+class Loadable(Compiled):
+    """A stand-in CompiledKernel with Triton's loader (_init_handles), recording the device
+    current on the thread that loads it."""
+
+    def __init__(self, src: str, devices: list) -> None:
+        super().__init__(src)
+        self.devices = devices
+
+    def _init_handles(self) -> None:
+        self.devices.append((self.src, torch.cuda.current_device()))
+
+
+def test_a_kernel_loads_on_the_pool_on_the_callers_device(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With CUDA up, each pool thread loads the kernel it compiled (module and launcher), on
+    the device current where compile_in_parallel was called, so a graph's capture needs no
+    eager run to load it; without, only the launcher is built (the loader is left alone)."""
+    loads, launchers = [], Launchers()
+    current = {"device": 0}  # per thread: a pool thread starts on device 0, as CUDA's do
+    state = threading.local()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device",
+                        lambda: getattr(state, "device", current["device"]))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: setattr(state, "device", d))
+    monkeypatch.setattr(torch.random, "fork_rng", lambda devices: contextlib.nullcontext())
+    state.device = 3  # the runner's device, on this thread only
+    _compiled_by([Kernel("a", lambda: Loadable("a", loads)),
+                  Kernel("b", lambda: Loadable("b", loads))], launchers, 2, monkeypatch)
+    assert sorted(loads) == [("a", 3), ("b", 3)] and launchers.built == []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    compile_ahead.load(Loadable("c", loads))
+    assert launchers.built == ["c"] and len(loads) == 2
+
