@@ -80,10 +80,10 @@ def compile_in_parallel(steps: Iterable[Callable[[], object]], threads: int,
     # a start-up with the pass must leave it as one without does.
     devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
     # Pool threads load each kernel on this thread's device (Triton loads on the current one).
-    init = (torch.cuda.set_device, tuple(devices)) if devices else (None, ())
     with (torch.random.fork_rng(devices),
           ThreadPoolExecutor(threads, thread_name_prefix="nanovllm-compile",
-                             initializer=init[0], initargs=init[1]) as pool):
+                             initializer=torch.cuda.set_device if devices else None,
+                             initargs=tuple(devices)) as pool):
         mode = triton.AsyncCompileMode(_CompileThenLoad(pool))
         try:
             with mode, launches_compile_only(kernel_type or JITFunction):

@@ -33,17 +33,24 @@ def paged_cache(
     lens: list[int], block_size: int, head_dim: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random caches (garbage everywhere) and block tables of shuffled ids, padded with -1."""
-    per_seq = [(n + block_size - 1) // block_size for n in lens]
-    num_blocks = sum(per_seq) + 3  # spare blocks never referenced
+    num_blocks, tables = block_tables(lens, block_size, spare=3)
+    shape = (num_blocks, block_size, KV_HEADS, head_dim)
+    k_cache = torch.randn(shape, dtype=dtype, device=DEVICE)
+    v_cache = torch.randn(shape, dtype=dtype, device=DEVICE)
+    return k_cache, v_cache, tables
+
+
+def block_tables(lens: list[int], block_size: int, spare: int) -> tuple[int, torch.Tensor]:
+    """(blocks in the pool, block tables [B, widest + 1]): shuffled ids over all the sequences'
+    blocks and `spare` more never referenced, padded with -1."""
+    per_seq = [-(-n // block_size) for n in lens]
+    num_blocks = sum(per_seq) + spare
     ids = torch.randperm(num_blocks).tolist()
     tables = torch.full((len(lens), max(per_seq) + 1), -1, dtype=torch.int32)
     for b, n in enumerate(per_seq):
         tables[b, :n] = torch.tensor(ids[:n], dtype=torch.int32)
         ids = ids[n:]
-    shape = (num_blocks, block_size, KV_HEADS, head_dim)
-    k_cache = torch.randn(shape, dtype=dtype, device=DEVICE)
-    v_cache = torch.randn(shape, dtype=dtype, device=DEVICE)
-    return k_cache, v_cache, tables.to(DEVICE)
+    return num_blocks, tables.to(DEVICE)
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:

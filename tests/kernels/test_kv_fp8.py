@@ -25,6 +25,7 @@ from nanovllm.kernels.attention.reference import (  # noqa: E402
 )
 from nanovllm.kernels.attention.store_kvcache import store_kvcache, store_kvcache_torch  # noqa: E402
 from nanovllm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
+from tests.kernels.attention_cases import block_tables  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KV_HEADS = 2
@@ -105,17 +106,11 @@ def _fp8_cache(lens: list[int], block_size: int, head_dim: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantized random caches (values spread over e4m3's range at K_SCALE, V_SCALE) and block
     tables of shuffled ids, padded with -1."""
-    per_seq = [-(-n // block_size) for n in lens]
-    num_blocks = sum(per_seq) + 2
-    ids = torch.randperm(num_blocks).tolist()
-    tables = torch.full((len(lens), max(per_seq) + 1), -1, dtype=torch.int32)
-    for b, n in enumerate(per_seq):
-        tables[b, :n] = torch.tensor(ids[:n], dtype=torch.int32)
-        ids = ids[n:]
+    num_blocks, tables = block_tables(lens, block_size, spare=2)
     shape = (num_blocks, block_size, KV_HEADS, head_dim)
     k = quantize_kv_torch(torch.randn(shape, device=DEVICE) * 3, K_SCALE, FP8_DTYPE)
     v = quantize_kv_torch(torch.randn(shape, device=DEVICE) * 30, V_SCALE, FP8_DTYPE)
-    return k, v, tables.to(DEVICE)
+    return k, v, tables
 
 
 def _naive_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
