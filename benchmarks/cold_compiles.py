@@ -11,9 +11,11 @@ by 16, equal to 1, constants); every one listed is a compile start-up's warm-up 
 
 --profile: also each start-up phase's burst of compiles (benchmarks.compile_bursts).
 
---ab: LLM()'s start-up phases alone, with start-up's kernels compiled ahead on threads
-(kernels.compile_ahead) and serially (NANOVLLM_PARALLEL_COMPILE=0), alternated for ROUNDS
-rounds (default 1), each in a fresh process on its own empty Triton cache.
+--ab: LLM()'s start-up phases alone, with start-up's kernels compiled ahead through forked
+workers (kernels.compile_workers) and on threads alone (NANOVLLM_PARALLEL_COMPILE=threads),
+alternated for ROUNDS rounds (default 1), each in a fresh process on its own empty Triton
+cache. A kernel a worker compiled under another key than this process is named (compiled
+twice: the variants count grows by one).
 """
 import argparse
 import os
@@ -25,6 +27,7 @@ if not os.environ.get("TRITON_CACHE_DIR"):  # before anything imports triton
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="nanovllm-triton-")
 
 import glob  # noqa: E402
+import logging  # noqa: E402
 import re  # noqa: E402
 
 from benchmarks import cli, workloads  # noqa: E402
@@ -62,9 +65,9 @@ def _timed_run(llm, prompts: list, params: list, cache: str, label: str) -> floa
 
 
 def _ab(rounds: int, argv: list[str]) -> None:
-    """The start-up line of fresh processes, compiling ahead on threads and serially."""
+    """The start-up line of fresh processes, compiling ahead through workers and on threads."""
     for r in range(1, rounds + 1):
-        for label, flag in (("parallel", "1"), ("serial", "0")):
+        for label, flag in (("workers", "1"), ("threads", "threads")):
             env = dict(os.environ, NANOVLLM_PARALLEL_COMPILE=flag,
                        TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="nanovllm-triton-"))
             proc = subprocess.run([sys.executable, "-m", "benchmarks.cold_compiles",
@@ -74,6 +77,9 @@ def _ab(rounds: int, argv: list[str]) -> None:
                 raise SystemExit(f"the {label} run failed:\n{proc.stderr[-3000:]}")
             line = next(line for line in proc.stdout.splitlines() if line.startswith("LLM()"))
             print(f"round {r} {label}: {line}", flush=True)
+            for line in proc.stderr.splitlines():
+                if line.startswith(("compiled again", "start-up:")):
+                    print(f"  {line}", flush=True)
 
 
 def main() -> None:
@@ -103,6 +109,9 @@ def main() -> None:
     size = cli.standard_size(args)
     prompts, params = workloads.standard(**size, max_id=workloads.max_token_id(path),
                                          seed=args.seed)
+    logging.basicConfig(format="%(message)s")  # start-up's phases, and kernels compiled twice
+    logging.getLogger("nanovllm.runner").setLevel(logging.INFO)
+    logging.getLogger("nanovllm.kernels").setLevel(logging.INFO)
     recorder = BurstRecorder() if own.profile else None
     if recorder is not None:  # before LLM(): it times start-up's phases and compiles
         recorder.install()

@@ -58,8 +58,8 @@ def cold_compiles(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "run it without --ab" in proc.stderr, proc.stderr
     proc = run(sys.executable, "-m", "benchmarks.cold_compiles", "--ab", "--tiny",
                tmp_path=tmp_path)
-    ok(proc, "round 1 parallel: LLM() on an empty Triton cache:",
-       "round 1 serial: LLM() on an empty Triton cache:", "compile-ahead threads 0")
+    ok(proc, "round 1 workers: LLM() on an empty Triton cache:",
+       "round 1 threads: LLM() on an empty Triton cache:", "compile-ahead threads 0")
     for flag in ("--json", "--rep"):  # bench.py flags it would ignore, abbreviated too
         proc = run(sys.executable, "-m", "benchmarks.cold_compiles", "--tiny", flag, "2",
                    tmp_path=tmp_path)

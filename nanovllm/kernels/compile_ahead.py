@@ -7,10 +7,12 @@ executor, but a launch still waits for its own kernel (JITFunction.run, Triton 3
 `kernel = kernel.result()` before `kernel.run(...)`); only a warmup launch (`warmup=True`:
 compile, run nothing) returns at once. So the compile-only pass turns every launch into a
 warmup launch, and AsyncCompileMode's exit waits for all compiles and puts each kernel in its
-JIT cache. Threads are enough: Triton releases the GIL in its MLIR and LLVM passes, and ptxas
-is a subprocess. Each pool thread then loads its kernel on the GPU (its launcher built with gcc
-on Triton 3.6, its module loaded) while other kernels still compile, so a CUDA graph's capture
-needs no eager run to load them (runner/cuda_graphs.py).
+JIT cache. Triton releases the GIL in its MLIR and LLVM passes, and ptxas is a subprocess, but
+its code generator holds it: with forked workers (kernels.compile_workers) each thread hands
+its compile to a process and then reads the kernel from the file cache. Each pool thread then
+loads its kernel on the GPU (its launcher built with gcc on Triton 3.6, its module loaded)
+while other kernels still compile, so a CUDA graph's capture needs no eager run to load them
+(runner/cuda_graphs.py).
 
 In that pass no kernel writes its outputs, so a step must not branch on them on the host:
 start-up's steps (warm-up, fused-limit calibration, graph capture) only copy sampled ids back,
@@ -29,7 +31,10 @@ from contextvars import ContextVar
 
 import torch
 
-ENV = "NANOVLLM_PARALLEL_COMPILE"  # "0": compile serially, as kernels launch (A/B runs)
+from nanovllm.kernels.compile_workers import CompileWorkers, task_of
+
+# "0": compile serially, as kernels launch; "threads": on threads without workers (A/B runs)
+ENV = "NANOVLLM_PARALLEL_COMPILE"
 MAX_THREADS = 32  # a pass has a few dozen variants at most
 
 logger = logging.getLogger(__name__)
@@ -69,10 +74,20 @@ def launches_compile_only(kernel_type: type) -> Iterator[None]:
         kernel_type.run = launch
 
 
+def start_workers(threads: int) -> CompileWorkers | None:
+    """Forked compile workers for `threads` pool threads (one each), unless ENV says threads;
+    call before CUDA or any thread starts (kernels.compile_workers)."""
+    if not threads or os.environ.get(ENV) == "threads" or not hasattr(os, "fork"):
+        return None
+    return CompileWorkers(threads)
+
+
 def compile_in_parallel(steps: Iterable[Callable[[], object]], threads: int,
-                        kernel_type: type | None = None) -> None:
+                        kernel_type: type | None = None,
+                        workers: CompileWorkers | None = None) -> None:
     """Run each step with its Triton launches (of kernel_type, default JITFunction) compiling
-    on `threads` threads and running nothing; return once all compiled (errors raise here)."""
+    on `threads` threads (each through one of `workers`, if given) and running nothing; return
+    once all compiled (errors raise here)."""
     import triton
     from triton.runtime import _async_compile
     from triton.runtime.jit import JITFunction
@@ -84,7 +99,7 @@ def compile_in_parallel(steps: Iterable[Callable[[], object]], threads: int,
           ThreadPoolExecutor(threads, thread_name_prefix="nanovllm-compile",
                              initializer=torch.cuda.set_device if devices else None,
                              initargs=tuple(devices)) as pool):
-        mode = triton.AsyncCompileMode(_CompileThenLoad(pool))
+        mode = triton.AsyncCompileMode(_CompileThenLoad(pool, workers))
         try:
             with mode, launches_compile_only(kernel_type or JITFunction):
                 for step in steps:
@@ -97,18 +112,23 @@ def compile_in_parallel(steps: Iterable[Callable[[], object]], threads: int,
 
 
 class _CompileThenLoad:
-    """The pool as AsyncCompileMode's executor: a thread that compiled a kernel then loads it
-    (load), while other threads still compile."""
+    """The pool as AsyncCompileMode's executor: a thread that compiled a kernel (in a worker
+    first, if any) then loads it (load), while other threads still compile."""
 
-    def __init__(self, pool: ThreadPoolExecutor) -> None:
-        self.pool = pool
+    def __init__(self, pool: ThreadPoolExecutor, workers: CompileWorkers | None = None) -> None:
+        self.pool, self.workers = pool, workers
 
     def submit(self, compile_fn: Callable[..., object], /, *args, **kwargs) -> Future:
-        return self.pool.submit(_compile_then_load, compile_fn, args, kwargs)
+        return self.pool.submit(_compile_then_load, compile_fn, args, kwargs, self.workers)
 
 
-def _compile_then_load(compile_fn: Callable[..., object], args: tuple, kwargs: dict) -> object:
-    kernel = compile_fn(*args, **kwargs)
+def _compile_then_load(compile_fn: Callable[..., object], args: tuple, kwargs: dict,
+                       workers: CompileWorkers | None = None) -> object:
+    task = task_of(compile_fn) if workers is not None and not (args or kwargs) else None
+    hashes = workers.compile(task) if task is not None else None
+    kernel = compile_fn(*args, **kwargs)  # a file-cache hit after the worker's compile
+    if workers is not None:
+        workers.check(kernel, hashes)
     load(kernel)
     return kernel
 

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from nanovllm.kernels.compile_ahead import compile_in_parallel
+from nanovllm.kernels.compile_workers import CompileWorkers
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import LinearBase, RowParallelLinear
 from nanovllm.layers.packed_linear import MergedColumnParallelLinear, QKVParallelLinear
@@ -159,14 +160,15 @@ def decode_step(proj: LinearBase, parent: nn.Module | None, n: int, fused: bool)
     return lambda: norm(proj.linear(x, proj.bias), residual)
 
 
-def cuda_graph_times(steps: list[Step], compile_threads: int = 0) -> list[float]:
+def cuda_graph_times(steps: list[Step], compile_threads: int = 0,
+                     workers: CompileWorkers | None = None) -> list[float]:
     """Seconds per call of each step, each from its own CUDA graph of _CALLS_PER_STEP calls
     (the median of _REPLAYS replays); with compile_threads, their kernels compile on threads
-    first (kernels.compile_ahead)."""
+    (through workers, if any) first (kernels.compile_ahead)."""
     # One graph per step: timing events recorded between the steps inside one shared graph
     # chose limits that slowed batch-1 decode by 19% on the H200 (2026-12-02).
     if compile_threads:
-        compile_in_parallel(steps, compile_threads)
+        compile_in_parallel(steps, compile_threads, workers=workers)
     # ~120 captures for Qwen3-0.6B, in one memory pool: each graph's replays end before the
     # next capture reuses its memory. The graphs live until the last is timed: a dropped
     # graph's pool waits for empty_cache, which the run skips, to be released

@@ -6,6 +6,7 @@ from torch import nn
 
 from nanovllm.config import Config
 from nanovllm.kernels.compile_ahead import compile_in_parallel
+from nanovllm.kernels.compile_workers import CompileWorkers
 from nanovllm.runner.step_inputs import DecodeInputs
 from nanovllm.utils.context import Context, forward_context
 
@@ -50,12 +51,13 @@ def _forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
 
 @torch.inference_mode()  # graph input buffers are inference tensors
 def capture_decode_graphs(model: nn.Module, config: Config, max_num_blocks: int,
-                          device: torch.device, compile_threads: int = 0
+                          device: torch.device, compile_threads: int = 0,
+                          workers: CompileWorkers | None = None
                           ) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, tuple],
                                      torch.Tensor]:
     """(graphs, input buffers with their unpacked views, output buffer) for
     graph_batch_sizes, captured largest first; with compile_threads, every size's kernels
-    compile on threads first."""
+    compile on threads (through workers, if any) first."""
     # Each graph reads its own packed input buffer (DecodeInputs); all share one output buffer
     # and memory pool. With LoRA, its kernels are captured too (rows of slot -1: their deltas
     # are zeros).
@@ -64,7 +66,7 @@ def capture_decode_graphs(model: nn.Module, config: Config, max_num_blocks: int,
     steps = {bs: _decode_inputs(bs, max_num_blocks, max_loras, device) for bs in graph_bs}
     if compile_threads:  # kernels.compile_ahead
         compile_in_parallel([partial(_forward, model, *_model_inputs(steps[bs]))
-                             for bs in graph_bs], compile_threads)
+                             for bs in graph_bs], compile_threads, workers=workers)
     outputs = torch.zeros(graph_bs[-1], config.hf_config.hidden_size, dtype=config.torch_dtype,
                           device=device)
     graphs, inputs, pool = {}, {}, None

@@ -7,7 +7,7 @@ from time import perf_counter
 import torch
 
 from nanovllm.config import Config
-from nanovllm.kernels.compile_ahead import compile_threads, start_prewarm
+from nanovllm.kernels.compile_ahead import compile_threads, start_prewarm, start_workers
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.backends import bind_backend, measures_fused_limits, select_backend
 from nanovllm.layers.fused_calibration import (
@@ -49,10 +49,12 @@ class ModelRunner:
             raise RuntimeError(f"rank {rank} of tensor_parallel_size={self.world_size} needs a "
                                f"process group of that size; found (rank, size) = "
                                f"{tp_rank_and_size()}")
+        # > 0: each start-up phase compiles its kernels on threads first (kernels.compile_ahead),
+        # through processes forked here, before this rank sets its device or starts a thread
+        self.compile_threads = compile_threads(config.device, self.world_size)
+        self.compile_workers = start_workers(self.compile_threads)
         if config.device == "cuda":
             torch.cuda.set_device(self.device)
-        # > 0: each start-up phase compiles its kernels on threads first (kernels.compile_ahead)
-        self.compile_threads = compile_threads(config.device, self.world_size)
         prewarm = start_prewarm(self.compile_threads, self.device)  # beside the weights' load
         hf_config = config.hf_config
         t0 = perf_counter()
@@ -86,7 +88,12 @@ class ModelRunner:
                                           max_loras=self.max_loras)
         if prewarm is not None:
             prewarm.join()
-        self.start_up()
+        try:
+            self.start_up()
+        finally:
+            if self.compile_workers is not None:
+                self.compile_workers.close()
+                self.compile_workers = None
 
     def start_up(self) -> None:
         """Warm up (the activations' peak), size the KV pool, measure the fused limits, compile
@@ -142,7 +149,8 @@ class ModelRunner:
         # the step sizes measured: the CUDA graphs' (1, 2, 3, 4, 6, ...), in eager mode too
         sizes = graph_batch_sizes(self.config.max_num_seqs)
         limits = calibrate(self.model, [n for n in sizes if n <= CALIBRATION_MAX_TOKENS],
-                           partial(cuda_graph_times, compile_threads=self.compile_threads))
+                           partial(cuda_graph_times, compile_threads=self.compile_threads,
+                                   workers=self.compile_workers))
         bind_backend(self.model, self.backend, limits)
         torch.cuda.empty_cache()  # the timing graphs' pools: the KV pool is sized already
         self.fused_limits = {f"{name} {list(shape)}": n for (name, shape), n in limits.items()}
@@ -275,7 +283,8 @@ class ModelRunner:
     def capture_cudagraph(self) -> None:
         """Capture the decode graphs (see cuda_graphs.capture_decode_graphs)."""
         self.graphs, self.graph_inputs, self.graph_outputs = capture_decode_graphs(
-            self.model, self.config, self.max_num_blocks, self.device, self.compile_threads)
+            self.model, self.config, self.max_num_blocks, self.device, self.compile_threads,
+            self.compile_workers)
 
     def shutdown(self) -> None:
         """Free graphs, the KV pool and the weights."""

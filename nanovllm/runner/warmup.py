@@ -33,6 +33,7 @@ import torch
 
 from nanovllm.config import Config
 from nanovllm.kernels.compile_ahead import compile_in_parallel
+from nanovllm.kernels.compile_workers import CompileWorkers
 from nanovllm.layers.attention import Attention, kv_scale_calibration
 from nanovllm.layers.sampling.sampler import Sampler
 from nanovllm.lora.manager import WARM_UP_LORA_ID
@@ -53,6 +54,7 @@ class ModelRunner(Protocol):
     attn_layers: list[Attention]
     sampler: Sampler
     compile_threads: int
+    compile_workers: CompileWorkers | None
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> object: ...
 
@@ -83,7 +85,8 @@ def warm_up_peak(runner: ModelRunner, calibrate: bool = False) -> None:
     # kernels compile on threads first; before the peak is reset, outside FP8 calibration: in
     # this pass no kernel runs (kernels.compile_ahead)
     if runner.compile_threads:
-        compile_in_parallel([partial(runner.run, seqs, True)], runner.compile_threads)
+        compile_in_parallel([partial(runner.run, seqs, True)], runner.compile_threads,
+                            workers=runner.compile_workers)
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -173,6 +176,6 @@ def warm_up_kernels(runner: ModelRunner, graph_sizes: list[int]) -> None:
     """Run warm_up_steps; with compile threads, once compiling only and then for real."""
     steps = warm_up_steps(runner, graph_sizes)
     if runner.compile_threads:
-        compile_in_parallel(steps, runner.compile_threads)
+        compile_in_parallel(steps, runner.compile_threads, workers=runner.compile_workers)
     for step in steps:
         step()
