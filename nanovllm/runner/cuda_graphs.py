@@ -1,4 +1,5 @@
 """CUDA graphs for decode: one captured forward per batch size, replayed by the ModelRunner."""
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -42,6 +43,7 @@ def _model_inputs(step: tuple[torch.Tensor, tuple]) -> tuple:
     return input_ids, positions, context
 
 
+@torch.inference_mode()
 def _forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
              context: Context) -> torch.Tensor:
     """The model's hidden states for a decode step's inputs (eager)."""
@@ -50,23 +52,37 @@ def _forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
 
 
 @torch.inference_mode()  # graph input buffers are inference tensors
+def graph_inputs(config: Config, max_num_blocks: int, device: torch.device
+                 ) -> dict[int, tuple[torch.Tensor, tuple]]:
+    """Each graph's packed input buffer with DecodeInputs.unpack's views, by batch size."""
+    max_loras = config.max_loras if config.enable_lora else 0
+    return {bs: _decode_inputs(bs, max_num_blocks, max_loras, device)
+            for bs in graph_batch_sizes(config.max_num_seqs)}
+
+
+def graph_forwards(model: nn.Module, inputs: dict[int, tuple]) -> list[Callable[[], object]]:
+    """Each graph's forward, eager, on its inputs: what a compile-only pass runs."""
+    return [partial(_forward, model, *_model_inputs(step)) for step in inputs.values()]
+
+
+@torch.inference_mode()
 def capture_decode_graphs(model: nn.Module, config: Config, max_num_blocks: int,
                           device: torch.device, compile_threads: int = 0,
-                          workers: CompileWorkers | None = None
+                          workers: CompileWorkers | None = None,
+                          compiled: dict[int, tuple] | None = None
                           ) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, tuple],
                                      torch.Tensor]:
     """(graphs, input buffers with their unpacked views, output buffer) for
     graph_batch_sizes, captured largest first; with compile_threads, every size's kernels
-    compile on threads (through workers, if any) first."""
+    compile on threads (through workers, if any) first, unless `compiled` gives graph_inputs
+    whose forwards a compile pass ran already."""
     # Each graph reads its own packed input buffer (DecodeInputs); all share one output buffer
     # and memory pool. With LoRA, its kernels are captured too (rows of slot -1: their deltas
     # are zeros).
     graph_bs = graph_batch_sizes(config.max_num_seqs)
-    max_loras = config.max_loras if config.enable_lora else 0
-    steps = {bs: _decode_inputs(bs, max_num_blocks, max_loras, device) for bs in graph_bs}
-    if compile_threads:  # kernels.compile_ahead
-        compile_in_parallel([partial(_forward, model, *_model_inputs(steps[bs]))
-                             for bs in graph_bs], compile_threads, workers=workers)
+    steps = compiled or graph_inputs(config, max_num_blocks, device)
+    if compile_threads and compiled is None:  # kernels.compile_ahead
+        compile_in_parallel(graph_forwards(model, steps), compile_threads, workers=workers)
     outputs = torch.zeros(graph_bs[-1], config.hf_config.hidden_size, dtype=config.torch_dtype,
                           device=device)
     graphs, inputs, pool = {}, {}, None

@@ -20,7 +20,12 @@ from nanovllm.layers.sampling.penalties import TokenCounts
 from nanovllm.layers.sampling.sampler import Sampler, SamplerRNG
 from nanovllm.lora.manager import LoRAManager
 from nanovllm.models.registry import build_model
-from nanovllm.runner.cuda_graphs import capture_decode_graphs, graph_batch_sizes
+from nanovllm.runner.cuda_graphs import (
+    capture_decode_graphs,
+    graph_batch_sizes,
+    graph_forwards,
+    graph_inputs,
+)
 from nanovllm.runner.kv_cache import create_kv_cache, num_kv_blocks
 from nanovllm.runner.prompt_logprobs import prompt_logprobs, wants_prompt_logprobs
 from nanovllm.runner.sample_inputs import prepare_sample
@@ -105,11 +110,15 @@ class ModelRunner:
         self.num_kvcache_blocks = self.allocate_kv_cache()
         if config.device == "cuda" and measures_fused_limits(self.backend.fast_path):
             self._timed("calibrate", self.calibrate_fused_limits)
+        compiled = None  # graph inputs whose forwards the warm-up's compile pass ran
         if needs_kernel_warmup(config.device, self.backend.runs_triton):
             graph_sizes = graph_batch_sizes(config.max_num_seqs) if self.use_cuda_graph else []
-            self._timed("kernels", warm_up_kernels, self, graph_sizes)
+            if graph_sizes and self.compile_threads:
+                compiled = graph_inputs(config, self.max_num_blocks, self.device)
+            forwards = graph_forwards(self.model, compiled) if compiled else []
+            self._timed("kernels", warm_up_kernels, self, graph_sizes, forwards)
         if self.use_cuda_graph:
-            self._timed("capture", self.capture_cudagraph)
+            self._timed("capture", self.capture_cudagraph, compiled)
         # after start-up's own steps: however many it ran, the first request draws the same
         self.sampler_rng.seed(config.seed, self.device)
         logger.info("start-up: %s (compile-ahead threads: %d)", ", ".join(
@@ -280,11 +289,11 @@ class ModelRunner:
             sampled.wait(self.peer_died)
         return sampled
 
-    def capture_cudagraph(self) -> None:
+    def capture_cudagraph(self, compiled: dict[int, tuple] | None = None) -> None:
         """Capture the decode graphs (see cuda_graphs.capture_decode_graphs)."""
         self.graphs, self.graph_inputs, self.graph_outputs = capture_decode_graphs(
             self.model, self.config, self.max_num_blocks, self.device, self.compile_threads,
-            self.compile_workers)
+            self.compile_workers, compiled)
 
     def shutdown(self) -> None:
         """Free graphs, the KV pool and the weights."""

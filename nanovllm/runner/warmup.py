@@ -172,10 +172,13 @@ def warm_up_steps(runner: ModelRunner, graph_sizes: list[int]) -> list[Callable[
     return steps
 
 
-def warm_up_kernels(runner: ModelRunner, graph_sizes: list[int]) -> None:
-    """Run warm_up_steps; with compile threads, once compiling only and then for real."""
+def warm_up_kernels(runner: ModelRunner, graph_sizes: list[int],
+                    also: list[Callable[[], object]] = ()) -> None:
+    """Run warm_up_steps; with compile threads, once compiling only (with `also`, steps run
+    later, e.g. the graphs' forwards: one burst of compiles, not two) and then for real."""
     steps = warm_up_steps(runner, graph_sizes)
     if runner.compile_threads:
-        compile_in_parallel(steps, runner.compile_threads, workers=runner.compile_workers)
+        compile_in_parallel([*steps, *also], runner.compile_threads,
+                            workers=runner.compile_workers)
     for step in steps:
         step()
