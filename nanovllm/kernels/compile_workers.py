@@ -89,11 +89,6 @@ def _compile(task: bytes) -> tuple[str, str, str]:
 
 def _serve(conn: Connection) -> None:
     """A worker's loop: compile each task received, send its hashes (None if it failed)."""
-    try:  # Triton's own key (a hash of its sources), while the caller loads the weights
-        from triton.runtime.cache import triton_key
-        triton_key()
-    except Exception:  # older Triton: the first compile computes it
-        pass
     while True:
         try:
             task = conn.recv_bytes()
@@ -110,6 +105,13 @@ def _fork_tree(conns: list[Connection]) -> None:
     """In a worker: fork one for each other pipe, halving the list at each fork (a process
     of the caller's size takes ~60 ms to fork: 16 in a chain would take ~1 s), serve the first
     pipe, then reap the forked ones."""
+    # Triton's own key (a hash of its sources), once for all the workers: 16 processes each
+    # hashing beside the caller's weight load had slowed that load by ~0.2 s
+    try:
+        from triton.runtime.cache import triton_key
+        triton_key()
+    except Exception:  # older Triton: each worker's first compile computes it
+        pass
     children = []
     while len(conns) > 1:
         mine, theirs = conns[:len(conns) // 2], conns[len(conns) // 2:]
