@@ -79,7 +79,11 @@ def start_workers(threads: int) -> CompileWorkers | None:
     call before CUDA or any thread starts (kernels.compile_workers)."""
     if not threads or os.environ.get(ENV) == "threads" or not hasattr(os, "fork"):
         return None
-    return CompileWorkers(threads)
+    try:
+        return CompileWorkers(threads)
+    except OSError as error:  # no room for a process: the threads compile alone
+        logger.warning("compile workers not started (%s): compiling on threads", error)
+        return None
 
 
 def compile_in_parallel(steps: Iterable[Callable[[], object]], threads: int,

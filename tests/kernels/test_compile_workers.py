@@ -112,3 +112,11 @@ def test_workers_start_only_with_threads(monkeypatch: pytest.MonkeyPatch) -> Non
         assert isinstance(workers, CompileWorkers) and workers.idle.qsize() == 2
     finally:
         workers.close()
+
+
+def test_a_failed_fork_leaves_the_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fork():
+        raise BlockingIOError("Resource temporarily unavailable")
+    monkeypatch.delenv(compile_ahead.ENV, raising=False)
+    monkeypatch.setattr(os, "fork", fork)
+    assert compile_ahead.start_workers(2) is None
