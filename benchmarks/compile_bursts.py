@@ -2,11 +2,13 @@
 rest (loading, the steps themselves, the graphs). `python -m benchmarks.cold_compiles --profile`.
 
 A compile is timed by Triton's compile listener (triton.knobs.compilation.listener: its stage
-times, reported as it ends), its load by wrapping kernels.compile_ahead's load (the launcher's
+times, reported as it ends) or, in a compile worker (kernels.compile_workers), by wrapping
+CompileWorkers.compile (the task's round trip; the thread's read from the file cache after it
+is a cache hit, left out); its load by wrapping kernels.compile_ahead's load (the launcher's
 build, gcc on Triton 3.6, and the module's load onto the GPU, right after the compile on the
-same thread), a phase by
-ModelRunner._timed. Compiles run on start-up's threads, so a burst spans from its first
-compile's start to the end of its last compile or load, not their summed time.
+same thread); a phase by ModelRunner._timed. Compiles run on start-up's threads, so a burst
+spans from its first compile's start to the end of its last compile or load, not their summed
+time.
 """
 import threading
 import time
@@ -75,11 +77,12 @@ class BurstRecorder:
         self._lock = threading.Lock()
 
     def install(self) -> None:
-        """Listen to Triton's compiles, time the kernels' loads and ModelRunner's phases
-        (before LLM())."""
+        """Listen to Triton's compiles, time the workers' compiles, the kernels' loads and
+        ModelRunner's phases (before LLM())."""
         from triton import knobs
 
         from nanovllm.kernels import compile_ahead
+        from nanovllm.kernels.compile_workers import CompileWorkers
         from nanovllm.runner.model_runner import ModelRunner
         if not hasattr(knobs, "compilation") or not hasattr(knobs.compilation, "listener"):
             raise SystemExit("--profile needs Triton's compile listener (Triton 3.4 or newer)")
@@ -92,6 +95,16 @@ class BurstRecorder:
             with self._lock:
                 self.loads.append(Compile(start, time.perf_counter(), "load"))
         compile_ahead.load = timed_load
+        in_worker = CompileWorkers.compile
+
+        def timed_compile(workers, task: bytes):
+            start = time.perf_counter()
+            hashes = in_worker(workers, task)
+            if hashes is not None:  # else the thread compiles it, and the listener times that
+                with self._lock:
+                    self.compiles.append(Compile(start, time.perf_counter(), "worker"))
+            return hashes
+        CompileWorkers.compile = timed_compile
         timed = ModelRunner._timed
 
         def timed_phase(runner, phase: str, run, *args) -> None:

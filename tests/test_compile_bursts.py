@@ -47,11 +47,15 @@ def test_the_listener_records_compiles_not_cache_hits() -> None:
 
 def test_install_times_the_loads(monkeypatch) -> None:
     """Installed, the recorder times each compile_ahead.load call made where start-up makes it
-    (the compiling thread, through the module's name), and listens to Triton's compiles."""
+    (the compiling thread, through the module's name), each compile a worker made (not one it
+    failed), and listens to Triton's compiles."""
     from triton import knobs
 
     from nanovllm.kernels import compile_ahead
+    from nanovllm.kernels.compile_workers import CompileWorkers
     from nanovllm.runner.model_runner import ModelRunner
+    monkeypatch.setattr(CompileWorkers, "compile",
+                        lambda self, task: None if task == b"bad" else ("h", "s", "f"))
     for owner, name in ((compile_ahead, "load"), (ModelRunner, "_timed"),
                         (knobs.compilation, "listener")):
         monkeypatch.setattr(owner, name, getattr(owner, name))  # restored after the test
@@ -61,3 +65,7 @@ def test_install_times_the_loads(monkeypatch) -> None:
     assert compile_ahead._compile_then_load(lambda: "binary", (), {}) == "binary"
     [build] = recorder.loads
     assert build.kernel == "load" and build.end >= build.start
+    workers = object.__new__(CompileWorkers)
+    assert workers.compile(b"task") == ("h", "s", "f") and workers.compile(b"bad") is None
+    [compiled] = recorder.compiles
+    assert compiled.kernel == "worker" and compiled.end >= compiled.start
