@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random checkpoints of every family, built once per test session."""
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,6 +32,27 @@ def _interpreted_bf16_dots(monkeypatch) -> None:
                 for x in (a, b))
         return dot(self, a, b, *args)
     monkeypatch.setattr(builder, "create_dot", create_dot)
+
+
+@pytest.fixture(autouse=True)
+def _interpreted_integer_masks(monkeypatch) -> None:
+    """The Triton 3.9 interpreter can hold a mask anded from a tensor and a scalar condition as
+    integers (its comparisons keep their operands' type), which its C++ load and store refuse:
+    they get the mask as bools, as 3.8's took it (compiled kernels never see this)."""
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    if not triton.knobs.runtime.interpret or builder is None:
+        return
+    for name, at in (("create_masked_load", 1), ("create_masked_store", 2)):
+        op = getattr(builder, name, None)
+        if op is None:
+            continue
+
+        def masked(self, *args, op=op, at=at, **kwargs):
+            mask = args[at]
+            if mask is not None and mask.data.dtype != np.bool_:
+                mask = interpreter.TensorHandle(mask.data.astype(np.bool_), tl.int1)
+            return op(self, *args[:at], mask, *args[at + 1:], **kwargs)
+        monkeypatch.setattr(builder, name, masked)
 
 
 # name -> shape overrides of TINY_SHAPE; together they cover tied/untied embeddings,

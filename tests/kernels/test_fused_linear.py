@@ -205,7 +205,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from nanovllm.kernels.linear import fused, fused_gate_up
 from nanovllm.kernels.linear.lora import LoRAAhead, LoRASlots
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+from triton.backends.nvidia.compiler import get_ptxas
+PTXAS = get_ptxas(90).path  # the ptxas Triton runs for sm_90 (3.9: CUDA 13's, for its PTX 9.x)
 
 
 def spill_bytes(ptx):

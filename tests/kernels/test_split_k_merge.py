@@ -68,7 +68,8 @@ import os, re, subprocess, tempfile, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from nanovllm.kernels.linear import split_k
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+from triton.backends.nvidia.compiler import get_ptxas
+PTXAS = get_ptxas(90).path  # the ptxas Triton runs for sm_90 (3.9: CUDA 13's, for its PTX 9.x)
 names = [p.name for p in split_k._split_k_kernel.params]
 consts = dict(a_desc=None, b_desc=None, lora_slots_ptr=None, BLOCK_T=16, BLOCK_K=128, STAGES=3,
               USE_PDL=True, K_MAJOR=True, W_SCALE=0, LORA_K=0, RANK=1, ELEM_BYTES=2,
