@@ -48,8 +48,8 @@ def _interpreted_integer_masks(monkeypatch) -> None:
             continue
 
         def masked(self, *args, op=op, at=at, **kwargs):
-            mask = args[at]
-            if mask is not None and mask.data.dtype != np.bool_:
+            mask = args[at]  # its data: numpy, or (3.8, some loads) a memoryview, left alone
+            if getattr(getattr(mask, "data", None), "dtype", np.bool_) != np.bool_:
                 mask = interpreter.TensorHandle(mask.data.astype(np.bool_), tl.int1)
             return op(self, *args[:at], mask, *args[at + 1:], **kwargs)
         monkeypatch.setattr(builder, name, masked)
