@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection, Pipe
 logger = logging.getLogger(__name__)
 
 # The free variables of Triton's compile closure (JITFunction._do_compile's async_compile,
-# Triton 3.6 to 3.8) a task is made of; another shape compiles on the thread.
+# Triton 3.6 to 3.9) a task is made of; another shape compiles on the thread.
 _CLOSURE = ("src", "target", "options", "env_vars")
 
 
