@@ -1,9 +1,13 @@
 """Shared fixtures: tiny random checkpoints of every family, built once per test session."""
 import os
 
-import numpy as np
-import pytest
-import torch
+# The interpreter runs tl.dot on numpy: threaded OpenBLAS on a small busy CPU is slower for
+# these tiny matmuls. Takes effect only before numpy's first import.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     # Triton kernels run interpreted on CPU. Set before anything imports triton: some

@@ -2,10 +2,6 @@
 
 import os
 
-# The interpreter runs tl.dot on numpy: threaded OpenBLAS on a small busy CPU can be ~100x
-# slower for these tiny matmuls. Takes effect only before numpy's first import (torch's).
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-
 import torch
 
 if not torch.cuda.is_available():

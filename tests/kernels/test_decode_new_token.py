@@ -2,8 +2,7 @@
 qk_norm_rope writing the K/V, then decode attention over the cache (TRITON_INTERPRET on CPU)."""
 import os
 
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # the interpreter's tiny dots (see
-import torch  # noqa: E402                           # test_attention)
+import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import

@@ -3,8 +3,6 @@ reference does (TRITON_INTERPRET on CPU), with non-unit per-layer scales."""
 
 import os
 
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # see test_attention.py
-
 import torch
 
 if not torch.cuda.is_available():
