@@ -24,7 +24,7 @@ The steps write K/V into blocks no sequence owns yet: the block manager hands th
 and a sequence never reads a slot before writing it. tests/runner/test_warmup_variants.py
 checks that a varied workload launches no variant these steps did not.
 """
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from functools import partial
 from typing import Protocol
@@ -173,7 +173,7 @@ def warm_up_steps(runner: ModelRunner, graph_sizes: list[int]) -> list[Callable[
 
 
 def warm_up_kernels(runner: ModelRunner, graph_sizes: list[int],
-                    also: list[Callable[[], object]] = ()) -> None:
+                    also: Iterable[Callable[[], object]] = ()) -> None:
     """Run warm_up_steps; with compile threads, once compiling only (with `also`, steps run
     later, e.g. the graphs' forwards: one burst of compiles, not two) and then for real."""
     steps = warm_up_steps(runner, graph_sizes)
