@@ -48,7 +48,6 @@ def test_shared_two_block_prefix_counts(tiny_model):
     llm.shutdown()
 
 
-
 def test_without_prefix_caching_every_prompt_is_prefilled_whole(tiny_model):
     """enable_prefix_caching=False (vLLM's name): the same workload hits no block, computes
     every prompt token, and gives the cached engine's tokens."""

@@ -153,7 +153,6 @@ def fits_split_k(input_size: int, output_size: int, dtype: torch.dtype,
         and input_size % K_STEP == 0
 
 
-
 def _num_splits(output_size: int, input_size: int, token_tiles: int, num_tokens: int) -> int:
     """Splits of K that give >= 128 programs (256 up to 16 tokens), at most 16, each split
     a whole number of 128-wide K tiles (the split_k_gemm probe's sweep, docs/design.md)."""

@@ -25,8 +25,6 @@ MAX_LOGPROBS = 20  # OpenAI's cap on logprobs (completions) and top_logprobs (ch
 MAX_PROMPTS = 1024  # prompts in one completions request
 
 
-
-
 def _null_is_default(data: object, fields: dict) -> object:
     """A body without its declared fields set to null: OpenAI's nullable fields (n, stream,
     echo, ...) then take their defaults, as vLLM takes them."""
