@@ -82,9 +82,10 @@ print("qk", *cubin(_qk_norm_rope_kernel, dict(
 """
 
 
-# Triton 3.9 runs CUDA 13's ptxas with --regAllocOptLevel=2 (its workaround for a ptxas bug):
-# the decode kernel's PTX, at 168 registers a thread (128 from Triton 3.8), then spills 8 bytes
-# (40 with an FP8 cache). Never run on a GPU with Triton 3.9 (the GPU machine has 3.6).
+# Triton 3.9 runs CUDA 13.4's ptxas with --regAllocOptLevel=2 (its workaround for a ptxas bug,
+# passed to every compile): the decode kernel's PTX, at 168 registers a thread (128 from Triton
+# 3.8), then spills 8 bytes (40 with an FP8 cache at 255 registers); the same PTX without that
+# flag spills nothing. Never run on a GPU with Triton 3.9 (the GPU machine has 3.6).
 @pytest.mark.xfail(tuple(map(int, triton.__version__.split(".")[:2])) >= (3, 9), strict=True,
                    reason="Triton 3.9's ptxas flags spill the decode kernel's registers")
 def test_one_token_kernels_compile_for_sm90() -> None:
