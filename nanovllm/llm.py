@@ -6,7 +6,7 @@ import torch
 
 from nanovllm.data_parallel.engine import DataParallelEngine, check_data_parallel_size
 from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.engine.request_checks import Conversation, as_conversation_list
+from nanovllm.engine.request_checks import Conversation, Prompt, as_conversation_list
 from nanovllm.lora.registry import lora_request_list
 from nanovllm.lora.request import LoRARequest
 from nanovllm.sampling_params import SamplingParams
@@ -155,7 +155,7 @@ class DataParallelLLM(LLM):
         self.engine = DataParallelEngine(model, data_parallel_size, **kwargs)
         self.tokenizer, self.replica_info = self.engine.tokenizer, self.engine.replica_info
 
-    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
+    def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool | Callable = True,
                  lora_request: LoRARequest | list[LoRARequest | None] | None = None

@@ -76,7 +76,7 @@ class SamplingParams:
     """
 
     temperature: float = 1.0
-    max_tokens: int = 64
+    max_tokens: int | None = 64  # None: up to max_model_len (vLLM's)
     ignore_eos: bool = False
     top_k: int = -1  # keep the k most likely tokens; 0 or -1 = off (vLLM)
     top_p: float = 1.0  # keep the smallest set with cumulative probability >= top_p; 1 = off
@@ -113,7 +113,9 @@ class SamplingParams:
         vocabulary = off; a tiny top_p = float32's smallest, which keeps only the top token)."""
         self.temperature = check_real("temperature", self.temperature, 0.0, FLOAT32_MAX,
                                       f"a number in [0, {FLOAT32_MAX:.4g}] (0 = greedy)")
-        self.max_tokens = check_int("max_tokens", self.max_tokens, 1, None, "an int >= 1")
+        if self.max_tokens is not None:
+            self.max_tokens = check_int("max_tokens", self.max_tokens, 1, None,
+                                        "None or an int >= 1")
         for name in ("ignore_eos", "skip_special_tokens"):
             check(name, getattr(self, name), isinstance(getattr(self, name), bool), "a bool")
         top_k = check_int("top_k", self.top_k, -1, None, "0 or -1 (off) or an int >= 1")
@@ -171,6 +173,7 @@ class SamplingParams:
         if ids is not None:
             self.allowed_token_ids = [int(i) for i in ids]
         self.min_tokens = check_int("min_tokens", self.min_tokens, 0, self.max_tokens,
+                                    "an int >= 0" if self.max_tokens is None else
                                     f"an int in [0, max_tokens={self.max_tokens}]")
         words = self.bad_words
         check("bad_words", words, words is None or (isinstance(words, list | tuple) and all(

@@ -15,7 +15,7 @@ from nanovllm.data_parallel.replicas import (
     replica_device,
 )
 from nanovllm.engine.progress import check_use_tqdm, progress_bar
-from nanovllm.engine.request_checks import validate_requests
+from nanovllm.engine.request_checks import Prompt, validate_requests
 from nanovllm.layers.backend_names import check_backend_name
 from nanovllm.lora.adapter import load_adapter
 from nanovllm.lora.registry import lora_request_list
@@ -66,7 +66,7 @@ class DataParallelEngine:
         self.limits = replace(self.replica_info[0]["limits"],
                               num_blocks=min(i["limits"].num_blocks for i in self.replica_info))
 
-    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
+    def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool | Callable = True,
                  lora_request: LoRARequest | list[LoRARequest | None] | None = None

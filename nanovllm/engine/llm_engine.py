@@ -6,7 +6,12 @@ from time import perf_counter
 from nanovllm.config import config_from_kwargs
 from nanovllm.engine.outputs import RequestTable, record_logprobs, request_output
 from nanovllm.engine.progress import check_use_tqdm, progress_bar
-from nanovllm.engine.request_checks import RequestLimits, validate_request, validate_requests
+from nanovllm.engine.request_checks import (
+    Prompt,
+    RequestLimits,
+    validate_request,
+    validate_requests,
+)
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.stats import StepCounters
 from nanovllm.engine.stop_strings import StopStringChecker
@@ -63,7 +68,7 @@ class LLMEngine:
             self._finalizer()
         self.executor = self.model_runner = self._in_flight = None
 
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams,
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams,
                     lora_request: LoRARequest | None = None) -> int:
         """Validate and queue one request; returns its request id (see step())."""
         token_ids, params = validate_request(prompt, sampling_params, self.request_limits(),
@@ -206,7 +211,7 @@ class LLMEngine:
     def _has_work(self) -> bool:
         return not self.scheduler.is_finished() or self._in_flight is not None
 
-    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
+    def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool | Callable = True,
                  lora_request: LoRARequest | list[LoRARequest | None] | None = None

@@ -7,7 +7,11 @@ from nanovllm.engine.structured_outputs import StructuredOutputs
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.field_checks import describe, is_int
 
-Prompt = str | list[int]
+# A string, int token ids, or vLLM's TextPrompt / TokensPrompt dict of either
+Prompt = str | list[int] | dict
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
+PROMPT_FORMS = "a str, a list of int token ids, or a {'prompt': str} or {'prompt_token_ids': " \
+               "list} dict"
 Conversation = list[dict[str, str]]
 
 
@@ -86,24 +90,28 @@ def bad_words_token_ids(words: list[str], encode: Callable[..., list[int]],
 
 
 def as_prompt_list(prompts: object) -> list:
-    """One prompt (a string or int token ids) or a list of prompts, as a list of prompts."""
+    """One prompt (a string, int token ids or a prompt dict) or a list of prompts, as a list
+    of prompts."""
     # Arrays and tensors are refused here: their truth value is ambiguous.
-    if isinstance(prompts, str) or (isinstance(prompts, list | tuple) and prompts
-                                    and is_int(prompts[0])):
+    if isinstance(prompts, str | dict) or (isinstance(prompts, list | tuple) and prompts
+                                           and is_int(prompts[0])):
         return [prompts]
     if not isinstance(prompts, list | tuple):
-        raise ValueError(f"prompts must be a prompt (a string or a list of token ids) or a list "
-                         f"of prompts, got {describe(prompts)}{_tolist_hint(prompts)}")
+        raise ValueError(f"prompts must be a prompt ({PROMPT_FORMS}) or a list of prompts, got "
+                         f"{describe(prompts)}{_tolist_hint(prompts)}")
     return list(prompts)
 
 
 def prompt_token_ids(prompt: Prompt, encode: Callable[..., list[int]]) -> list[int]:
-    """A string is tokenized; a list or tuple must hold ints only (numpy ints too)."""
+    """A string is tokenized; a list or tuple must hold ints only (numpy ints too); a dict
+    holds one of them under vLLM's key ("prompt" or "prompt_token_ids") and nothing else."""
+    if isinstance(prompt, dict):
+        prompt = _unwrap_prompt_dict(prompt)
     if isinstance(prompt, str):
         return list(encode(prompt))
     if not isinstance(prompt, list | tuple):
-        raise ValueError(f"prompt must be a str or a list of int token ids, "
-                         f"got {describe(prompt)}{_tolist_hint(prompt)}")
+        raise ValueError(f"prompt must be {PROMPT_FORMS}, got "
+                         f"{describe(prompt)}{_tolist_hint(prompt)}")
     if all(type(token) is int for token in prompt):  # the common case, fast
         return list(prompt)
     for pos, token in enumerate(prompt):
@@ -111,6 +119,22 @@ def prompt_token_ids(prompt: Prompt, encode: Callable[..., list[int]]) -> list[i
             raise ValueError(f"prompt token at position {pos} is {describe(token)}; "
                              f"a prompt list must hold int token ids only")
     return [int(token) for token in prompt]
+
+
+def _unwrap_prompt_dict(prompt: dict) -> object:
+    """The text or ids of a TextPrompt / TokensPrompt; other keys (multi_modal_data,
+    cache_salt, ...) are refused, not ignored."""
+    keys = sorted(map(str, prompt))
+    if len(keys) != 1 or keys[0] not in PROMPT_KEYS:
+        raise ValueError(f"a prompt dict must hold exactly one of the keys {list(PROMPT_KEYS)}, "
+                         f"got {keys}")
+    [(key, value)] = prompt.items()
+    if key == "prompt" and not isinstance(value, str):
+        raise ValueError(f"prompt dict: 'prompt' must be a str, got {describe(value)}")
+    if key == "prompt_token_ids" and not isinstance(value, list | tuple):
+        raise ValueError(f"prompt dict: 'prompt_token_ids' must be a list of int token ids, "
+                         f"got {describe(value)}{_tolist_hint(value)}")
+    return value
 
 
 def validate_request(prompt: Prompt, params: SamplingParams, limits: RequestLimits,
@@ -136,11 +160,14 @@ def validate_request(prompt: Prompt, params: SamplingParams, limits: RequestLimi
                           if not 0 <= t < limits.vocab_size)
         raise ValueError(f"token id {token} at position {pos} is outside "
                          f"[0, {limits.vocab_size}) (the model's vocab_size)")
+    asked = params.max_tokens
+    if asked is None:  # vLLM's: up to max_model_len (params is validation's own copy)
+        params.max_tokens = limits.max_model_len - n
     need = max_blocks_needed(n, params.max_tokens, limits.max_model_len, limits.block_size)
     if need > limits.num_blocks:
         # Rejected now: the scheduler could never admit it, however long it waited.
         raise ValueError(
-            f"prompt of {n} tokens with max_tokens={params.max_tokens} (capped at "
+            f"prompt of {n} tokens with max_tokens={asked} (capped at "
             f"max_model_len={limits.max_model_len}) needs {need} KV blocks of "
             f"{limits.block_size} tokens, but the KV pool has only {limits.num_blocks}; "
             f"shorten the prompt, lower max_tokens, or give the pool more memory")

@@ -80,8 +80,8 @@ def test_numpy_values_are_normalised():
     np.array(PROMPT), torch.tensor(PROMPT), np.array(PROMPT, dtype=np.int32).reshape(1, -1)])
 def test_array_prompt_is_refused_naming_the_request(llm, prompt):
     before = engine_state(llm)
-    with pytest.raises(ValueError, match=r"^request 1: prompt must be a str or a list of int "
-                                         r"token ids, got .*pass a list of ints \(e.g. .tolist"):
+    with pytest.raises(ValueError, match=r"^request 1: prompt must be a str, a list of int "
+                                         r"token ids, or a .*pass a list of ints \(e.g. .tolist"):
         llm.generate([PROMPT, prompt], use_tqdm=False)
     with pytest.raises(ValueError, match=r"^prompts must be a prompt .*\.tolist"):
         llm.generate(prompt, use_tqdm=False)
@@ -96,6 +96,59 @@ def test_every_int_prompt_form_is_one_prompt(llm):
     for form in forms:
         assert tokens(llm, form, params) == expected  # one prompt
         assert tokens(llm, [form, form], params) == expected * 2  # inside a list of prompts
+
+
+def test_prompt_dicts_are_vllms_text_and_tokens_prompts(llm):
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    plain = tokens(llm, [PROMPT, "hello world"], params)
+    dicts = [{"prompt_token_ids": PROMPT}, {"prompt": "hello world"}]
+    assert tokens(llm, dicts, params) == plain
+    assert tokens(llm, dicts[0], params) == plain[:1]  # one prompt
+    assert tokens(llm, {"prompt_token_ids": tuple(PROMPT)}, params) == plain[:1]
+    request_id = llm.add_request(dicts[1], params)
+    finished = []
+    while not llm.is_finished():
+        finished += llm.step()[0]
+    assert [(out["request_id"], out["token_ids"]) for out in finished] == [
+        (request_id, plain[1])]
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ({}, r"exactly one of the keys \['prompt', 'prompt_token_ids'\], got \[\]"),
+    ({"prompt": "a", "multi_modal_data": {}}, r"got \['multi_modal_data', 'prompt'\]"),
+    ({"prompt_token_ids": PROMPT, "cache_salt": "s"}, r"got \['cache_salt', 'prompt_token_ids"),
+    ({"prompt": PROMPT}, r"'prompt' must be a str, got \[5, 6, 7, 8\] \(list\)"),
+    ({"prompt_token_ids": "5 6"}, r"'prompt_token_ids' must be a list of int token ids"),
+    ({"prompt_token_ids": np.array(PROMPT)}, r"must be a list of int token ids.*\.tolist"),
+    ({"prompt_token_ids": [5, "6"]}, r"prompt token at position 1 is '6' \(str\)"),
+    ({"prompt_token_ids": []}, r"is empty \(no tokens\)"),
+    ({"prompt_token_ids": [512]}, r"token id 512 at position 0 is outside \[0, 512\)"),
+])
+def test_bad_prompt_dict_is_refused_naming_the_request(llm, prompt, message):
+    before = engine_state(llm)
+    with pytest.raises(ValueError, match=r"^request 1: .*" + message):
+        llm.generate([PROMPT, prompt], use_tqdm=False)
+    assert engine_state(llm) == before
+
+
+def test_max_tokens_none_runs_to_max_model_len(tiny_model):
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True, min_tokens=3)
+    assert (params.max_tokens, params.min_tokens) == (None, 3)
+    engine = LLM(tiny_model, max_model_len=40)
+    try:
+        [out] = engine.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)
+        assert (len(out["token_ids"]), out["finish_reason"]) == (40 - len(PROMPT), "length")
+        assert params.max_tokens is None  # the caller's object is not resolved in place
+    finally:
+        engine.shutdown()
+
+
+def test_max_tokens_none_beyond_the_pool_is_refused(llm):
+    before = engine_state(llm)  # 4 blocks of 256 tokens, max_model_len 4,096
+    with pytest.raises(ValueError, match=r"^request 0: prompt of 4 tokens with max_tokens=None "
+                                         r"\(capped at max_model_len=4096\) needs 16 KV blocks"):
+        llm.generate([PROMPT], SamplingParams(max_tokens=None), use_tqdm=False)
+    assert engine_state(llm) == before
 
 
 @pytest.mark.parametrize("pipelined", [True, False])

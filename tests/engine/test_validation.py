@@ -33,7 +33,8 @@ def assert_idle_and_empty(llm) -> None:
     ([1, "a"], r"prompt token at position 1 is 'a' \(str\)"),
     ([1, 2.0], r"prompt token at position 1 is 2.0 \(float\)"),
     ([True], r"prompt token at position 0 is True \(bool\)"),
-    (3.5, r"prompt must be a str or a list of int token ids, got 3.5 \(float\)"),
+    (3.5, r"prompt must be a str, a list of int token ids, or a \{'prompt': str\} or "
+          r"\{'prompt_token_ids': list\} dict, got 3.5 \(float\)"),
     (None, r"prompt must be .*, got None \(NoneType\)"),
 ])
 def test_bad_prompt_is_rejected_naming_index_and_value(llm, prompt, message):
@@ -43,7 +44,7 @@ def test_bad_prompt_is_rejected_naming_index_and_value(llm, prompt, message):
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("max_tokens", 0, r"max_tokens=0 is invalid: expected an int >= 1"),
+    ("max_tokens", 0, r"max_tokens=0 is invalid: expected None or an int >= 1"),
     ("max_tokens", -3, r"max_tokens=-3 is invalid"),
     ("max_tokens", 2.5, r"max_tokens=2.5 is invalid"),
     ("temperature", -0.5, r"temperature=-0.5 is invalid: expected a number in \[0, 3.403e\+38\]"),
