@@ -11,7 +11,7 @@ from nanovllm.lora.registry import lora_request_list
 from nanovllm.lora.request import LoRARequest
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.loader import check_weight_names
-from nanovllm.utils.tokenizer import chat_prompt_ids
+from nanovllm.utils.tokenizer import chat_prompt_ids, chat_template_options
 
 WEIGHTS_PER_COMMAND = 64  # tensors named in one worker command (the channel holds 1 MiB)
 
@@ -35,10 +35,16 @@ class LLM(LLMEngine):
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool | Callable = True,
-             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[dict]:
-        """generate() for one conversation or a list, through the tokenizer's chat template."""
-        return self.generate(chat_prompt_ids(self.tokenizer, as_conversation_list(messages)),
-                             sampling_params, use_tqdm, lora_request=lora_request)
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[dict]:
+        """generate() for one conversation or a list, through the chat template (the
+        tokenizer's, or chat_template) with vLLM's LLM.chat options."""
+        options = chat_template_options(add_generation_prompt, continue_final_message,
+                                        chat_template, tools, chat_template_kwargs)
+        prompts = chat_prompt_ids(self.tokenizer, as_conversation_list(messages), options)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() uses without SamplingParams (Config.generation_config, as vLLM)."""

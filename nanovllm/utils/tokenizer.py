@@ -5,6 +5,7 @@ import os
 import transformers
 from transformers import PreTrainedTokenizerBase
 
+from nanovllm.utils.field_checks import check
 from nanovllm.utils.generation_config import read_generation_config
 
 _ERRORS = (OSError, ValueError, ImportError, TypeError)
@@ -58,12 +59,56 @@ def tokenizer_class(model: str) -> type | None:
     return None
 
 
-def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase,
-                    conversations: list[list[dict[str, str]]]) -> list[list[int]]:
-    """Each conversation through the tokenizer's chat template, as token ids ready to generate."""
-    if tokenizer.chat_template is None:
-        raise ValueError(f"the tokenizer of {tokenizer.name_or_path!r} has no chat template")
-    # The template's text already holds any special tokens: encode it without adding more.
-    return [tokenizer.encode(
-        tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True),
-        add_special_tokens=False) for conv in conversations]
+# apply_chat_template's own arguments, which change what it returns: chat_template_kwargs
+# holds the template's variables (enable_thinking, documents, ...), never these.
+TEMPLATE_CALL_ARGS = ("conversation", "tokenize", "return_dict", "return_tensors", "padding",
+                      "truncation", "max_length", "return_assistant_tokens_mask",
+                      "tokenizer_kwargs")
+
+
+def chat_template_options(add_generation_prompt: bool = True,
+                          continue_final_message: bool = False,
+                          chat_template: str | None = None, tools: list[dict] | None = None,
+                          chat_template_kwargs: dict | None = None) -> dict:
+    """apply_chat_template's keyword arguments as vLLM's LLM.chat builds them (the options,
+    then chat_template_kwargs over them); ValueError names a bad one."""
+    for name, value in (("add_generation_prompt", add_generation_prompt),
+                        ("continue_final_message", continue_final_message)):
+        check(name, value, isinstance(value, bool), "a bool")
+    check("chat_template", chat_template, chat_template is None or isinstance(chat_template, str),
+          "None or a Jinja template string")
+    check("tools", tools, tools is None or (isinstance(tools, list) and all(
+        isinstance(tool, dict) for tool in tools)), "None or a list of dicts")
+    extra = {} if chat_template_kwargs is None else chat_template_kwargs
+    check("chat_template_kwargs", chat_template_kwargs, isinstance(extra, dict) and all(
+        isinstance(key, str) for key in extra), "None or a dict with str keys")
+    refused = next((key for key in TEMPLATE_CALL_ARGS if key in extra), None)
+    if refused is not None:
+        raise ValueError(f"chat_template_kwargs may not set {refused!r}: it is an argument of "
+                         f"the call, not a template variable")
+    options = {"add_generation_prompt": add_generation_prompt,
+               "continue_final_message": continue_final_message,
+               "chat_template": chat_template, "tools": tools, **extra}
+    if options["add_generation_prompt"] and options["continue_final_message"]:
+        raise ValueError("Cannot set both continue_final_message and add_generation_prompt to "
+                         "true (vLLM's rule): pass add_generation_prompt=False")
+    return options
+
+
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, conversations: list[list[dict]],
+                    options: dict | None = None) -> list[list[int]]:
+    """Each conversation through the chat template (options: chat_template_options), as token
+    ids ready to generate."""
+    options = chat_template_options() if options is None else options
+    if (options["chat_template"] or tokenizer.chat_template) is None:
+        raise ValueError(f"the tokenizer of {tokenizer.name_or_path!r} has no chat template: "
+                         f"pass chat_template")
+    found = []
+    for i, conversation in enumerate(conversations):
+        try:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False, **options)
+        except Exception as e:  # a template may raise anything (jinja2's errors, its own)
+            raise ValueError(f"conversation {i}: the chat template failed: {e}") from None
+        # The template's text already holds any special tokens: encode it without adding more.
+        found.append(tokenizer.encode(text, add_special_tokens=False))
+    return found

@@ -234,6 +234,57 @@ def test_chat_equals_generate_on_the_templated_prompt(llm):
     assert results(llm.chat(convs[1], greedy(8), use_tqdm=False)) == results(expected[1:])
 
 
+# A template with a variable (Qwen3's enable_thinking) and tools, as a chat_template argument
+THINKING_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t['name'] }};{% endfor %}</tools>{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% if not (loop.last and continue_final_message) %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    "{% endif %}")
+
+
+@pytest.mark.parametrize("options", [
+    dict(chat_template_kwargs={"enable_thinking": False}),
+    dict(add_generation_prompt=False),
+    dict(add_generation_prompt=False, continue_final_message=True),
+    dict(tools=[{"name": "search"}, {"name": "fetch"}]),
+    dict(chat_template_kwargs={"add_generation_prompt": False}),  # over the option, as vLLM
+])
+def test_chat_template_options_equal_generate_on_the_rendered_prompt(llm, options):
+    conv = [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "the"}]
+    kwargs = {"add_generation_prompt": True, **options.get("chat_template_kwargs", {}),
+              **{k: v for k, v in options.items() if k != "chat_template_kwargs"}}
+    rendered = llm.tokenizer.apply_chat_template(conv, tokenize=False,
+                                                 chat_template=THINKING_TEMPLATE, **kwargs)
+    default = llm.tokenizer.apply_chat_template(conv, tokenize=False,
+                                                chat_template=THINKING_TEMPLATE,
+                                                add_generation_prompt=True)
+    assert rendered != default  # each option changes the prompt
+    expected = llm.generate(rendered, greedy(6), use_tqdm=False)
+    got = llm.chat(conv, greedy(6), use_tqdm=False, chat_template=THINKING_TEMPLATE, **options)
+    assert results(got) == results(expected)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(continue_final_message=True), r"^Cannot set both continue_final_message and "
+                                        r"add_generation_prompt"),
+    (dict(chat_template_kwargs={"continue_final_message": True}), r"^Cannot set both"),
+    (dict(chat_template_kwargs={"tokenize": True}), r"may not set 'tokenize'"),
+    (dict(chat_template_kwargs={"return_dict": True}), r"may not set 'return_dict'"),
+    (dict(chat_template_kwargs=["enable_thinking"]), r"^chat_template_kwargs=\['enable_thin"),
+    (dict(add_generation_prompt="yes"), r"^add_generation_prompt='yes' is invalid"),
+    (dict(tools={"name": "search"}), r"^tools=\{'name': 'search'\} is invalid"),
+    (dict(chat_template=b"{{ x }}"), r"^chat_template=b'\{\{ x \}\}' is invalid"),
+    (dict(chat_template="{% for %}"), r"^conversation 0: the chat template failed"),
+])
+def test_bad_chat_template_option_is_refused_before_any_work(llm, options, message):
+    before = llm.stats()["prefill_tokens"]
+    with pytest.raises(ValueError, match=message):
+        llm.chat([{"role": "user", "content": "hi"}], greedy(2), use_tqdm=False, **options)
+    assert llm.is_finished() and llm.stats()["prefill_tokens"] == before
+
+
 @pytest.mark.gpu
 def test_cuda_graphs_match_eager_for_seeded_mixed_batch(tiny_model):
     """Graphs replay only the model forward; the sampler runs after it in both modes.

@@ -198,7 +198,7 @@ def test_template_options_reach_the_template(app, tool_template):  # noqa: F811
     # over the request's own options (vLLM's order)
     assert _prompt_tokens(client, chat(chat_template_kwargs={"add_generation_prompt": False})) \
         < plain
-    for key in ("tokenize", "chat_template", "conversation"):  # the call's, or a template
+    for key in ("tokenize", "chat_template", "conversation", "return_dict"):  # the call's
         clash = client.post("/v1/chat/completions",
                             json=chat(chat_template_kwargs={key: "x"}))
         assert clash.status_code == 400, key

@@ -3,10 +3,11 @@ add_generation_prompt, continue_final_message, tools, documents, chat_template_k
 import json
 
 from nanovllm.serve.openai.validation import FieldError
+from nanovllm.utils.tokenizer import TEMPLATE_CALL_ARGS
 
 # Keys chat_template_kwargs may not set: a request's own template (vLLM refuses it unless the
 # server trusts requests' templates; this one never does) and the call's own arguments.
-REFUSED_TEMPLATE_KEYS = ("chat_template", "tokenize", "conversation")
+REFUSED_TEMPLATE_KEYS = ("chat_template", *TEMPLATE_CALL_ARGS)
 
 
 def template_messages(body) -> list[dict]:
