@@ -91,6 +91,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's: l -= presence if generated at least once
     frequency_penalty: float = 0.0  # OpenAI's: l -= frequency * times generated
     skip_special_tokens: bool = True  # "text" leaves out special tokens (EOS...), as vLLM
+    include_stop_str_in_output: bool = False  # "text" ends with the stop string that matched
     # the output follows a JSON schema, regex, choice or grammar (see StructuredOutputsParams)
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, within +-100
@@ -116,7 +117,7 @@ class SamplingParams:
         if self.max_tokens is not None:
             self.max_tokens = check_int("max_tokens", self.max_tokens, 1, None,
                                         "None or an int >= 1")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             check(name, getattr(self, name), isinstance(getattr(self, name), bool), "a bool")
         top_k = check_int("top_k", self.top_k, -1, None, "0 or -1 (off) or an int >= 1")
         self.top_k = -1 if top_k > INT32_MAX or top_k == 0 else top_k  # 0: off, as vLLM

@@ -11,9 +11,9 @@ class StopStringChecker:
         self.states: dict[int, IncrementalDetokenizer] = {}
 
     def check(self, seq: Sequence) -> str | None:
-        """The completion text before a stop string that now appears, else None. A token that
-        stopped the sequence (EOS, stop_token_ids, a grammar's end) is left out, as from its
-        text (vLLM)."""
+        """The completion text before the first stop string that now appears (through it with
+        include_stop_str_in_output), else None. A token that stopped the sequence (EOS,
+        stop_token_ids, a grammar's end) is left out, as from its text (vLLM)."""
         state = self.states.get(seq.seq_id)
         if state is None:
             state = self.states[seq.seq_id] = IncrementalDetokenizer(
@@ -32,8 +32,11 @@ class StopStringChecker:
             # only matches that end in the new text are new; earlier text was checked before
             i = state.decoded.find(stop, max(0, old_len - len(stop) + 1))
             if i != -1:
-                found.append(i)
-        return state.decoded[:min(found)] if found else None
+                found.append((i, i + len(stop)))
+        if not found:
+            return None
+        start, end = min(found)
+        return state.decoded[:end if seq.sampling_params.include_stop_str_in_output else start]
 
     def forget(self, seq: Sequence) -> None:
         self.states.pop(seq.seq_id, None)

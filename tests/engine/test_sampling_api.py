@@ -138,6 +138,9 @@ def test_stop_string_spanning_tokens_is_cut_from_text(llm, prompts):
     assert outs[1]["finish_reason"] == "stop"
     assert results([outs[0], outs[2]]) == results([full[0], full[2]])
     assert llm.stop_checker.states == {}  # nothing kept for finished sequences
+    kept = llm.generate(prompts[1], greedy(24, stop=["never here", stop],
+                                           include_stop_str_in_output=True), use_tqdm=False)[0]
+    assert (kept["token_ids"], kept["text"]) == (outs[1]["token_ids"], outs[1]["text"] + stop)
 
 
 def test_stop_token_ids_finish_with_the_token_kept(llm, prompts, greedy_ids):

@@ -99,8 +99,9 @@ def test_work_per_update_does_not_grow_with_the_text(tiny_model):
 
 def test_stop_strings_are_found_where_the_whole_decode_has_them(tokenizer):
     """The engine's checker, fed one token at a time after a prompt, reports the text before
-    the first stop string of the whole completion's decode, at the first token that shows it;
-    never before, and never one the decode does not hold."""
+    the first stop string of the whole completion's decode (through it, with
+    include_stop_str_in_output), at the first token that shows it; never before, and never one
+    the decode does not hold."""
     rng = random.Random(0)
     for case in range(60):
         token_ids = [rng.randrange(len(tokenizer) + 20) for _ in range(rng.randint(1, 120))]
@@ -112,19 +113,22 @@ def test_stop_strings_are_found_where_the_whole_decode_has_them(tokenizer):
         prompt = [rng.randrange(len(tokenizer)) for _ in range(5)]
         seq = SimpleNamespace(seq_id=case, num_prompt_tokens=len(prompt), token_ids=prompt,
                               is_finished=False, finish_reason=None,
-                              sampling_params=SimpleNamespace(stop_strings=stops, min_tokens=0,
-                                                              skip_special_tokens=True))
+                              sampling_params=SimpleNamespace(
+                                  stop_strings=stops, min_tokens=0, skip_special_tokens=True,
+                                  include_stop_str_in_output=case % 3 == 0))
         checker, found = StopStringChecker(tokenizer), None
         for i in range(1, len(token_ids) + 1):
             seq.token_ids = prompt + token_ids[:i]
             found = checker.check(seq)
             if found is not None:
                 break
-        hits = [whole.find(stop) for stop in stops if stop in whole]
+        hits = [(whole.find(stop), whole.find(stop) + len(stop)) for stop in stops
+                if stop in whole]
         if not hits:
             assert found is None
             continue
-        expected = whole[:min(hits)]
+        start, end = min(hits)
+        expected = whole[:end if case % 3 == 0 else start]
         assert found == expected, (token_ids, stops)
         # the first token whose text completes the match
         settled = tokenizer.decode(token_ids[:i - 1], skip_special_tokens=True).rstrip("\ufffd")

@@ -37,6 +37,8 @@ WORKS = {
     "stream_options.include_usage": "test_server::test_completions_equal_offline_streamed_and_not",
     "stream_options.continuous_usage_stats": "test_request_fields::test_continuous_usage_stats",
     "stop": "test_server::test_stop_string_is_cut_from_the_stream",
+    "include_stop_str_in_output":
+        "test_server::test_include_stop_str_in_output_keeps_the_stop_string",
     "presence_penalty": "test_server::test_penalties_reach_the_sampler",
     "frequency_penalty": "test_server::test_penalties_reach_the_sampler",
     "repetition_penalty": "test_server::test_penalties_reach_the_sampler",
@@ -81,7 +83,7 @@ WORKS = {
 }
 # field -> a value it refuses with a 400 naming it
 REFUSED_VALUES = {"suffix": "!", "best_of": 2, "use_beam_search": True, "length_penalty": 0.5,
-                  "include_stop_str_in_output": True, "spaces_between_special_tokens": False,
+                  "spaces_between_special_tokens": False,
                   "return_tokens_as_token_ids": True, "return_token_ids": True, "priority": 1,
                   "cache_salt": "salt", "guided_json": {"type": "object"},
                   "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": 'root ::= "a"',

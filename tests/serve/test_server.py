@@ -82,6 +82,15 @@ def test_stop_string_is_cut_from_the_stream(client, offline):
     assert "".join(pieces) == expected["text"]
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string(client, offline):
+    _, _, stop, expected, _ = offline
+    body = completion(PROMPTS[0], stop=[stop], include_stop_str_in_output=True)
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == (expected["text"] + stop, "stop")
+    pieces, _ = stream(client, "/v1/completions", body)
+    assert "".join(pieces) == expected["text"] + stop
+
+
 def test_penalties_reach_the_sampler(client, offline):
     """OpenAI's presence/frequency penalties and vLLM's repetition_penalty, as offline."""
     expected = offline[4]

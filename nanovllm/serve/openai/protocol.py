@@ -64,6 +64,7 @@ class _SamplingRequest(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None  # OpenAI's: token ids as strings
     allowed_token_ids: list[int] | None = None
     min_tokens: int = 0
@@ -73,7 +74,6 @@ class _SamplingRequest(BaseModel):
     # vLLM's, refused unless neutral (validation.REFUSED)
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False
     spaces_between_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False
     return_token_ids: bool = False
@@ -109,6 +109,7 @@ class _SamplingRequest(BaseModel):
                       top_k=self.top_k, min_p=self.min_p, stop=self.stop, seed=self.seed,
                       stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                       skip_special_tokens=self.skip_special_tokens,
+                      include_stop_str_in_output=self.include_stop_str_in_output,
                       presence_penalty=self.presence_penalty,
                       frequency_penalty=self.frequency_penalty,
                       repetition_penalty=self.repetition_penalty, n=self.n,

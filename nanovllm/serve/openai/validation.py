@@ -5,9 +5,9 @@ from pydantic import BaseModel
 # Fields that would change the output but are not supported, with the values that change
 # nothing: any other value is a 400 naming the field.
 REFUSED = {"suffix": (None, ""), "best_of": (None, 1), "use_beam_search": (False,),
-           "length_penalty": (1.0,), "include_stop_str_in_output": (False,),
-           "spaces_between_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
-           "return_token_ids": (False,), "priority": (0,), "cache_salt": (None,),
+           "length_penalty": (1.0,), "spaces_between_special_tokens": (True,),
+           "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
+           "priority": (0,), "cache_salt": (None,),
            "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
            "guided_grammar": (None,), "chat_template": (None,)}
 # what to send instead, where the server has it
