@@ -92,6 +92,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's: l -= frequency * times generated
     skip_special_tokens: bool = True  # "text" leaves out special tokens (EOS...), as vLLM
     include_stop_str_in_output: bool = False  # "text" ends with the stop string that matched
+    detokenize: bool = True  # False: "text" is "" (token_ids only, no decode), as vLLM
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k (-1: max_model_len)
     # the output follows a JSON schema, regex, choice or grammar (see StructuredOutputsParams)
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, within +-100
@@ -117,7 +119,8 @@ class SamplingParams:
         if self.max_tokens is not None:
             self.max_tokens = check_int("max_tokens", self.max_tokens, 1, None,
                                         "None or an int >= 1")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+                     "detokenize"):
             check(name, getattr(self, name), isinstance(getattr(self, name), bool), "a bool")
         top_k = check_int("top_k", self.top_k, -1, None, "0 or -1 (off) or an int >= 1")
         self.top_k = -1 if top_k > INT32_MAX or top_k == 0 else top_k  # 0: off, as vLLM
@@ -129,6 +132,12 @@ class SamplingParams:
             self.seed = check_int("seed", self.seed, 0, MAX_SEED,
                                   f"None or an int in [0, {MAX_SEED}]")
         self.n = check_int("n", self.n, 1, None, "an int >= 1")
+        if self.truncate_prompt_tokens is not None:  # its upper bound: request validation
+            self.truncate_prompt_tokens = check_int(
+                "truncate_prompt_tokens", self.truncate_prompt_tokens, -1, None,
+                "None, -1 (max_model_len) or an int >= 1")
+            check("truncate_prompt_tokens", self.truncate_prompt_tokens,
+                  self.truncate_prompt_tokens != 0, "None, -1 (max_model_len) or an int >= 1")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 setattr(self, name, check_int(name, getattr(self, name), 0, None,
@@ -143,6 +152,8 @@ class SamplingParams:
         check("stop", self.stop, stop is None or (isinstance(stop, list | tuple) and all(
             isinstance(s, str) and s for s in stop)),
             "None, a non-empty string or a list of non-empty strings")
+        check("stop", self.stop, not stop or self.detokenize,
+              "None with detokenize=False (stop strings are found in the decoded text)")
         ids = self.stop_token_ids
         check("stop_token_ids", ids, ids is None or (isinstance(ids, list | tuple) and all(
             is_int(i) and 0 <= i <= INT64_MAX for i in ids)),

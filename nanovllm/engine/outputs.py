@@ -100,6 +100,8 @@ def completion_text(seq: Sequence, decode) -> str:
     stop_token_ids) that ended it, as vLLM; token_ids keep that token."""
     if seq.text is not None:
         return seq.text
+    if not seq.sampling_params.detokenize:
+        return ""
     token_ids = seq.completion_token_ids
     if seq.finish_reason == "stop":  # stopped by a token: a stop string sets seq.text
         token_ids = token_ids[:-1]

@@ -137,6 +137,18 @@ def _unwrap_prompt_dict(prompt: dict) -> object:
     return value
 
 
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens, -1 for max_model_len;
+    ValueError beyond max_model_len."""
+    if keep is None:
+        return ids
+    if not (keep == -1 or 1 <= keep <= max_model_len):
+        raise ValueError(f"truncate_prompt_tokens={keep} is invalid: expected -1 (max_model_len) "
+                         f"or an int in [1, max_model_len={max_model_len}]")
+    keep = max_model_len if keep == -1 else keep
+    return ids[-keep:]
+
+
 def validate_request(prompt: Prompt, params: SamplingParams, limits: RequestLimits,
                      encode: Callable[..., list[int]],
                      grammars: StructuredOutputs | None = None
@@ -148,7 +160,8 @@ def validate_request(prompt: Prompt, params: SamplingParams, limits: RequestLimi
     if params.structured_outputs is not None and grammars is not None:
         grammars.compile(params.structured_outputs)  # cached for the matchers made at queueing
     params = resolve_steering(params, limits, encode)
-    token_ids = prompt_token_ids(prompt, encode)
+    token_ids = truncate_prompt(prompt_token_ids(prompt, encode), params.truncate_prompt_tokens,
+                                limits.max_model_len)
     n = len(token_ids)
     if n == 0:
         raise ValueError(f"prompt {describe(prompt)} is empty (no tokens)")

@@ -131,6 +131,27 @@ def test_bad_prompt_dict_is_refused_naming_the_request(llm, prompt, message):
     assert engine_state(llm) == before
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
+    params = dict(temperature=0, max_tokens=4, ignore_eos=True)
+    long = [1] * 4997 + PROMPT[-3:]  # beyond max_model_len (4,096): its last 3 tokens kept
+    expected = tokens(llm, [PROMPT[-3:], PROMPT], SamplingParams(**params))
+    assert expected[0] != expected[1]
+    assert tokens(llm, [long, PROMPT], SamplingParams(truncate_prompt_tokens=3,
+                                                      **params)) == [expected[0], expected[0]]
+    assert tokens(llm, [PROMPT], SamplingParams(truncate_prompt_tokens=-1,
+                                                **params)) == expected[1:]
+    for bad in (0, -2, 2.5):
+        with pytest.raises(ValueError, match=rf"^truncate_prompt_tokens={bad} is invalid"):
+            SamplingParams(truncate_prompt_tokens=bad)
+    before = engine_state(llm)
+    with pytest.raises(ValueError, match=r"^request 1: truncate_prompt_tokens=4097 is invalid: "
+                                         r"expected -1 \(max_model_len\) or an int in \[1, "
+                                         r"max_model_len=4096\]"):
+        llm.generate([PROMPT, PROMPT], [SamplingParams(), SamplingParams(
+            truncate_prompt_tokens=4097)], use_tqdm=False)
+    assert engine_state(llm) == before
+
+
 def test_max_tokens_none_runs_to_max_model_len(tiny_model):
     params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True, min_tokens=3)
     assert (params.max_tokens, params.min_tokens) == (None, 3)

@@ -143,6 +143,21 @@ def test_stop_string_spanning_tokens_is_cut_from_text(llm, prompts):
     assert (kept["token_ids"], kept["text"]) == (outs[1]["token_ids"], outs[1]["text"] + stop)
 
 
+def test_detokenize_false_gives_the_same_tokens_without_text(llm, prompts):
+    full = llm.generate(prompts, greedy(12, logprobs=2), use_tqdm=False)
+    bare = llm.generate(prompts, greedy(12, logprobs=2, detokenize=False), use_tqdm=False)
+    assert all(out["text"] for out in full)
+    assert [(out["text"], out["outputs"][0]["text"]) for out in bare] == [("", "")] * 3
+
+    def textless(outs):
+        return [{**out, "text": "", "outputs": [{**c, "text": ""} for c in out["outputs"]]}
+                for out in results(outs)]
+    assert textless(full) == textless(bare)
+    with pytest.raises(ValueError, match=r"^stop='a' is invalid: expected None with "
+                                         r"detokenize=False"):
+        SamplingParams(stop="a", detokenize=False)
+
+
 def test_stop_token_ids_finish_with_the_token_kept(llm, prompts, greedy_ids):
     tokens = greedy_ids[0]
     i = next(i for i in range(3, N) if tokens[i] not in tokens[:i])

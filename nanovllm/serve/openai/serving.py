@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from nanovllm.engine.outputs import completion_params
-from nanovllm.engine.request_checks import prompt_token_ids, validate_request
+from nanovllm.engine.request_checks import prompt_token_ids, truncate_prompt, validate_request
 from nanovllm.lora.request import LoRARequest
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.serve.async_llm import AsyncLLM, RequestOutput
@@ -35,7 +35,6 @@ from nanovllm.serve.openai.tool_calls import output_parser
 from nanovllm.serve.openai.validation import (
     check_context,
     check_fields,
-    truncate_prompt,
     unknown_fields,
 )
 

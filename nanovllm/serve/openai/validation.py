@@ -2,6 +2,8 @@
 (or refuse) streaming, the context length; and the fields nothing reads, for the log."""
 from pydantic import BaseModel
 
+from nanovllm.engine.request_checks import truncate_prompt
+
 # Fields that would change the output but are not supported, with the values that change
 # nothing: any other value is a 400 naming the field.
 REFUSED = {"suffix": (None, ""), "best_of": (None, 1), "use_beam_search": (False,),
@@ -86,17 +88,8 @@ def check_fields(body: BaseModel, max_model_len: int) -> None:
     """What can be refused before any work on the prompt: the unsupported fields' values and
     truncate_prompt_tokens' range."""
     refuse_unsupported(body)
-    keep = body.truncate_prompt_tokens
-    if keep is not None and not (keep == -1 or 1 <= keep <= max_model_len):
-        raise FieldError("truncate_prompt_tokens", (
-            f"truncate_prompt_tokens={keep} is invalid: expected -1 (max_model_len) or an int "
-            f"in [1, max_model_len={max_model_len}]"))
+    try:
+        truncate_prompt([], body.truncate_prompt_tokens, max_model_len)
+    except ValueError as e:
+        raise FieldError("truncate_prompt_tokens", str(e)) from None
 
-
-def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """vLLM's truncate_prompt_tokens (checked by check_fields): the prompt's last `keep`
-    tokens, -1 for max_model_len."""
-    if keep is None:
-        return ids
-    keep = max_model_len if keep == -1 else keep
-    return ids[-keep:]
