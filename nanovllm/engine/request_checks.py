@@ -126,8 +126,9 @@ def _unwrap_prompt_dict(prompt: dict) -> object:
     cache_salt, ...) are refused, not ignored."""
     keys = sorted(map(str, prompt))
     if len(keys) != 1 or keys[0] not in PROMPT_KEYS:
+        hint = "; a conversation's messages go to chat()" if "role" in keys else ""
         raise ValueError(f"a prompt dict must hold exactly one of the keys {list(PROMPT_KEYS)}, "
-                         f"got {keys}")
+                         f"got {keys}{hint}")
     [(key, value)] = prompt.items()
     if key == "prompt" and not isinstance(value, str):
         raise ValueError(f"prompt dict: 'prompt' must be a str, got {describe(value)}")

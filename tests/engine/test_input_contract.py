@@ -115,7 +115,9 @@ def test_prompt_dicts_are_vllms_text_and_tokens_prompts(llm):
 
 @pytest.mark.parametrize("prompt, message", [
     ({}, r"exactly one of the keys \['prompt', 'prompt_token_ids'\], got \[\]"),
-    ({"prompt": "a", "multi_modal_data": {}}, r"got \['multi_modal_data', 'prompt'\]"),
+    ({"prompt": "a", "multi_modal_data": {}}, r"got \['multi_modal_data', 'prompt'\]$"),
+    ({"role": "user", "content": "a"}, r"got \['content', 'role'\]; a conversation's messages "
+                                       r"go to chat\(\)$"),
     ({"prompt_token_ids": PROMPT, "cache_salt": "s"}, r"got \['cache_salt', 'prompt_token_ids"),
     ({"prompt": PROMPT}, r"'prompt' must be a str, got \[5, 6, 7, 8\] \(list\)"),
     ({"prompt_token_ids": "5 6"}, r"'prompt_token_ids' must be a list of int token ids"),
