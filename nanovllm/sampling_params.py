@@ -116,12 +116,7 @@ class SamplingParams:
         vocabulary = off; a tiny top_p = float32's smallest, which keeps only the top token)."""
         self.temperature = check_real("temperature", self.temperature, 0.0, FLOAT32_MAX,
                                       f"a number in [0, {FLOAT32_MAX:.4g}] (0 = greedy)")
-        if self.max_tokens is not None:
-            self.max_tokens = check_int("max_tokens", self.max_tokens, 1, None,
-                                        "None or an int >= 1")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
-                     "detokenize"):
-            check(name, getattr(self, name), isinstance(getattr(self, name), bool), "a bool")
+        self._validate_output()
         top_k = check_int("top_k", self.top_k, -1, None, "0 or -1 (off) or an int >= 1")
         self.top_k = -1 if top_k > INT32_MAX or top_k == 0 else top_k  # 0: off, as vLLM
         top_p = check_real("top_p", self.top_p, 0.0, 1.0, "a number in (0, 1] (1 = off)",
@@ -132,12 +127,6 @@ class SamplingParams:
             self.seed = check_int("seed", self.seed, 0, MAX_SEED,
                                   f"None or an int in [0, {MAX_SEED}]")
         self.n = check_int("n", self.n, 1, None, "an int >= 1")
-        if self.truncate_prompt_tokens is not None:  # its upper bound: request validation
-            self.truncate_prompt_tokens = check_int(
-                "truncate_prompt_tokens", self.truncate_prompt_tokens, -1, None,
-                "None, -1 (max_model_len) or an int >= 1")
-            check("truncate_prompt_tokens", self.truncate_prompt_tokens,
-                  self.truncate_prompt_tokens != 0, "None, -1 (max_model_len) or an int >= 1")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 setattr(self, name, check_int(name, getattr(self, name), 0, None,
@@ -148,6 +137,29 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             setattr(self, name, check_real(name, getattr(self, name), -2.0, 2.0,
                                            "a number in [-2, 2] (0 = off)"))
+        structured = self.structured_outputs
+        check("structured_outputs", structured,
+              structured is None or isinstance(structured, StructuredOutputsParams),
+              "None or a StructuredOutputsParams")
+        if structured is not None:
+            structured.validate()
+        self._validate_steering()
+
+    def _validate_output(self) -> None:
+        """What ends a completion and what it returns: max_tokens, stop strings and ids, the
+        text's flags, the prompt's truncation (its upper bound: request validation)."""
+        if self.max_tokens is not None:
+            self.max_tokens = check_int("max_tokens", self.max_tokens, 1, None,
+                                        "None or an int >= 1")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+                     "detokenize"):
+            check(name, getattr(self, name), isinstance(getattr(self, name), bool), "a bool")
+        if self.truncate_prompt_tokens is not None:
+            self.truncate_prompt_tokens = check_int(
+                "truncate_prompt_tokens", self.truncate_prompt_tokens, -1, None,
+                "None, -1 (max_model_len) or an int >= 1")
+            check("truncate_prompt_tokens", self.truncate_prompt_tokens,
+                  self.truncate_prompt_tokens != 0, "None, -1 (max_model_len) or an int >= 1")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         check("stop", self.stop, stop is None or (isinstance(stop, list | tuple) and all(
             isinstance(s, str) and s for s in stop)),
@@ -160,13 +172,6 @@ class SamplingParams:
             f"None or a list of ints in [0, {INT64_MAX}]")
         if ids is not None:
             self.stop_token_ids = [int(i) for i in ids]
-        structured = self.structured_outputs
-        check("structured_outputs", structured,
-              structured is None or isinstance(structured, StructuredOutputsParams),
-              "None or a StructuredOutputsParams")
-        if structured is not None:
-            structured.validate()
-        self._validate_steering()
 
     def _validate_steering(self) -> None:
         """logit_bias (values clipped to +-100, as OpenAI), allowed_token_ids, min_tokens,
