@@ -43,7 +43,7 @@ class RequestOutput:
 class _Stream:
     """A request's state on the event loop: what the engine thread delivered, not yet read."""
 
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None: SamplingParams.detokenize is False
     token_ids: list[int] = field(default_factory=list)  # completion tokens read so far
     pending: list[int] = field(default_factory=list)
     pending_logprobs: list[dict[int, float]] | None = None  # a list when the request asked
@@ -118,7 +118,8 @@ class AsyncLLM:
         handle = next(self._next_handle)
         stream = self._streams[handle] = _Stream(
             IncrementalDetokenizer(self.tokenizer, params.stop_strings,
-                                   skip_special_tokens=params.skip_special_tokens),
+                                   skip_special_tokens=params.skip_special_tokens)
+            if params.detokenize else None,
             pending_logprobs=None if params.logprobs is None else [])
         self._handles[request_id] = handle
         self._engine.add(handle, token_ids, params, lora_request)
@@ -195,9 +196,11 @@ def _read(stream: _Stream, request_id: str, num_prompt_tokens: int) -> RequestOu
     if new_logprobs is not None:
         stream.pending_logprobs = []
     stream.token_ids += new_token_ids
-    final = stream.final
-    if final is None:
-        text, final = stream.detokenizer.update(stream.token_ids), {}
+    final = stream.final or {}
+    if stream.detokenizer is None:  # detokenize=False: the final text is "" too
+        text = ""
+    elif stream.final is None:
+        text = stream.detokenizer.update(stream.token_ids)
     else:
         text = stream.detokenizer.finish(final["text"]) if final["text"] is not None else ""
     return RequestOutput(request_id, new_token_ids, text, num_prompt_tokens,

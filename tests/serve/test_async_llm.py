@@ -94,6 +94,12 @@ def test_a_stream_skips_special_tokens_as_offline_does(llm, tiny_model, skip):
     assert (text, token_ids, reason) == (expected["text"], expected["token_ids"], "length")
 
 
+def test_a_stream_without_detokenize_has_no_text(llm):
+    params = SamplingParams(temperature=0, max_tokens=16, detokenize=False)
+    text, token_ids, _ = asyncio.run(collect(llm, [7, 8, 9], params, "bare"))
+    assert text == "" and token_ids == asyncio.run(collect(llm, [7, 8, 9], GREEDY, "full"))[1]
+
+
 def test_abort_frees_the_blocks_at_once(llm):
     long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
 
