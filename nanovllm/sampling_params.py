@@ -154,12 +154,11 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
                      "detokenize"):
             check(name, getattr(self, name), isinstance(getattr(self, name), bool), "a bool")
-        if self.truncate_prompt_tokens is not None:
-            self.truncate_prompt_tokens = check_int(
-                "truncate_prompt_tokens", self.truncate_prompt_tokens, -1, None,
-                "None, -1 (max_model_len) or an int >= 1")
-            check("truncate_prompt_tokens", self.truncate_prompt_tokens,
-                  self.truncate_prompt_tokens != 0, "None, -1 (max_model_len) or an int >= 1")
+        keep = self.truncate_prompt_tokens
+        check("truncate_prompt_tokens", keep, keep is None or (is_int(keep) and (
+            keep == -1 or keep >= 1)), "None, -1 (max_model_len) or an int >= 1")
+        if keep is not None:
+            self.truncate_prompt_tokens = int(keep)
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         check("stop", self.stop, stop is None or (isinstance(stop, list | tuple) and all(
             isinstance(s, str) and s for s in stop)),

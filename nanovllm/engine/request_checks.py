@@ -138,16 +138,19 @@ def _unwrap_prompt_dict(prompt: dict) -> object:
     return value
 
 
-def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens, -1 for max_model_len;
-    ValueError beyond max_model_len."""
-    if keep is None:
-        return ids
-    if not (keep == -1 or 1 <= keep <= max_model_len):
+def check_truncation(keep: int | None, max_model_len: int) -> None:
+    """truncate_prompt_tokens within what the engine serves: None, -1 or [1, max_model_len]."""
+    if keep is not None and not (keep == -1 or 1 <= keep <= max_model_len):
         raise ValueError(f"truncate_prompt_tokens={keep} is invalid: expected -1 (max_model_len) "
                          f"or an int in [1, max_model_len={max_model_len}]")
-    keep = max_model_len if keep == -1 else keep
-    return ids[-keep:]
+
+
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens, -1 for max_model_len."""
+    check_truncation(keep, max_model_len)
+    if keep is None:
+        return ids
+    return ids[-(max_model_len if keep == -1 else keep):]
 
 
 def validate_request(prompt: Prompt, params: SamplingParams, limits: RequestLimits,

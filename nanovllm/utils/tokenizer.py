@@ -96,10 +96,9 @@ def chat_template_options(add_generation_prompt: bool = True,
 
 
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, conversations: list[list[dict]],
-                    options: dict | None = None) -> list[list[int]]:
+                    options: dict) -> list[list[int]]:
     """Each conversation through the chat template (options: chat_template_options), as token
     ids ready to generate."""
-    options = chat_template_options() if options is None else options
     if (options["chat_template"] or tokenizer.chat_template) is None:
         raise ValueError(f"the tokenizer of {tokenizer.name_or_path!r} has no chat template: "
                          f"pass chat_template")

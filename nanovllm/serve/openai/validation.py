@@ -2,7 +2,7 @@
 (or refuse) streaming, the context length; and the fields nothing reads, for the log."""
 from pydantic import BaseModel
 
-from nanovllm.engine.request_checks import truncate_prompt
+from nanovllm.engine.request_checks import check_truncation
 
 # Fields that would change the output but are not supported, with the values that change
 # nothing: any other value is a 400 naming the field.
@@ -89,7 +89,6 @@ def check_fields(body: BaseModel, max_model_len: int) -> None:
     truncate_prompt_tokens' range."""
     refuse_unsupported(body)
     try:
-        truncate_prompt([], body.truncate_prompt_tokens, max_model_len)
+        check_truncation(body.truncate_prompt_tokens, max_model_len)
     except ValueError as e:
         raise FieldError("truncate_prompt_tokens", str(e)) from None
-
