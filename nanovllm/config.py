@@ -32,6 +32,8 @@ class Config:
     """Everything LLM(model, **kwargs) accepts; values discovered at run time live elsewhere."""
 
     model: str
+    # a directory holding the tokenizer (vLLM's name); None: the model's own
+    tokenizer: str | None = None
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 512
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
@@ -74,6 +76,13 @@ class Config:
         self.model = os.path.expanduser(str(self.model))
         self._check_ranges()
         self.hf_config = load_hf_config(self.model, self.load_format)
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+        else:
+            check("tokenizer", self.tokenizer, isinstance(self.tokenizer, str | os.PathLike),
+                  "a directory path or None")
+            self.tokenizer = os.path.expanduser(str(self.tokenizer))
+        check_tokenizer_dir(self.tokenizer, self.model)
         self.sampling_defaults = sampling_defaults(self.model, self.generation_config)
         try:
             self.default_sampling_params()
@@ -181,11 +190,20 @@ def load_hf_config(model: str, load_format: str = "auto") -> PretrainedConfig:
         raise ValueError(f"model directory {model!r} has no config.json")
     if load_format == "auto" and not any(f.endswith(".safetensors") for f in os.listdir(model)):
         raise ValueError(f"model directory {model!r} has no *.safetensors weights")
-    if not any(os.path.isfile(os.path.join(model, f)) for f in TOKENIZER_FILES):
-        # transformers would silently build an empty tokenizer instead
-        raise ValueError(f"model directory {model!r} has no tokenizer: expected one of "
-                         f"{list(TOKENIZER_FILES)}")
     return read_config_json(model)
+
+
+def check_tokenizer_dir(path: str, model: str) -> None:
+    """A directory holding one of TOKENIZER_FILES (the model's, or tokenizer=), else a
+    ValueError naming it."""
+    if path != model and not os.path.isdir(path):
+        raise ValueError(f"tokenizer directory {path!r} does not exist")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        # transformers would silently build an empty tokenizer instead
+        where = "model directory" if path == model else "tokenizer directory"
+        hint = " (or pass tokenizer=DIR)" if path == model else ""
+        raise ValueError(f"{where} {path!r} has no tokenizer: expected one of "
+                         f"{list(TOKENIZER_FILES)}{hint}")
 
 
 def read_config_json(model: str) -> PretrainedConfig:

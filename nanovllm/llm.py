@@ -3,6 +3,7 @@ from collections.abc import Callable, Iterable
 from itertools import islice
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from nanovllm.data_parallel.engine import DataParallelEngine, check_data_parallel_size
 from nanovllm.engine.llm_engine import LLMEngine
@@ -45,6 +46,10 @@ class LLM(LLMEngine):
                                         chat_template, tools, chat_template_kwargs)
         prompts = chat_prompt_ids(self.tokenizer, as_conversation_list(messages), options)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer prompts are encoded and outputs decoded with (vLLM's name)."""
+        return self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() uses without SamplingParams (Config.generation_config, as vLLM)."""

@@ -173,3 +173,52 @@ def test_fields_that_need_another_take_their_defaults(tiny_model):
     given = config_from_kwargs(tiny_model, dict(enable_lora=True, max_loras=2,
                                                 kv_cache_dtype="fp8", calculate_kv_scales=False))
     assert (given.max_loras, given.max_cpu_loras, given.calculate_kv_scales) == (2, 2, False)
+
+
+def _split_tokenizer(src: str, tmp_path) -> tuple[str, str]:
+    """(src's weights and config without its tokenizer files, a directory of those files)."""
+    weights, tokenizer = tmp_path / "weights", tmp_path / "tokenizer"
+    weights.mkdir()
+    tokenizer.mkdir()
+    for name in os.listdir(src):
+        is_tokenizer = name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab",
+                                        "merges"))
+        shutil.copy(os.path.join(src, name), tokenizer if is_tokenizer else weights)
+    return str(weights), str(tokenizer)
+
+
+def test_tokenizer_from_another_directory(tiny_model, tmp_path):
+    """tokenizer=DIR (vLLM's name): a checkpoint without tokenizer files runs with one from
+    elsewhere, the same tokens and text as the whole checkpoint; get_tokenizer() is the one
+    used, and the server takes it as --tokenizer."""
+    from nanovllm.serve.__main__ import parse_args
+    weights, tokenizer = _split_tokenizer(tiny_model, tmp_path)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    whole = LLM(tiny_model, num_kvcache_blocks=8)
+    expected = whole.generate(["hello there"], greedy, use_tqdm=False)[0]
+    ids = whole.get_tokenizer().encode("hello there")
+    whole.shutdown()
+    with pytest.raises(ValueError, match=r"model directory '.*weights' has no tokenizer: "
+                                         r".*\(or pass tokenizer=DIR\)"):
+        LLM(weights)
+    llm = LLM(weights, tokenizer=tokenizer, num_kvcache_blocks=8)
+    assert llm.config.tokenizer == tokenizer and llm.get_tokenizer() is llm.tokenizer
+    out = llm.generate(["hello there"], greedy, use_tqdm=False)[0]
+    assert (out["token_ids"], out["text"]) == (expected["token_ids"], expected["text"])
+    assert llm.get_tokenizer().encode("hello there") == ids
+    llm.shutdown()
+    assert parse_args([weights, "--tokenizer", tokenizer]).tokenizer == tokenizer
+
+
+@pytest.mark.parametrize("tokenizer, message", [
+    ("nope", r"tokenizer directory '.*nope' does not exist"),
+    ("empty", r"tokenizer directory '.*empty' has no tokenizer: expected one of "
+              r"\['tokenizer.json'"),
+    (3, r"tokenizer=3 is invalid: expected a directory path or None"),
+])
+def test_bad_tokenizer_directory(tiny_model, tmp_path, tokenizer, message):
+    if isinstance(tokenizer, str):
+        tokenizer = str(tmp_path / tokenizer)
+        if tokenizer.endswith("empty"):
+            os.makedirs(tokenizer)
+    assert_fails_cleanly(tiny_model, dict(tokenizer=tokenizer), ValueError, message)

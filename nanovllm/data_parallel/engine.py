@@ -45,7 +45,7 @@ class DataParallelEngine:
         config = config_from_kwargs(model, {
             **{k: v for k, v in kwargs.items() if k != "attention_backend"},
             "device": "cpu" if device in ("auto", "cuda") else device})
-        self.tokenizer = load_tokenizer(config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer)
         self.data_parallel_size, self.block_size = n, config.kvcache_block_size
         self.config = config
         owns_connection = connect(ray)

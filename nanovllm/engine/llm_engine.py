@@ -33,7 +33,7 @@ class LLMEngine:
     def __init__(self, model: str, **kwargs):
         self.config = config = config_from_kwargs(model, kwargs)
         # The tokenizer first: a bad directory then fails before any model or worker exists.
-        self.tokenizer = load_tokenizer(config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer)
         # Tensor parallelism's worker processes, or one rank in this process: one interface.
         self.executor: Executor | None = (MultiprocExecutor(config)
                                           if config.tensor_parallel_size > 1

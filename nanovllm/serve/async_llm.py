@@ -61,7 +61,7 @@ class AsyncLLM:
         config = config_from_kwargs(model, kwargs)  # a bad keyword fails before any process
         self.config = config
         self.max_model_len = config.max_model_len
-        self.tokenizer = load_tokenizer(config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer)
         # Compiles structured outputs here, before queueing, so a grammar that does not compile
         # is a ValueError of generate() (a 400) wherever the engine runs; the engine compiles
         # again for its matchers (xgrammar's objects do not cross processes).
