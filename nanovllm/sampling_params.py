@@ -1,4 +1,5 @@
 """Per-request sampling parameters."""
+import copy
 from dataclasses import dataclass, field
 
 from nanovllm.utils.field_checks import (
@@ -109,6 +110,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy (vLLM's name): changing its lists or structured_outputs leaves this one
+        as it is."""
+        return copy.deepcopy(self)
 
     def validate(self) -> None:
         """Check every field against what the sampler's tensors hold, raising ValueError naming

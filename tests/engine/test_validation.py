@@ -68,6 +68,24 @@ def test_sampling_params_construction_still_checks():
         SamplingParams(temperature=-1)
 
 
+def test_clone_is_a_deep_copy(llm):
+    """SamplingParams.clone() (vLLM's): equal, generates the same, and changing the copy's
+    stop list or structured_outputs leaves the original as it was."""
+    from nanovllm.sampling_params import StructuredOutputsParams
+    params = SamplingParams(temperature=0, max_tokens=4, stop=["x"], stop_token_ids=[7],
+                            structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
+    copy = params.clone()
+    assert copy == params and copy is not params
+    copy.stop.append("y")
+    copy.stop_token_ids[0] = 8
+    copy.structured_outputs.choice[0] = "c"
+    assert params.stop == ["x"] and params.stop_token_ids == [7]
+    assert params.structured_outputs.choice == ["a", "b"]
+    plain = GREEDY.clone()
+    assert llm.generate([GOOD], plain, use_tqdm=False)[0]["token_ids"] == \
+        llm.generate([GOOD], GREEDY, use_tqdm=False)[0]["token_ids"]
+
+
 def test_malformed_call_is_rejected(llm):
     with pytest.raises(ValueError, match=r"got 1 SamplingParams for 2 prompts"):
         llm.generate([GOOD, GOOD], [GREEDY], use_tqdm=False)
