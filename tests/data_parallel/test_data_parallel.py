@@ -154,6 +154,8 @@ def test_two_replicas_match_one_engine_and_transformers(tiny_model, reference):
     try:
         assert vars(llm.get_default_sampling_params()) == vars(
             single.get_default_sampling_params())
+        assert llm.get_tokenizer().encode("hello world") == \
+            single.get_tokenizer().encode("hello world")
         llm.reset_stats()
         with pytest.raises(TypeError, match=r"use_tqdm='no'"):  # before any replica works
             llm.generate(prompts, GREEDY, use_tqdm="no")

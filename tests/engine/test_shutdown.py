@@ -49,7 +49,7 @@ REFUSED = ["add_request", "step", "abort_request", "new_tokens", "is_finished",
            "request_limits", "update_weights", "sleep", "wake_up", "add_lora", "remove_lora",
            "list_loras"]
 SUPPORTED = ["generate", "chat", "stats", "reset_stats", "reset_prefix_cache", "shutdown",
-             "get_default_sampling_params"]
+             "get_default_sampling_params", "get_tokenizer"]
 
 
 def test_data_parallel_llm_is_an_llm():
@@ -63,7 +63,9 @@ def test_every_public_method_is_supported_or_refused():
     public = {name for name, _ in inspect.getmembers(LLM, callable) if not name.startswith("_")}
     assert public == set(REFUSED) | set(SUPPORTED)
     inherited = public - set(vars(DataParallelLLM))
-    assert inherited == {"chat"}  # LLM.chat goes through DataParallelLLM.generate
+    # LLM.chat goes through DataParallelLLM.generate; get_tokenizer returns the tokenizer
+    # DataParallelLLM sets from its engine
+    assert inherited == {"chat", "get_tokenizer"}
 
 
 @pytest.mark.parametrize("name", REFUSED)
