@@ -196,12 +196,13 @@ def load_hf_config(model: str, load_format: str = "auto") -> PretrainedConfig:
 def check_tokenizer_dir(path: str, model: str) -> None:
     """A directory holding one of TOKENIZER_FILES (the model's, or tokenizer=), else a
     ValueError naming it."""
-    if path != model and not os.path.isdir(path):
-        raise ValueError(f"tokenizer directory {path!r} does not exist")
+    own = path == model  # load_hf_config has found the model directory
+    where = "model directory" if own else "tokenizer directory"
+    if not own and not os.path.isdir(path):
+        raise ValueError(f"{where} {path!r} does not exist")
     if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
         # transformers would silently build an empty tokenizer instead
-        where = "model directory" if path == model else "tokenizer directory"
-        hint = " (or pass tokenizer=DIR)" if path == model else ""
+        hint = " (or pass tokenizer=DIR)" if own else ""
         raise ValueError(f"{where} {path!r} has no tokenizer: expected one of "
                          f"{list(TOKENIZER_FILES)}{hint}")
 
