@@ -76,13 +76,7 @@ class Config:
         self.model = os.path.expanduser(str(self.model))
         self._check_ranges()
         self.hf_config = load_hf_config(self.model, self.load_format)
-        if self.tokenizer is None:
-            self.tokenizer = self.model
-        else:
-            check("tokenizer", self.tokenizer, isinstance(self.tokenizer, str | os.PathLike),
-                  "a directory path or None")
-            self.tokenizer = os.path.expanduser(str(self.tokenizer))
-        check_tokenizer_dir(self.tokenizer, self.model)
+        self.tokenizer = tokenizer_dir(self.tokenizer, self.model)
         self.sampling_defaults = sampling_defaults(self.model, self.generation_config)
         try:
             self.default_sampling_params()
@@ -193,9 +187,13 @@ def load_hf_config(model: str, load_format: str = "auto") -> PretrainedConfig:
     return read_config_json(model)
 
 
-def check_tokenizer_dir(path: str, model: str) -> None:
-    """A directory holding one of TOKENIZER_FILES (the model's, or tokenizer=), else a
-    ValueError naming it."""
+def tokenizer_dir(tokenizer: str | os.PathLike | None, model: str) -> str:
+    """The directory the tokenizer loads from: tokenizer=, or the model's when None; checked
+    to hold one of TOKENIZER_FILES, else a ValueError naming it."""
+    if tokenizer is not None:
+        check("tokenizer", tokenizer, isinstance(tokenizer, str | os.PathLike),
+              "a directory path or None")
+    path = model if tokenizer is None else os.path.expanduser(str(tokenizer))
     own = path == model  # load_hf_config has found the model directory
     where = "model directory" if own else "tokenizer directory"
     if not own and not os.path.isdir(path):
@@ -205,6 +203,7 @@ def check_tokenizer_dir(path: str, model: str) -> None:
         hint = " (or pass tokenizer=DIR)" if own else ""
         raise ValueError(f"{where} {path!r} has no tokenizer: expected one of "
                          f"{list(TOKENIZER_FILES)}{hint}")
+    return path
 
 
 def read_config_json(model: str) -> PretrainedConfig:
